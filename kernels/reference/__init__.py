@@ -1,0 +1,1 @@
+"""Plain-torch references, one per kernel, each with its kernel's exact signature."""

@@ -1,0 +1,56 @@
+#!/usr/bin/env bash
+# Set up (once) and run specdec-fast on a fresh machine.
+#   bash run.sh demo     the main job: speculative decoding on the bundled model pair
+#   bash run.sh test     the test suite (CPU; Triton kernels under the interpreter)
+#   bash run.sh setup    only create .venv and install
+# The virtual environment lives in .venv (override with SPECDEC_VENV). It is reinstalled only when
+# pyproject.toml, setup.py or this script change.
+set -euo pipefail
+
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+VENV="${SPECDEC_VENV:-$ROOT/.venv}"
+PYTHON="${PYTHON:-python3}"
+TORCH_VERSION="2.13.0"
+TRITON_VERSION="3.6.0"
+TRANSFORMERS_VERSION="5.17.0"
+
+setup() {
+    local stamp="$VENV/.specdec-installed"
+    local want
+    want="$(cat "$ROOT/pyproject.toml" "$ROOT/setup.py" "$ROOT/run.sh" | sha256sum | cut -d' ' -f1)"
+    if [[ -f "$stamp" && "$(cat "$stamp")" == "$want" ]]; then
+        return
+    fi
+    echo "[run.sh] setting up $VENV (torch $TORCH_VERSION CPU, triton $TRITON_VERSION, transformers $TRANSFORMERS_VERSION)" >&2
+    [[ -x "$VENV/bin/python" ]] || "$PYTHON" -m venv "$VENV"
+    "$VENV/bin/python" -m pip install --quiet --upgrade pip
+    # torch first and pinned: an unpinned torch would pull a multi-GB CUDA build.
+    "$VENV/bin/python" -m pip install --quiet "torch==$TORCH_VERSION"
+    "$VENV/bin/python" -m pip install --quiet "triton==$TRITON_VERSION" \
+        "transformers==$TRANSFORMERS_VERSION" tokenizers
+    "$VENV/bin/python" -m pip install --quiet -e "$ROOT[test,train]"
+    echo "$want" > "$stamp"
+}
+
+cmd="${1:-demo}"
+shift || true
+case "$cmd" in
+    setup) setup ;;
+    demo)
+        setup
+        exec "$VENV/bin/specdec-fast" demo "$@"
+        ;;
+    test)
+        setup
+        cd "$ROOT"
+        "$VENV/bin/ruff" check .
+        "$VENV/bin/ruff" format --check .
+        # `pytest`, not `python -m pytest`: the repository root must not be on sys.path, where the
+        # kernels/ folder would pose as a top-level `kernels` package.
+        exec "$VENV/bin/pytest" tests "$@"
+        ;;
+    *)
+        echo "usage: bash run.sh {demo|test|setup} [args...]" >&2
+        exit 2
+        ;;
+esac

@@ -1,0 +1,55 @@
+"""The package layout of DESIGN.md: kernels install as specdec_fast.kernels, never as `kernels`."""
+
+import importlib.util
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import specdec_fast
+import specdec_fast.kernels as kernels
+from specdec_fast.kernels.backend import requested_backend, use_triton
+
+
+def test_kernels_are_a_subpackage():
+    assert kernels.__name__ == "specdec_fast.kernels"
+    top_level = importlib.util.find_spec("kernels")
+    # A top-level `kernels` may exist (Hugging Face's library), but it must never be ours.
+    if top_level is not None and top_level.origin is not None:
+        assert not os.path.samefile(
+            os.path.dirname(top_level.origin), os.path.dirname(kernels.__file__)
+        )
+
+
+def test_version_is_set():
+    assert specdec_fast.__version__ != "0.0.0"
+
+
+@pytest.mark.parametrize(
+    ("value", "on_cpu", "on_cuda"),
+    [("torch", False, False), ("triton", True, True), ("auto", False, True), ("", False, True)],
+)
+def test_backend_choice(monkeypatch, value, on_cpu, on_cuda):
+    monkeypatch.setenv("SPECDEC_BACKEND", value)
+    assert use_triton(torch.device("cpu")) is on_cpu
+    assert use_triton(torch.device("cuda")) is on_cuda
+
+
+def test_bad_backend_is_a_clear_error(monkeypatch):
+    monkeypatch.setenv("SPECDEC_BACKEND", "cuda")
+    with pytest.raises(ValueError, match="SPECDEC_BACKEND"):
+        requested_backend()
+
+
+@pytest.mark.parametrize("command", ["demo", "generate", "bench"])
+def test_cli_help(command):
+    result = subprocess.run(
+        [sys.executable, "-m", "specdec_fast", command, "--help"],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr
+    assert "usage: specdec-fast" in result.stdout
