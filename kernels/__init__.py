@@ -14,5 +14,20 @@ if interpreter_needed():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from .backend import requested_backend, use_triton  # noqa: E402
+from .kv_compact import kv_compact  # noqa: E402
+from .reference.kv_compact import kv_compact_reference  # noqa: E402
+from .reference.verify import VerifyResult, verify_reference  # noqa: E402
+from .tree_attention import pack_tree_mask, tree_attention  # noqa: E402
+from .verify import verify  # noqa: E402
 
-__all__ = ["requested_backend", "use_triton"]
+__all__ = [
+    "kv_compact",
+    "kv_compact_reference",
+    "pack_tree_mask",
+    "requested_backend",
+    "tree_attention",
+    "use_triton",
+    "verify",
+    "verify_reference",
+    "VerifyResult",
+]

@@ -14,6 +14,10 @@ if not torch.cuda.is_available():
 
 import pytest  # noqa: E402
 
+# Test tensors are tiny: one intra-op thread avoids oversubscription (and its spin-waits) when
+# the machine is shared, and keeps timings steady.
+torch.set_num_threads(1)
+
 HAS_CUDA = torch.cuda.is_available()
 DEVICE = torch.device("cuda" if HAS_CUDA else "cpu")
 

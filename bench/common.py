@@ -1,0 +1,244 @@
+"""Shared machinery of the kernel microbenchmarks: timing, the bandwidth floor, the record, tables.
+
+A benchmark module describes its work as `Case`s (one shape, one peer, a builder returning the
+callable to time, the bytes its floor must move) and uses this module twice:
+- under pytest-benchmark (`pytest bench --benchmark-only`): `run_in_pytest(benchmark, case)` per
+  parametrized test, peers grouped by shape; the medians below go to `extra_info` and the peer
+  table is printed at the end of the session (see bench/conftest.py);
+- as a script: `main(name, description, cases_for)` times every case, prints the peer table and
+  writes JSON.
+
+Timing: on CUDA, `CALLS_PER_REPLAY` calls are captured into one CUDA graph and each replay is timed
+with events, so launch overhead is excluded; on the CPU, plain wall-clock per call. Both report the
+median with min and max. The floor column is the case's bytes at the device-to-device copy bandwidth
+measured in the same run.
+"""
+
+import argparse
+import json
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+from datetime import datetime, timezone
+from functools import cache
+from importlib.metadata import PackageNotFoundError, version
+from pathlib import Path
+
+import torch
+
+CALLS_PER_REPLAY = 10
+RESULTS_DIR = Path(__file__).resolve().parent / "results"
+
+
+@dataclass(frozen=True)
+class Case:
+    """One timed thing: `build()` prepares inputs (untimed) and returns the callable to time."""
+
+    shape: str
+    peer: str
+    build: Callable[[], Callable[[], object]]
+    floor_bytes: int
+
+
+@dataclass
+class Record:
+    """The outcome of one case, in microseconds per call; `error` is set when the peer failed."""
+
+    shape: str
+    peer: str
+    median_us: float | None = None
+    min_us: float | None = None
+    max_us: float | None = None
+    floor_us: float | None = None
+    error: str | None = None
+
+
+def bench_device() -> torch.device:
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+class Timer:
+    """Prepares `fn` for repeated timing (warm-up, and on CUDA a captured graph)."""
+
+    def __init__(self, fn: Callable[[], object], device: torch.device, warmup: int = 3):
+        self.device = device
+        self.fn = fn
+        self.graph = None
+        if device.type != "cuda":
+            for _ in range(warmup):
+                fn()
+            return
+        # Warm up on a side stream (compilation, autotuning, allocator), as graph capture requires.
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(warmup):
+                fn()
+        torch.cuda.current_stream().wait_stream(side)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            for _ in range(CALLS_PER_REPLAY):
+                fn()
+        self.run()
+
+    def run(self) -> None:
+        """One timed unit, finished: a graph replay (CALLS_PER_REPLAY calls) or one eager call."""
+        if self.graph is None:
+            self.fn()
+            return
+        self.graph.replay()
+        torch.cuda.synchronize(self.device)
+
+    @property
+    def calls_per_run(self) -> int:
+        return 1 if self.graph is None else CALLS_PER_REPLAY
+
+    def measure(self, reps: int) -> tuple[float, float, float]:
+        """(median, min, max) microseconds per call over `reps` timed units."""
+        if self.graph is None:
+            samples = []
+            for _ in range(reps):
+                start = time.perf_counter()
+                self.fn()
+                samples.append((time.perf_counter() - start) * 1e6)
+        else:
+            events = [
+                (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+                for _ in range(reps)
+            ]
+            for start, end in events:
+                start.record()
+                self.graph.replay()
+                end.record()
+            torch.cuda.synchronize(self.device)
+            samples = [start.elapsed_time(end) * 1e3 / CALLS_PER_REPLAY for start, end in events]
+        return statistics.median(samples), min(samples), max(samples)
+
+
+@cache
+def copy_bandwidth(device_str: str) -> float:
+    """Device-to-device copy bandwidth in bytes/s (bytes read plus bytes written), measured now."""
+    device = torch.device(device_str)
+    nbytes = (1 << 30) if device.type == "cuda" else (64 << 20)
+    source = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    target = torch.empty_like(source)
+    median_us, _, _ = Timer(lambda: target.copy_(source), device).measure(reps=10)
+    return 2 * nbytes / (median_us * 1e-6)
+
+
+def floor_us(nbytes: int, device: torch.device) -> float:
+    """Time to move `nbytes` at the measured copy bandwidth."""
+    return nbytes / copy_bandwidth(str(device)) * 1e6
+
+
+def _package_version(name: str) -> str:
+    try:
+        return version(name)
+    except PackageNotFoundError:
+        return "not installed"
+
+
+def environment(device: torch.device) -> dict:
+    """What the numbers were measured on: GPU, versions, date, measured bandwidth."""
+    info = {
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "device": device.type,
+        "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
+        "sm_count": (
+            torch.cuda.get_device_properties(device).multi_processor_count
+            if device.type == "cuda"
+            else None
+        ),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "triton": _package_version("triton"),
+        "transformers": _package_version("transformers"),
+        "flash_attn": _package_version("flash-attn"),
+    }
+    if copy_bandwidth.cache_info().currsize:
+        info["copy_bandwidth_GBps"] = round(copy_bandwidth(str(device)) / 1e9, 1)
+    return info
+
+
+def _time_case(case: Case, device: torch.device, reps: int) -> tuple[Record, Timer | None]:
+    """Time one case; a peer that fails to build or run gives a record with its error, no timer."""
+    record = Record(case.shape, case.peer, floor_us=floor_us(case.floor_bytes, device))
+    try:
+        timer = Timer(case.build(), device)
+    except Exception as error:  # a failing peer is a result (e.g. a compile error), not a crash
+        first_line = str(error).splitlines()[0] if str(error) else ""
+        record.error = f"{type(error).__name__}: {first_line}"
+        return record, None
+    record.median_us, record.min_us, record.max_us = timer.measure(reps)
+    return record, timer
+
+
+def run_case(case: Case, device: torch.device, reps: int) -> Record:
+    return _time_case(case, device, reps)[0]
+
+
+SESSION_RECORDS: list[Record] = []
+
+
+def run_in_pytest(benchmark, case: Case, reps: int = 20) -> Record:
+    """Body of a pytest-benchmark test: peers of a shape share a group; medians go to extra_info.
+
+    pytest-benchmark's own rounds time whole units (a synchronized graph replay of
+    CALLS_PER_REPLAY calls on CUDA); the per-call figures are in extra_info. A failing peer is
+    skipped with its error and still appears in the peer table printed at the end.
+    """
+    import pytest
+
+    benchmark.group = case.shape
+    record, timer = _time_case(case, bench_device(), reps)
+    SESSION_RECORDS.append(record)
+    if timer is None:
+        pytest.skip(f"{case.peer} on {case.shape}: {record.error}")
+    benchmark.extra_info.update(asdict(record), calls_per_round=timer.calls_per_run)
+    benchmark.pedantic(timer.run, rounds=reps, warmup_rounds=1)
+    return record
+
+
+def _cell(record: Record) -> str:
+    if record.error is not None:
+        return f"fails ({record.error.split(':')[0]})"
+    return f"{record.median_us:.1f} ({record.min_us:.1f}-{record.max_us:.1f})"
+
+
+def format_peer_table(records: Sequence[Record]) -> str:
+    """A markdown table: one row per shape, the floor, then each peer's median (min-max) in us."""
+    shapes = list(dict.fromkeys(record.shape for record in records))
+    peers = list(dict.fromkeys(record.peer for record in records))
+    cells = {(record.shape, record.peer): record for record in records}
+    lines = [
+        "| shape | floor us | " + " | ".join(f"{peer} us" for peer in peers) + " |",
+        "|---" * (len(peers) + 2) + "|",
+    ]
+    for shape in shapes:
+        floor = next(cells[shape, peer].floor_us for peer in peers if (shape, peer) in cells)
+        row = [_cell(cells[shape, peer]) if (shape, peer) in cells else "-" for peer in peers]
+        lines.append(f"| {shape} | {floor:.1f} | " + " | ".join(row) + " |")
+    return "\n".join(lines)
+
+
+def main(name: str, description: str, cases_for: Callable[[torch.device, bool], list[Case]]):
+    """Script entry point: time `cases_for(device, quick)`, print the table, write the JSON."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--quick", action="store_true", help="fewer shapes and repetitions")
+    parser.add_argument("--json", type=Path, default=None, help=f"default: results/{name}.json")
+    args = parser.parse_args()
+    device = bench_device()
+    reps = 10 if args.quick else 50
+    records = [run_case(case, device, reps) for case in cases_for(device, args.quick)]
+    env = environment(device)
+    print(f"{description} on {env['gpu'] or 'CPU'} ({env['date']})")
+    print(f"torch {env['torch']}, triton {env['triton']}, transformers {env['transformers']}")
+    print(f"floor: bytes at the measured copy bandwidth of {env['copy_bandwidth_GBps']} GB/s")
+    print(format_peer_table(records))
+    path = args.json or RESULTS_DIR / f"{name}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    payload = {"benchmark": name, "environment": env, "results": [asdict(r) for r in records]}
+    path.write_text(json.dumps(payload, indent=2) + "\n")
+    print(f"wrote {path}")
+    return records

@@ -1,0 +1,598 @@
+"""Triton kernels of `verify`: per-slice vocabulary statistics, then a per-sequence tree walk.
+
+Launch 1, `verify_stats_kernel`, grid (row blocks, vocabulary slices): one pass over each slice of
+each node's logits, writing per (row, slice) the raw max and its first argmax, the sum of
+exp((l - max) / T) (when needed), the Gumbel-max race winner over the unfiltered target
+(token, logit, noise) and a flag for NaN/+inf. Nothing of size V is written.
+
+Launch 2, `verify_walk_kernel`, grid (sequence blocks,): merges the slices of the node it stands
+on and walks the tree from the root. The expensive cases stay exact with passes over one row
+of V for just the node that needs them: top-k/top-p thresholds (a multiway bisection on the
+logits' order-preserving integer keys, counting tokens and mass above NUM_THRESHOLDS candidate
+keys per pass), a race restricted to the kept tokens when the unfiltered winner was cut, and the
+race over max(0, p - q) at a rejected chain node.
+
+Both kernels handle blocks of rows/sequences (BLOCK_R / BLOCK_B) so the launcher can use one row
+per program on a GPU and many per program under the interpreter; every per-row decision is a
+mask, and loops over V run only when some row of the block needs them.
+
+Cost: greedy rows, deterministic drafts without filters and fully accepted chains never pass
+over V in the walk. A rejected chain node costs one pass over its row in a single program (per
+element a hash, three logs and an exp: on an H200 roughly 10-20 us for V = 128256, estimated, not
+measured), top-k/top-p about 8 passes per bisection per visited node. Spreading those passes
+over several programs per sequence would need a cross-program merge (an arrival counter) inside
+launch 2; that is the next step if the B=1 chain target is missed.
+"""
+
+import triton
+import triton.language as tl
+
+from .rng import gumbel, stream_key, uniform
+
+# Fields of the statistics workspace, fp32 [NUM_FIELDS, B * N, num_splits].
+FIELD_MAX = tl.constexpr(0)  # max raw logit of the slice (-inf when empty)
+FIELD_ARGMAX = tl.constexpr(1)  # its first index (token ids are exact in fp32 below 2**24)
+FIELD_SUMEXP = tl.constexpr(2)  # sum of exp((l - FIELD_MAX) * inv_t)
+FIELD_RACE_TOKEN = tl.constexpr(3)  # race winner, -1 when the slice raced nothing
+FIELD_RACE_LOGIT = tl.constexpr(4)  # its raw logit
+FIELD_RACE_NOISE = tl.constexpr(5)  # its Gumbel noise
+FIELD_BAD = tl.constexpr(6)  # 1 when the slice holds NaN or +inf
+NUM_FIELDS = 7
+
+STREAM_SAMPLE = tl.constexpr(0)
+STREAM_ACCEPT = tl.constexpr(1)
+KEY_BELOW_ALL = tl.constexpr(-(2**31) - 1)  # an int64 key below every int32 key
+
+
+@triton.jit
+def _per_sequence(ptr, stride, value, seqs, mask, DTYPE: tl.constexpr, PER_SEQUENCE: tl.constexpr):
+    """`ptr[seqs * stride]` where `mask` when the parameter is a tensor, else `value` broadcast;
+    as DTYPE."""
+    if PER_SEQUENCE:
+        result = tl.load(ptr + seqs * stride, mask=mask, other=0).to(DTYPE)
+    else:
+        result = (tl.zeros(seqs.shape, DTYPE) + value).to(DTYPE)
+    return result
+
+
+@triton.jit
+def _stream_sequence(seqs, SEED_PER_SEQUENCE: tl.constexpr):
+    """The sequence part of the random-stream key: the batch index under a shared int seed, 0
+    under per-sequence seeds (a sequence's numbers then follow its seed, not its batch slot)."""
+    return seqs * 0 if SEED_PER_SEQUENCE else seqs
+
+
+@triton.jit
+def _inverse_temperature(temperature, sampling):
+    """1 / T, correctly rounded like torch's division, and 1 for greedy rows (never used)."""
+    return tl.where(sampling, tl.math.div_rn(1.0, tl.where(sampling, temperature, 1.0)), 1.0)
+
+
+@triton.jit
+def _order_key(logit):
+    """int32 key with the order of the fp32 values (-0.0 and 0.0 share a key)."""
+    bits = logit.to(tl.int32, bitcast=True)
+    key = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
+    return tl.where(logit == 0.0, 0, key)
+
+
+@triton.jit
+def _load_chunk(row_ptr, stride_v, v0, end, rows_mask, BLOCK_V: tl.constexpr):
+    """Vocabulary ids `[BLOCK_V]` from v0, their mask `[R, BLOCK_V]` (rows_mask and < end) and
+    the fp32 logits of each row there (-inf where masked)."""
+    cols = v0 + tl.arange(0, BLOCK_V)
+    mask = rows_mask[:, None] & (cols < end)[None, :]
+    logit = tl.load(row_ptr[:, None] + cols[None, :] * stride_v, mask=mask, other=float("-inf"))
+    return cols, mask, logit.to(tl.float32)
+
+
+@triton.jit
+def verify_stats_kernel(
+    logits_ptr,
+    parents_ptr,
+    temperature_ptr,
+    seed_ptr,
+    stats_ptr,
+    temperature_value,
+    seed_value,
+    num_rows,
+    num_nodes,
+    vocab,
+    slice_len,
+    stride_lb,
+    stride_ln,
+    stride_lv,
+    stride_pb,
+    stride_pn,
+    stride_temperature,
+    stride_seed,
+    stride_sf,
+    stride_sr,
+    TEMPERATURE_PER_SEQUENCE: tl.constexpr,
+    SEED_PER_SEQUENCE: tl.constexpr,
+    ALL_GREEDY: tl.constexpr,
+    NEED_SUMEXP: tl.constexpr,
+    RACE_LEAVES_ONLY: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
+    split = tl.program_id(1).to(tl.int64)
+    in_range = rows < num_rows
+    seqs = rows // num_nodes
+    nodes = rows % num_nodes
+    parent = tl.load(parents_ptr + seqs * stride_pb + nodes * stride_pn, mask=in_range, other=-2)
+    live = in_range & (parent != -2)
+    start = split * slice_len
+    end = tl.minimum(start + slice_len, vocab)
+    row_ptr = logits_ptr + seqs * stride_lb + nodes * stride_ln
+
+    temperature = _per_sequence(
+        temperature_ptr,
+        stride_temperature,
+        temperature_value,
+        seqs,
+        live,
+        tl.float32,
+        TEMPERATURE_PER_SEQUENCE,
+    )
+    sampling = live & (temperature > 0)
+    inv_t = _inverse_temperature(temperature, sampling)
+    racing = sampling
+    if RACE_LEAVES_ONLY:
+        # Chains with draft probabilities need a sample from p only at the last node.
+        others = tl.arange(0, BLOCK_N)
+        other_parents = tl.load(
+            parents_ptr + seqs[:, None] * stride_pb + others[None, :] * stride_pn,
+            mask=live[:, None] & (others[None, :] < num_nodes),
+            other=-2,
+        )
+        has_child = tl.max((other_parents == nodes[:, None]).to(tl.int32), axis=1) > 0
+        racing = sampling & ~has_child
+    seed = _per_sequence(seed_ptr, stride_seed, seed_value, seqs, live, tl.int64, SEED_PER_SEQUENCE)
+    key = stream_key(seed, _stream_sequence(seqs, SEED_PER_SEQUENCE), nodes, STREAM_SAMPLE)
+    any_sampling = tl.max(sampling.to(tl.int32), axis=0) > 0
+    any_racing = tl.max(racing.to(tl.int32), axis=0) > 0
+
+    run_max = tl.full((BLOCK_R,), float("-inf"), tl.float32)
+    run_arg = tl.zeros((BLOCK_R,), tl.int32)
+    run_sum = tl.zeros((BLOCK_R,), tl.float32)
+    bad = tl.zeros((BLOCK_R,), tl.int32)
+    best_token = tl.full((BLOCK_R,), -1, tl.int32)
+    best_logit = tl.full((BLOCK_R,), float("-inf"), tl.float32)
+    best_noise = tl.zeros((BLOCK_R,), tl.float32)
+    for v0 in range(start, end, BLOCK_V):
+        cols, mask, logit = _load_chunk(row_ptr, stride_lv, v0, end, live, BLOCK_V)
+        is_nan = logit != logit
+        bad = tl.maximum(bad, tl.max((is_nan | (logit == float("inf"))).to(tl.int32), axis=1))
+        logit = tl.where(is_nan, float("-inf"), logit)
+        chunk_max = tl.max(logit, axis=1)
+        chunk_arg = (tl.argmax(logit, axis=1) + v0).to(tl.int32)
+        run_arg = tl.where(chunk_max > run_max, chunk_arg, run_arg)
+        new_max = tl.maximum(run_max, chunk_max)
+        if not ALL_GREEDY:
+            if NEED_SUMEXP and any_sampling:
+                shift = tl.where(new_max == float("-inf"), 0.0, new_max)
+                run_sum = run_sum * tl.exp((run_max - shift) * inv_t) + tl.sum(
+                    tl.exp((logit - shift[:, None]) * inv_t[:, None]), axis=1
+                )
+            if any_racing:
+                noise = gumbel(key[:, None], cols[None, :])
+                shift = tl.where(chunk_max == float("-inf"), 0.0, chunk_max)
+                race = (logit - shift[:, None]) * inv_t[:, None] + noise
+                race = tl.where(mask & racing[:, None], race, float("-inf"))
+                winner = (tl.argmax(race, axis=1) + v0).to(tl.int32)
+                won = cols[None, :] == winner[:, None]
+                won_logit = tl.max(tl.where(won, logit, float("-inf")), axis=1)
+                won_noise = tl.max(tl.where(won, noise, float("-inf")), axis=1)
+                # Compare with the running winner through the logit difference, free of any shift.
+                raced = best_token >= 0
+                gain = tl.where(
+                    raced, (won_logit - tl.where(raced, best_logit, 0.0)) * inv_t, float("inf")
+                )
+                better = (tl.max(race, axis=1) > float("-inf")) & (gain > best_noise - won_noise)
+                best_token = tl.where(better, winner, best_token)
+                best_logit = tl.where(better, won_logit, best_logit)
+                best_noise = tl.where(better, won_noise, best_noise)
+        run_max = new_max
+
+    out = stats_ptr + rows * stride_sr + split
+    tl.store(out + FIELD_MAX * stride_sf, run_max, mask=in_range)
+    tl.store(out + FIELD_ARGMAX * stride_sf, run_arg.to(tl.float32), mask=in_range)
+    tl.store(out + FIELD_SUMEXP * stride_sf, run_sum, mask=in_range)
+    tl.store(out + FIELD_RACE_TOKEN * stride_sf, best_token.to(tl.float32), mask=in_range)
+    tl.store(out + FIELD_RACE_LOGIT * stride_sf, best_logit, mask=in_range)
+    tl.store(out + FIELD_RACE_NOISE * stride_sf, best_noise, mask=in_range)
+    tl.store(out + FIELD_BAD * stride_sf, bad.to(tl.float32), mask=in_range)
+
+
+@triton.jit
+def _node_stats(stats_ptr, stride_sf, stride_sr, rows, active, inv_t, num_splits, BLOCK_S):
+    """Merge the slices of one row per sequence: (max, argmax, sum of exp((l - max) * inv_t),
+    race winner token or -1, its logit). The max is 0 for inactive rows, so no lane makes NaN."""
+    splits = tl.arange(0, BLOCK_S)
+    mask = active[:, None] & (splits < num_splits)[None, :]
+    base = stats_ptr + rows[:, None] * stride_sr + splits[None, :]
+    slice_max = tl.load(base + FIELD_MAX * stride_sf, mask=mask, other=float("-inf"))
+    slice_arg = tl.load(base + FIELD_ARGMAX * stride_sf, mask=mask, other=0.0).to(tl.int32)
+    slice_sum = tl.load(base + FIELD_SUMEXP * stride_sf, mask=mask, other=0.0)
+    race_token = tl.load(base + FIELD_RACE_TOKEN * stride_sf, mask=mask, other=-1.0).to(tl.int32)
+    race_logit = tl.load(base + FIELD_RACE_LOGIT * stride_sf, mask=mask, other=float("-inf"))
+    race_noise = tl.load(base + FIELD_RACE_NOISE * stride_sf, mask=mask, other=0.0)
+
+    row_max = tl.max(slice_max, axis=1)
+    # Slices cover increasing token ranges: the first slice holding the max has the first argmax.
+    first = tl.argmax(slice_max, axis=1)
+    argmax = tl.sum(tl.where(splits[None, :] == first[:, None], slice_arg, 0), axis=1)
+    shift = tl.where(row_max == float("-inf"), 0.0, row_max)
+    sumexp = tl.sum(slice_sum * tl.exp((slice_max - shift[:, None]) * inv_t[:, None]), axis=1)
+    race = tl.where(
+        race_token >= 0, (race_logit - shift[:, None]) * inv_t[:, None] + race_noise, float("-inf")
+    )
+    won = splits[None, :] == tl.argmax(race, axis=1)[:, None]
+    winner = tl.max(tl.where(won, race_token, -1), axis=1)
+    winner_logit = tl.max(tl.where(won, race_logit, float("-inf")), axis=1)
+    return shift, argmax, sumexp, winner, winner_logit
+
+
+@triton.jit
+def _bisect_key(
+    row_ptr,
+    stride_v,
+    vocab,
+    row_max,
+    inv_t,
+    low,
+    low_mass,
+    high,
+    limit,
+    by_count,
+    need,
+    BLOCK_V: tl.constexpr,
+    NUM_THRESHOLDS: tl.constexpr,
+):
+    """Smallest int32 key t in (low, high] with stat(key > t) < limit, per row where `need`.
+
+    stat is the count of tokens (`by_count`) or their mass exp((l - row_max) * inv_t). `low`
+    (int64) must fail the test and `high` pass it. Each pass over the row tests NUM_THRESHOLDS
+    evenly spaced keys, so a 2**32 range takes about 32 / log2(NUM_THRESHOLDS + 1) passes.
+    Returns (t, mass of the tokens with key >= t).
+    """
+    steps = tl.arange(0, NUM_THRESHOLDS).to(tl.int64) + 1
+    high = high.to(tl.int64)
+    searching = need & (high - low > 1)
+    while tl.max(searching.to(tl.int32), axis=0) > 0:
+        thresholds = low[:, None] + steps[None, :] * (high - low)[:, None] // (NUM_THRESHOLDS + 1)
+        thresholds32 = thresholds.to(tl.int32)
+        count = tl.zeros(thresholds.shape, tl.float32)
+        mass = tl.zeros(thresholds.shape, tl.float32)
+        for v0 in range(0, vocab, BLOCK_V):
+            cols, mask, logit = _load_chunk(row_ptr, stride_v, v0, vocab, searching, BLOCK_V)
+            weight = tl.exp((logit - row_max[:, None]) * inv_t[:, None])
+            above = (_order_key(logit)[:, :, None] > thresholds32[:, None, :]) & mask[:, :, None]
+            count += tl.sum(above.to(tl.float32), axis=1)
+            mass += tl.sum(tl.where(above, weight[:, :, None], 0.0), axis=1)
+        passes = tl.where(by_count[:, None], count, mass) < limit[:, None]
+        new_high = tl.min(tl.where(passes, thresholds, high[:, None]), axis=1)
+        new_low = tl.max(tl.where(passes, low[:, None], thresholds), axis=1)
+        # Mass only shrinks as the threshold rises: the highest failing one has the least.
+        new_low_mass = tl.min(tl.where(passes, float("inf"), mass), axis=1)
+        moved_low = new_low > low
+        low_mass = tl.where(searching & moved_low, new_low_mass, low_mass)
+        low = tl.where(searching, new_low, low)
+        high = tl.where(searching, new_high, high)
+        searching = need & (high - low > 1)
+    return high.to(tl.int32), low_mass
+
+
+@triton.jit
+def _filter_threshold(
+    row_ptr,
+    stride_v,
+    vocab,
+    row_max,
+    inv_t,
+    sumexp,
+    top_k,
+    top_p,
+    need,
+    BLOCK_V: tl.constexpr,
+    NUM_THRESHOLDS: tl.constexpr,
+):
+    """Key threshold of the top-k then top-p kept set (key >= threshold) and its mass."""
+    max_key = _order_key(row_max)
+    below_all = tl.zeros(row_max.shape, tl.int64) + KEY_BELOW_ALL
+    by_k = need & (top_k > 0) & (top_k < vocab)
+    k_key, k_mass = _bisect_key(
+        row_ptr,
+        stride_v,
+        vocab,
+        row_max,
+        inv_t,
+        below_all,
+        sumexp,
+        max_key,
+        top_k.to(tl.float32),
+        by_k,
+        by_k,
+        BLOCK_V,
+        NUM_THRESHOLDS,
+    )
+    k_key = tl.where(by_k, k_key, KEY_BELOW_ALL + 1)
+    k_mass = tl.where(by_k, k_mass, sumexp)
+    by_p = need & (top_p < 1.0)
+    p_key, p_mass = _bisect_key(
+        row_ptr,
+        stride_v,
+        vocab,
+        row_max,
+        inv_t,
+        k_key.to(tl.int64) - 1,
+        k_mass,
+        max_key,
+        top_p * k_mass,
+        tl.zeros(by_p.shape, tl.int1),
+        by_p,
+        BLOCK_V,
+        NUM_THRESHOLDS,
+    )
+    return tl.where(by_p, p_key, k_key), tl.where(by_p, p_mass, k_mass)
+
+
+@triton.jit
+def _race_pass(
+    row_ptr,
+    stride_v,
+    draft_ptr,
+    stride_dv,
+    vocab,
+    row_max,
+    inv_t,
+    threshold,
+    kept_mass,
+    key,
+    need,
+    minus_draft,
+    BLOCK_V: tl.constexpr,
+):
+    """Gumbel-max over one row per sequence where `need`: the kept tokens (key >= threshold) of
+    the target p, or, where `minus_draft`, max(0, p - q) with q read at `draft_ptr`.
+
+    Returns the winning token, -1 when nothing has positive weight.
+    """
+    best = tl.full(row_max.shape, float("-inf"), tl.float32)
+    best_token = tl.full(row_max.shape, -1, tl.int32)
+    end = tl.where(tl.max(need.to(tl.int32), axis=0) > 0, vocab, 0)
+    for v0 in range(0, end, BLOCK_V):
+        cols, mask, logit = _load_chunk(row_ptr, stride_v, v0, vocab, need, BLOCK_V)
+        kept = mask & (_order_key(logit) >= threshold[:, None])
+        scaled = tl.where(kept, (logit - row_max[:, None]) * inv_t[:, None], float("-inf"))
+        draft = tl.load(
+            draft_ptr[:, None] + cols[None, :] * stride_dv,
+            mask=mask & minus_draft[:, None],
+            other=0.0,
+        ).to(tl.float32)
+        residual = tl.exp(scaled) / kept_mass[:, None] - draft
+        log_weight = tl.where(
+            minus_draft[:, None],
+            tl.where(residual > 0, tl.log(tl.where(residual > 0, residual, 1.0)), float("-inf")),
+            scaled,
+        )
+        race = log_weight + gumbel(key[:, None], cols[None, :])
+        chunk_best = tl.max(race, axis=1)
+        better = chunk_best > best
+        best_token = tl.where(better, (tl.argmax(race, axis=1) + v0).to(tl.int32), best_token)
+        best = tl.maximum(best, chunk_best)
+    return best_token
+
+
+@triton.jit
+def verify_walk_kernel(
+    logits_ptr,
+    tokens_ptr,
+    parents_ptr,
+    draft_probs_ptr,
+    temperature_ptr,
+    top_k_ptr,
+    top_p_ptr,
+    seed_ptr,
+    stats_ptr,
+    accepted_ptr,
+    num_accepted_ptr,
+    next_tokens_ptr,
+    temperature_value,
+    top_k_value,
+    top_p_value,
+    seed_value,
+    batch,
+    num_nodes,
+    vocab,
+    num_splits,
+    stride_lb,
+    stride_ln,
+    stride_lv,
+    stride_tb,
+    stride_tn,
+    stride_pb,
+    stride_pn,
+    stride_db,
+    stride_dn,
+    stride_dv,
+    stride_temperature,
+    stride_top_k,
+    stride_top_p,
+    stride_seed,
+    stride_sf,
+    stride_sr,
+    stride_ab,
+    stride_an,
+    TEMPERATURE_PER_SEQUENCE: tl.constexpr,
+    TOP_K_PER_SEQUENCE: tl.constexpr,
+    TOP_P_PER_SEQUENCE: tl.constexpr,
+    SEED_PER_SEQUENCE: tl.constexpr,
+    HAS_FILTERS: tl.constexpr,
+    HAS_DRAFT_PROBS: tl.constexpr,
+    BLOCK_B: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+    SEARCH_BLOCK_V: tl.constexpr,
+    NUM_THRESHOLDS: tl.constexpr,
+):
+    seqs = tl.program_id(0).to(tl.int64) * BLOCK_B + tl.arange(0, BLOCK_B)
+    seq_ok = seqs < batch
+    nodes = tl.arange(0, BLOCK_N)
+    tree_mask = seq_ok[:, None] & (nodes < num_nodes)[None, :]
+    parents = tl.load(
+        parents_ptr + seqs[:, None] * stride_pb + nodes[None, :] * stride_pn,
+        mask=tree_mask,
+        other=-2,
+    ).to(tl.int32)
+    tokens = tl.load(
+        tokens_ptr + seqs[:, None] * stride_tb + nodes[None, :] * stride_tn,
+        mask=tree_mask,
+        other=-1,
+    ).to(tl.int32)
+    real = parents != -2
+
+    temperature = _per_sequence(
+        temperature_ptr,
+        stride_temperature,
+        temperature_value,
+        seqs,
+        seq_ok,
+        tl.float32,
+        TEMPERATURE_PER_SEQUENCE,
+    )
+    top_k = _per_sequence(
+        top_k_ptr, stride_top_k, top_k_value, seqs, seq_ok, tl.int64, TOP_K_PER_SEQUENCE
+    )
+    top_p = _per_sequence(
+        top_p_ptr, stride_top_p, top_p_value, seqs, seq_ok, tl.float32, TOP_P_PER_SEQUENCE
+    )
+    seed = _per_sequence(
+        seed_ptr, stride_seed, seed_value, seqs, seq_ok, tl.int64, SEED_PER_SEQUENCE
+    )
+    stream_seqs = _stream_sequence(seqs, SEED_PER_SEQUENCE)
+    sampling = temperature > 0
+    inv_t = _inverse_temperature(temperature, sampling)
+    filtered = sampling & ((top_k > 0) | (top_p < 1.0))
+
+    # A sequence with any unusable row (NaN, +inf, all -inf) emits nothing but -1.
+    splits = tl.arange(0, BLOCK_S)
+    rows = seqs[:, None] * num_nodes + nodes[None, :]
+    cell = stats_ptr + rows[:, :, None] * stride_sr + splits[None, None, :]
+    cell_mask = real[:, :, None] & (splits < num_splits)[None, None, :]
+    slice_bad = tl.load(cell + FIELD_BAD * stride_sf, mask=cell_mask, other=0.0)
+    slice_max = tl.load(cell + FIELD_MAX * stride_sf, mask=cell_mask, other=float("-inf"))
+    row_bad = (tl.max(slice_bad, axis=2) > 0) | (tl.max(slice_max, axis=2) == float("-inf"))
+    active = seq_ok & (tl.max((real & row_bad).to(tl.int32), axis=1) == 0)
+
+    current = tl.zeros((BLOCK_B,), tl.int32)
+    depth = tl.zeros((BLOCK_B,), tl.int32)
+    next_tokens = tl.full((BLOCK_B,), -1, tl.int64)
+    path = tl.where(nodes[None, :] == 0, 0, tl.full((BLOCK_B, BLOCK_N), -1, tl.int32))
+    while tl.max(active.to(tl.int32), axis=0) > 0:
+        row = seqs * num_nodes + current
+        row_max, argmax, sumexp, race_token, race_logit = _node_stats(
+            stats_ptr, stride_sf, stride_sr, row, active, inv_t, num_splits, BLOCK_S
+        )
+        row_ptr = logits_ptr + seqs * stride_lb + current * stride_ln
+        threshold = tl.full((BLOCK_B,), KEY_BELOW_ALL + 1, tl.int32)
+        kept_mass = sumexp
+        if HAS_FILTERS:
+            threshold, kept_mass = _filter_threshold(
+                row_ptr,
+                stride_lv,
+                vocab,
+                row_max,
+                inv_t,
+                sumexp,
+                top_k,
+                top_p,
+                active & filtered,
+                SEARCH_BLOCK_V,
+                NUM_THRESHOLDS,
+            )
+        kept_mass = tl.where(kept_mass > 0, kept_mass, 1.0)  # greedy and inactive rows
+        children = real & (parents == current[:, None]) & (nodes[None, :] > current[:, None])
+        sample_key = stream_key(seed, stream_seqs, current, STREAM_SAMPLE)
+
+        chain = tl.zeros((BLOCK_B,), tl.int1)
+        chain_accept = tl.zeros((BLOCK_B,), tl.int1)
+        first_child = tl.min(tl.where(children, nodes[None, :], BLOCK_N), axis=1)
+        residual_token = tl.full((BLOCK_B,), -1, tl.int32)
+        if HAS_DRAFT_PROBS:
+            # Classic speculative sampling on the one child: accept iff u * q(x) < p(x).
+            chain = active & sampling & (first_child < BLOCK_N)
+            draft = tl.sum(tl.where(nodes[None, :] == first_child[:, None], tokens, 0), axis=1)
+            draft_ok = chain & (draft >= 0) & (draft < vocab)
+            draft_logit = tl.load(
+                row_ptr + draft * stride_lv, mask=draft_ok, other=float("-inf")
+            ).to(tl.float32)
+            p_draft = tl.where(
+                _order_key(draft_logit) >= threshold,
+                tl.exp((draft_logit - row_max) * inv_t) / kept_mass,
+                0.0,
+            )
+            child_probs_ptr = draft_probs_ptr + seqs * stride_db + first_child * stride_dn
+            q_draft = tl.load(child_probs_ptr + draft * stride_dv, mask=draft_ok, other=1.0)
+            u = uniform(stream_key(seed, stream_seqs, first_child, STREAM_ACCEPT), first_child * 0)
+            chain_accept = draft_ok & (u * q_draft.to(tl.float32) < p_draft)
+            residual_token = _race_pass(
+                row_ptr,
+                stride_lv,
+                child_probs_ptr,
+                stride_dv,
+                vocab,
+                row_max,
+                inv_t,
+                threshold,
+                kept_mass,
+                sample_key,
+                chain & ~chain_accept,
+                chain,
+                BLOCK_V,
+            )
+
+        # The node's own sample y: the argmax, or the unfiltered race winner when the filters
+        # kept it, else a race over the kept tokens.
+        wants_sample = active & sampling & (~chain | ((~chain_accept) & (residual_token < 0)))
+        winner_kept = (race_token >= 0) & (_order_key(race_logit) >= threshold)
+        raced = _race_pass(
+            row_ptr,
+            stride_lv,
+            row_ptr,
+            stride_lv,
+            vocab,
+            row_max,
+            inv_t,
+            threshold,
+            kept_mass,
+            sample_key,
+            wants_sample & ~winner_kept,
+            tl.zeros(wants_sample.shape, tl.int1),
+            BLOCK_V,
+        )
+        sample = tl.where(sampling, tl.where(winner_kept, race_token, raced), argmax)
+
+        matching = children & (tokens == sample[:, None])
+        matched = tl.min(tl.where(matching, nodes[None, :], BLOCK_N), axis=1)
+        advance = active & tl.where(chain, chain_accept, matched < BLOCK_N)
+        child = tl.where(chain, first_child, matched)
+        emit = tl.where(chain & (residual_token >= 0), residual_token, sample)
+        stop = active & ~advance
+        next_tokens = tl.where(stop, emit.to(tl.int64), next_tokens)
+        depth += advance.to(tl.int32)
+        path = tl.where(advance[:, None] & (nodes[None, :] == depth[:, None]), child[:, None], path)
+        current = tl.where(advance, child, current)
+        active = advance
+
+    tl.store(
+        accepted_ptr + seqs[:, None] * stride_ab + nodes[None, :] * stride_an,
+        path,
+        mask=tree_mask,
+    )
+    tl.store(num_accepted_ptr + seqs, depth, mask=seq_ok)
+    tl.store(next_tokens_ptr + seqs, next_tokens, mask=seq_ok)

@@ -1,0 +1,86 @@
+"""Plain-torch reference of `tree_attention`: a dense key-visibility mask and an fp32 softmax.
+
+It materializes scores over the whole cache (`[B, Hq, N, Lmax]` in fp32), so it is meant for tests,
+the CPU backend and small models, not for speed. It never reads the lengths back to the host, so it
+also runs under CUDA graph capture.
+"""
+
+import torch
+
+
+def unpack_tree_mask(tree_mask_words: torch.Tensor, num_nodes: int) -> torch.Tensor:
+    """Bool `[B, N, N]` from the packed int32 `[B, N, ceil(N/32)]` form of `pack_tree_mask`."""
+    node = torch.arange(num_nodes, device=tree_mask_words.device)
+    words = tree_mask_words[:, :, node // 32]
+    return ((words >> (node % 32).to(words.dtype)) & 1).bool()
+
+
+def key_visibility(
+    cache_lens: torch.Tensor,
+    tree_mask: torch.Tensor | None,
+    q_lens: torch.Tensor | None,
+    num_new: int,
+    cache_capacity: int,
+) -> torch.Tensor:
+    """Bool `[B, N, Lmax]`: new token i of sequence b may attend to cache slot j.
+
+    Every live row sees the committed prefix `[0, cache_lens[b])`; new token t (slot
+    `cache_lens[b] + t`) is visible through the mask (causal when `tree_mask` is None) and only when
+    `t < q_lens[b]`. Padding rows (`i >= q_lens[b]`) see nothing, which makes their output zero.
+    """
+    device = cache_lens.device
+    batch = cache_lens.shape[0]
+    lens = cache_lens.long()[:, None, None]
+    slot = torch.arange(cache_capacity, device=device)[None, None, :]
+    row = torch.arange(num_new, device=device)
+    live_new = torch.full((batch,), num_new, device=device) if q_lens is None else q_lens.long()
+    if tree_mask is None:
+        among_new = (row[None, :] <= row[:, None]).expand(batch, num_new, num_new)
+    elif tree_mask.dtype == torch.bool:
+        among_new = tree_mask
+    else:
+        among_new = unpack_tree_mask(tree_mask, num_new)
+    among_new = among_new & (row[None, None, :] < live_new[:, None, None])
+    new_index = (slot - lens).clamp(0, num_new - 1).expand(batch, num_new, cache_capacity)
+    sees_new = torch.gather(among_new, 2, new_index) & (slot >= lens) & (slot < lens + num_new)
+    visible = (slot < lens) | sees_new
+    return visible & (row[None, :, None] < live_new[:, None, None])
+
+
+def tree_attention_reference(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    cache_lens: torch.Tensor,
+    tree_mask: torch.Tensor | None = None,
+    q_lens: torch.Tensor | None = None,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """Attention of N new tokens over a KV cache that already holds their keys and values.
+
+    Args:
+        q: `[B, Hq, N, D]`, fp16/bf16/fp32.
+        k_cache, v_cache: `[B, Hkv, Lmax, D]`, dtype of q; new token i lives in slot
+            `cache_lens[b] + i`. Query head h reads KV head `h // (Hq // Hkv)`.
+        cache_lens: int32 `[B]`, committed tokens before the new ones.
+        tree_mask: None (causal among new tokens), bool `[B, N, N]` or packed int32
+            `[B, N, ceil(N/32)]`; `[b, i, j]` means new token i sees new token j.
+        q_lens: optional int32 `[B]`; rows `i >= q_lens[b]` are padding and give zeros.
+        scale: softmax scale, `D ** -0.5` by default.
+
+    Returns:
+        `[B, Hq, N, D]` in the dtype of q. A row that sees no key at all gives zeros.
+    """
+    _, num_q_heads, num_new, head_dim = q.shape
+    group = num_q_heads // k_cache.shape[1]
+    scale = head_dim**-0.5 if scale is None else scale
+    visible = key_visibility(cache_lens, tree_mask, q_lens, num_new, k_cache.shape[2])[:, None]
+    # Slots no row sees (beyond the live new tokens) are never read, even when they hold NaN.
+    slot_read = visible.any(dim=2)[..., None]
+    keys = torch.where(slot_read, k_cache.float(), 0.0).repeat_interleave(group, dim=1)
+    values = torch.where(slot_read, v_cache.float(), 0.0).repeat_interleave(group, dim=1)
+    scores = (q.float() @ keys.transpose(-1, -2)) * scale
+    scores = scores.masked_fill(~visible, float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    probs = torch.where(visible.any(dim=-1, keepdim=True), probs, 0.0)
+    return (probs @ values).to(q.dtype)

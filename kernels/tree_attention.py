@@ -1,0 +1,307 @@
+"""Tree attention: N new tokens (a causal run or a tree) attend to a cached prefix and each other.
+
+Public entry points: `tree_attention` (validation, backend choice) and `pack_tree_mask`.
+"""
+
+import math
+from dataclasses import dataclass
+from functools import cache
+
+import torch
+import triton
+
+from . import interpreter_compat  # noqa: F401  (interpreted kernels need it before launch)
+from .backend import use_triton
+from .jit.tree_attention import tree_attention_combine_kernel, tree_attention_kernel
+from .reference.tree_attention import tree_attention_reference
+from .validation import check_ranges, check_tensor, check_unit_stride, values_checkable
+
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+MAX_HEAD_DIM = 256
+MAX_TREE_NODES = 128
+MAX_SPLITS = 64
+# A split must own a few K/V tiles, or its prologue and the combine cost more than it saves.
+MIN_TILES_PER_SPLIT = 4
+LOG2_E = 1.4426950408889634
+
+
+def pack_tree_mask(mask_bool: torch.Tensor) -> torch.Tensor:
+    """Pack a bool tree mask `[B, N, N]` into int32 `[B, N, ceil(N/32)]`.
+
+    Bit `j % 32` of word `j // 32` of row i is set when new token i sees new token j.
+    """
+    check_tensor("mask_bool", mask_bool, shape=(-1, -1, -1), dims="[B, N, N]", dtypes=(torch.bool,))
+    batch, num_rows, num_nodes = mask_bool.shape
+    num_words = math.ceil(num_nodes / 32)
+    padded = torch.zeros(
+        batch, num_rows, num_words * 32, dtype=torch.int64, device=mask_bool.device
+    )
+    padded[:, :, :num_nodes] = mask_bool
+    weights = torch.bitwise_left_shift(
+        torch.ones(32, dtype=torch.int64, device=mask_bool.device),
+        torch.arange(32, device=mask_bool.device),
+    )
+    words = (padded.view(batch, num_rows, num_words, 32) * weights).sum(dim=-1)
+    # Bit 31 is the int32 sign bit: wrap the unsigned word into int32's range explicitly.
+    words = torch.where(words >= 2**31, words - 2**32, words)
+    return words.to(torch.int32)
+
+
+def _validate(q, k_cache, v_cache, cache_lens, tree_mask, q_lens, scale):
+    """Check every argument of `tree_attention`; return the mask packed (or None) and the scale."""
+    check_tensor("q", q, shape=(-1, -1, -1, -1), dims="[B, Hq, N, D]", dtypes=SUPPORTED_DTYPES)
+    batch, num_q_heads, num_new, head_dim = q.shape
+    device = q.device
+    if head_dim > MAX_HEAD_DIM:
+        raise ValueError(f"q: head dim D must be <= {MAX_HEAD_DIM}, got D = {head_dim}")
+    check_tensor(
+        "k_cache",
+        k_cache,
+        shape=(batch, -1, -1, head_dim),
+        dims="[B, Hkv, Lmax, D]",
+        dtypes=(q.dtype,),
+        device=device,
+    )
+    num_kv_heads, capacity = k_cache.shape[1], k_cache.shape[2]
+    check_tensor(
+        "v_cache",
+        v_cache,
+        shape=tuple(k_cache.shape),
+        dims="[B, Hkv, Lmax, D] of k_cache",
+        dtypes=(q.dtype,),
+        device=device,
+    )
+    if num_kv_heads == 0 or num_q_heads % num_kv_heads != 0:
+        raise ValueError(
+            f"q / k_cache: Hq must be a multiple of Hkv, got Hq = {num_q_heads}, "
+            f"Hkv = {num_kv_heads}"
+        )
+    for name, tensor in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
+        check_unit_stride(name, tensor)
+    if num_new > capacity:
+        raise ValueError(f"q: N = {num_new} new tokens do not fit a cache of Lmax = {capacity}")
+    check_tensor(
+        "cache_lens", cache_lens, shape=(batch,), dims="[B]", dtypes=(torch.int32,), device=device
+    )
+    if q_lens is not None:
+        check_tensor(
+            "q_lens", q_lens, shape=(batch,), dims="[B]", dtypes=(torch.int32,), device=device
+        )
+    if tree_mask is not None:
+        check_tensor("tree_mask", tree_mask, device=device)
+        if num_new > MAX_TREE_NODES:
+            raise ValueError(
+                f"tree_mask: trees of at most {MAX_TREE_NODES} nodes are supported, "
+                f"got N = {num_new}"
+            )
+        if tree_mask.dtype == torch.bool:
+            check_tensor(
+                "tree_mask",
+                tree_mask,
+                shape=(batch, num_new, num_new),
+                dims="[B, N, N]",
+                device=device,
+            )
+            tree_mask = pack_tree_mask(tree_mask)
+        else:
+            check_tensor(
+                "tree_mask",
+                tree_mask,
+                shape=(batch, num_new, math.ceil(num_new / 32)),
+                dims="[B, N, ceil(N/32)]",
+                dtypes=(torch.int32,),
+                device=device,
+            )
+    if scale is None:
+        scale = head_dim**-0.5
+    if not isinstance(scale, (int, float)) or not math.isfinite(scale):
+        raise ValueError(f"scale: expected a finite float, got {scale!r}")
+    if values_checkable(cache_lens):
+        bounds = [("cache_lens", cache_lens, 0, capacity - num_new)]
+        if q_lens is not None:
+            bounds.append(("q_lens", q_lens, 0, num_new))
+        check_ranges(bounds)
+    return tree_mask, float(scale)
+
+
+@dataclass(frozen=True)
+class KernelConfig:
+    block_m: int
+    block_n: int
+    block_d: int
+    num_warps: int
+    num_stages: int
+
+
+def kernel_config(head_dim: int, group: int, num_new: int, dtype: torch.dtype) -> KernelConfig:
+    """Tile sizes and launch shape: up to 128 query rows (GROUP * N) per program.
+
+    Chosen so that nothing spills on sm_90 (checked by compiling ahead of time): wide heads take
+    fewer rows and narrower K/V tiles; fp32 (exact dots on CUDA cores, a correctness path) takes
+    16-row tiles.
+    """
+    block_d = max(16, triton.next_power_of_2(head_dim))
+    rows = max(16, triton.next_power_of_2(group * num_new))
+    if dtype == torch.float32:
+        narrow = block_d <= 64
+        return KernelConfig(
+            16, 32 if narrow else 16, block_d, 4 if narrow else 8, 2 if narrow else 1
+        )
+    if block_d <= 128:
+        block_m = min(128, rows)
+        num_warps = 8 if block_m == 128 or block_d == 128 else 4
+        return KernelConfig(block_m, 64, block_d, num_warps, num_stages=3)
+    return KernelConfig(min(64, rows), 16, block_d, num_warps=8, num_stages=2)
+
+
+def choose_num_splits(programs: int, max_prefix: int, block_n: int, sm_count: int) -> int:
+    """How many ways to split the prefix so that `programs` (B * Hkv * row blocks) fill the GPU.
+
+    Splits multiply the programs up to one full wave; each split keeps at least
+    MIN_TILES_PER_SPLIT tiles of the longest possible prefix (`max_prefix`, known on the host
+    without reading the lengths). Shorter prefixes are divided on the device, in the kernel.
+    """
+    by_occupancy = sm_count // max(programs, 1)
+    by_length = triton.cdiv(max_prefix, block_n) // MIN_TILES_PER_SPLIT
+    return max(1, min(by_occupancy, by_length, MAX_SPLITS))
+
+
+@cache
+def _sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors; the interpreter counts as one (splits only when asked)."""
+    if device.type != "cuda":
+        return 1
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def launch_tree_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    cache_lens: torch.Tensor,
+    packed_mask: torch.Tensor | None,
+    q_lens: torch.Tensor | None,
+    scale: float,
+    num_splits: int | None = None,
+) -> torch.Tensor:
+    """Run the Triton kernels on arguments that `tree_attention` has validated.
+
+    `packed_mask` is the int32 `[B, N, ceil(N/32)]` form or None (causal). `num_splits` overrides
+    the split heuristic (tests and benchmarks use it). Returns `[B, Hq, N, D]`, dtype of q.
+    """
+    batch, num_q_heads, num_new, head_dim = q.shape
+    num_kv_heads, capacity = k_cache.shape[1], k_cache.shape[2]
+    group = num_q_heads // num_kv_heads
+    out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    if out.numel() == 0:
+        return out
+    config = kernel_config(head_dim, group, num_new, q.dtype)
+    row_blocks = triton.cdiv(group * num_new, config.block_m)
+    if num_splits is None:
+        num_splits = choose_num_splits(
+            batch * num_kv_heads * row_blocks,
+            capacity - num_new,
+            config.block_n,
+            _sm_count(q.device),
+        )
+    if num_splits > 1:
+        part_out = torch.empty(
+            (num_splits, batch, num_q_heads, num_new, head_dim),
+            dtype=torch.float32,
+            device=q.device,
+        )
+        part_lse = torch.empty(part_out.shape[:-1], dtype=torch.float32, device=q.device)
+    else:
+        part_out = part_lse = out
+    mask = cache_lens if packed_mask is None else packed_mask  # unread when causal
+    tree_attention_kernel[(row_blocks * num_splits, batch * num_kv_heads)](
+        q,
+        k_cache,
+        v_cache,
+        out,
+        cache_lens,
+        cache_lens if q_lens is None else q_lens,
+        mask,
+        part_out,
+        part_lse,
+        *q.stride()[:3],
+        *k_cache.stride()[:3],
+        *v_cache.stride()[:3],
+        *out.stride()[:3],
+        *(packed_mask.stride() if packed_mask is not None else (0, 0, 0)),
+        batch,
+        num_kv_heads,
+        num_new,
+        capacity,
+        num_splits,
+        scale * LOG2_E,
+        HEAD_DIM=head_dim,
+        GROUP=group,
+        BLOCK_M=config.block_m,
+        BLOCK_N=config.block_n,
+        BLOCK_D=config.block_d,
+        IS_TREE=packed_mask is not None,
+        MASK_WORDS=triton.cdiv(num_new, 32) if packed_mask is not None else 0,
+        HAS_Q_LENS=q_lens is not None,
+        WRITE_PARTIAL=num_splits > 1,
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        DOT_UPCAST=q.device.type == "cpu" and q.dtype == torch.bfloat16,
+        num_warps=config.num_warps,
+        num_stages=config.num_stages,
+    )
+    if num_splits > 1:
+        block_t = max(1, min(triton.next_power_of_2(num_new), 4096 // config.block_d))
+        tree_attention_combine_kernel[(batch * num_q_heads, triton.cdiv(num_new, block_t))](
+            part_out,
+            part_lse,
+            out,
+            *out.stride()[:3],
+            batch * num_q_heads * num_new,
+            num_q_heads,
+            num_new,
+            head_dim,
+            num_splits,
+            BLOCK_T=block_t,
+            BLOCK_D=config.block_d,
+        )
+    return out
+
+
+def tree_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    cache_lens: torch.Tensor,
+    tree_mask: torch.Tensor | None = None,
+    q_lens: torch.Tensor | None = None,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """Attention of N new tokens per sequence over a KV cache that already holds their K/V.
+
+    Args:
+        q: `[B, Hq, N, D]`, fp16/bf16/fp32, unit stride on D, D <= 256.
+        k_cache, v_cache: `[B, Hkv, Lmax, D]`, dtype and device of q, any strides with unit stride
+            on D, `Hq % Hkv == 0`. New token i's K/V sit in slot `cache_lens[b] + i`.
+        cache_lens: int32 `[B]`, committed tokens before the new ones; `cache_lens[b] + N <= Lmax`.
+        tree_mask: None for causal among the new tokens (prefill, decode, chain verification), or
+            bool `[B, N, N]` / packed int32 `[B, N, ceil(N/32)]` (see `pack_tree_mask`), N <= 128.
+            Entry `[b, i, j]` means new token i sees new token j, taken literally: a row without its
+            own diagonal does not see itself.
+        q_lens: optional int32 `[B]` in [0, N]: rows `i >= q_lens[b]` are padding (zeros out) and
+            new tokens `j >= q_lens[b]` are never read as keys.
+        scale: softmax scale, `D ** -0.5` by default.
+
+    Returns:
+        `[B, Hq, N, D]` in the dtype of q (softmax in fp32). Every live row sees the whole prefix
+        `[0, cache_lens[b])`; a row that sees no key at all (empty prefix and empty mask row)
+        gives zeros.
+
+    Raises:
+        ValueError: on shapes, dtypes, devices or strides that disagree, or lengths out of range.
+        Length values are checked on the CPU, and on CUDA outside graph capture at the cost of one
+        host read; under capture they are not, and the kernel clamps them to stay inside the cache.
+    """
+    packed_mask, scale = _validate(q, k_cache, v_cache, cache_lens, tree_mask, q_lens, scale)
+    if use_triton(q.device):
+        return launch_tree_attention(q, k_cache, v_cache, cache_lens, packed_mask, q_lens, scale)
+    return tree_attention_reference(q, k_cache, v_cache, cache_lens, packed_mask, q_lens, scale)

@@ -1,0 +1,502 @@
+"""Lossless verification sampling over draft trees: greedy, speculative sampling, top-k/top-p.
+
+Public entry point: `verify` (validation, backend choice, launcher). The Triton kernels are in
+`jit/verify.py` (random numbers in `jit/rng.py`), the plain-torch reference and the precise
+semantics (ties, the acceptance rules, why they are lossless) in `reference/verify.py`.
+
+Two launches per call for any batch: per-slice vocabulary statistics, then one tree walk per
+sequence. No softmax over the vocabulary is written to memory; random numbers come from a hash
+of (seed, sequence, node, stream, counter), so a call with a seed tensor can be captured in a
+CUDA graph and replayed, and the Triton kernels and the reference draw the same numbers.
+"""
+
+import math
+from dataclasses import dataclass
+from functools import cache
+
+import torch
+import triton
+
+from . import interpreter_compat  # noqa: F401  (interpreted kernels need it before launch)
+from .backend import use_triton
+from .jit.verify import NUM_FIELDS, verify_stats_kernel, verify_walk_kernel
+from .reference.verify import (
+    VerifyResult,
+    draw_seed,
+    invalid_rows,
+    verify_reference,
+)
+from .validation import check_tensor, values_checkable
+
+LOGIT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+INDEX_DTYPES = (torch.int32, torch.int64)
+MAX_NODES = 1024
+# Token ids travel through the fp32 statistics workspace, exact below 2**24.
+MAX_VOCAB = 2**24
+# Positive temperatures below the smallest normal fp32 would make 1 / T overflow in the kernels.
+MIN_TEMPERATURE = 2.0**-126
+# Candidate keys tested per pass of the top-k/top-p threshold search (17-way bisection, about
+# 8 passes over the row); a power of two, as tl.arange requires.
+NUM_THRESHOLDS = 16
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Per-sequence parameters as the kernels take them: a Python scalar or a `[B]` tensor."""
+
+    temperature: float | torch.Tensor
+    top_k: int | torch.Tensor
+    top_p: float | torch.Tensor
+    seed: int | torch.Tensor
+
+    @property
+    def all_greedy(self) -> bool:
+        return not isinstance(self.temperature, torch.Tensor) and self.temperature == 0.0
+
+    @property
+    def has_filters(self) -> bool:
+        """Whether any sequence may filter (tensors are not read, so they count as filtering)."""
+        top_k_off = not isinstance(self.top_k, torch.Tensor) and self.top_k == 0
+        top_p_off = not isinstance(self.top_p, torch.Tensor) and self.top_p == 1.0
+        return not self.all_greedy and not (top_k_off and top_p_off)
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _param_tensor(name: str, value: torch.Tensor, batch: int, floating: bool, device) -> None:
+    dtypes = (
+        (torch.float32, torch.float64, torch.float16, torch.bfloat16) if floating else INDEX_DTYPES
+    )
+    check_tensor(name, value, shape=(batch,), dims="[B]", dtypes=dtypes, device=device)
+
+
+def sampling_params(batch, device, temperature, top_k, top_p, seed) -> SamplingParams:
+    """Scalars are checked here, tensors for shape, dtype and device (values: `_check_values`)."""
+    if temperature is None:
+        temperature = 0.0
+    if isinstance(temperature, torch.Tensor):
+        _param_tensor("temperature", temperature, batch, True, device)
+    elif not _is_number(temperature) or not (
+        temperature == 0 or MIN_TEMPERATURE <= temperature < math.inf
+    ):
+        raise ValueError(
+            f"temperature: expected 0 or a finite number >= {MIN_TEMPERATURE:.3g}, "
+            f"got {temperature!r}"
+        )
+    else:
+        temperature = float(temperature)
+    if top_k is None:
+        top_k = 0
+    if isinstance(top_k, torch.Tensor):
+        _param_tensor("top_k", top_k, batch, False, device)
+    elif not isinstance(top_k, int) or isinstance(top_k, bool) or top_k < 0:
+        raise ValueError(f"top_k: expected an int >= 0 (0: off), got {top_k!r}")
+    else:
+        top_k = min(top_k, 2**31 - 1)  # >= V is off anyway; keeps the kernel argument in int32
+    if top_p is None:
+        top_p = 1.0
+    if isinstance(top_p, torch.Tensor):
+        _param_tensor("top_p", top_p, batch, True, device)
+    elif not _is_number(top_p) or not 0 < top_p <= 1:
+        raise ValueError(f"top_p: expected a number in (0, 1] (1: off), got {top_p!r}")
+    else:
+        top_p = float(top_p)
+    if seed is None:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise ValueError(
+                "seed: a CUDA graph would replay the seed drawn at capture; pass an int64 [B] "
+                "tensor and update it between replays"
+            )
+        seed = draw_seed()
+    if isinstance(seed, torch.Tensor):
+        _param_tensor("seed", seed, batch, False, device)
+    elif not isinstance(seed, int) or isinstance(seed, bool) or not -(2**63) <= seed < 2**63:
+        raise ValueError(f"seed: expected an int64 or an int [B] tensor, got {seed!r}")
+    return SamplingParams(temperature, top_k, top_p, seed)
+
+
+def _check_shapes(logits, draft_tokens, parents, draft_probs) -> None:
+    """Shape, dtype and device checks: free, so they always run."""
+    check_tensor("logits", logits, shape=(-1, -1, -1), dims="[B, N, V]", dtypes=LOGIT_DTYPES)
+    batch, num_nodes, vocab = logits.shape
+    if not 1 <= num_nodes <= MAX_NODES:
+        raise ValueError(f"logits: expected 1 <= N <= {MAX_NODES} nodes, got N = {num_nodes}")
+    if not 1 <= vocab < MAX_VOCAB:
+        raise ValueError(f"logits: expected 1 <= V < {MAX_VOCAB}, got V = {vocab}")
+    for name, tensor in (("draft_tokens", draft_tokens), ("parents", parents)):
+        check_tensor(
+            name,
+            tensor,
+            shape=(batch, num_nodes),
+            dims="[B, N]",
+            dtypes=INDEX_DTYPES,
+            device=logits.device,
+        )
+    if draft_probs is not None:
+        check_tensor(
+            "draft_probs",
+            draft_probs,
+            shape=tuple(logits.shape),
+            dims="[B, N, V]",
+            dtypes=LOGIT_DTYPES,
+            device=logits.device,
+        )
+
+
+def _first_node(bad_nodes: torch.Tensor, b: int) -> int:
+    return int(bad_nodes[b].nonzero()[0, 0])
+
+
+def _check_values(logits, draft_tokens, parents, draft_probs, params: SamplingParams) -> None:
+    """Checks that read the trees and parameter tensors: one host read, more to word an error."""
+    batch, num_nodes, vocab = logits.shape
+    node = torch.arange(num_nodes, device=logits.device)
+    parent = parents.long()
+    token = draft_tokens.long()
+    later = (parent != -2) & (node >= 1)
+    parent_exists = (parent != -2).gather(1, parent.clamp(0, num_nodes - 1))
+    not_topological = later & ((parent < 0) | (parent >= node))
+    padded_parent = later & ~not_topological & ~parent_exists
+    out_of_vocab = later & ((token < 0) | (token >= vocab))
+
+    def parent_at(b: int, i: int) -> int:
+        return int(parents[b, i])
+
+    problems = [
+        (
+            parent[:, 0] != -1,
+            lambda b: (
+                f"parents[{b}, 0] = {parent_at(b, 0)}: the root must be node 0, with parent -1"
+            ),
+        ),
+        (
+            not_topological.any(dim=1),
+            lambda b: (
+                f"parents[{b}, {(i := _first_node(not_topological, b))}] = {parent_at(b, i)}: "
+                f"expected -2 (padding) or a parent in [0, {i}) (topological order, one root)"
+            ),
+        ),
+        (
+            padded_parent.any(dim=1),
+            lambda b: (
+                f"parents[{b}, {(i := _first_node(padded_parent, b))}] = {parent_at(b, i)}: "
+                f"that parent is a padded node (parent -2)"
+            ),
+        ),
+        (
+            out_of_vocab.any(dim=1),
+            lambda b: (
+                f"draft_tokens[{b}, {(i := _first_node(out_of_vocab, b))}] = "
+                f"{int(draft_tokens[b, i])} is outside the vocabulary [0, {vocab})"
+            ),
+        ),
+    ]
+    if draft_probs is not None:
+        not_chain = later & (parent != node - 1)
+        problems.append(
+            (
+                not_chain.any(dim=1),
+                lambda b: (
+                    f"draft_probs: only chains take draft probabilities, but sequence {b} has "
+                    f"parents[{b}, {(i := _first_node(not_chain, b))}] = {parent_at(b, i)} "
+                    f"(a chain has {i - 1})"
+                ),
+            )
+        )
+    if isinstance(params.temperature, torch.Tensor):
+        temperature = params.temperature.double()
+        problems.append(
+            (
+                ~(
+                    (temperature == 0)
+                    | ((temperature >= MIN_TEMPERATURE) & (temperature < math.inf))
+                ),
+                lambda b: (
+                    f"temperature[{b}] = {float(params.temperature[b])}: expected 0 or a finite "
+                    f"number >= {MIN_TEMPERATURE:.3g}"
+                ),
+            )
+        )
+    if isinstance(params.top_k, torch.Tensor):
+        problems.append(
+            (
+                params.top_k < 0,
+                lambda b: f"top_k[{b}] = {int(params.top_k[b])}: expected >= 0 (0: off)",
+            )
+        )
+    if isinstance(params.top_p, torch.Tensor):
+        problems.append(
+            (
+                ~((params.top_p > 0) & (params.top_p <= 1)),
+                lambda b: (
+                    f"top_p[{b}] = {float(params.top_p[b])}: expected a number in (0, 1] (1: off)"
+                ),
+            )
+        )
+    flags = torch.stack([bad for bad, _ in problems]).cpu()
+    for (_, describe), bad in zip(problems, flags, strict=True):
+        if bool(bad.any()):
+            raise ValueError(describe(int(bad.nonzero()[0, 0])))
+
+
+def _raise_for_invalid_rows(logits: torch.Tensor, parents: torch.Tensor) -> None:
+    """ValueError naming the first (sequence, node) whose logits cannot be sampled."""
+    bad = invalid_rows(logits.float(), parents)
+    if not bool(bad.any()):
+        raise ValueError("logits: a sequence could not be sampled (next_tokens = -1)")
+    b, i = (int(index) for index in bad.nonzero()[0])
+    row = logits[b, i].float()
+    raise ValueError(
+        f"logits[{b}, {i}]: expected finite values (-inf allowed, not everywhere), got "
+        f"{int(torch.isnan(row).sum())} NaN, {int(torch.isposinf(row).sum())} +inf and "
+        f"{int(torch.isneginf(row).sum())} -inf of V = {row.numel()}"
+    )
+
+
+@dataclass(frozen=True)
+class LaunchConfig:
+    """Tiles and grids of the two kernels for one problem shape."""
+
+    block_v: int  # vocabulary tile of the statistics kernel
+    block_rows: int  # node rows per statistics program
+    num_splits: int  # vocabulary slices per row (statistics programs per row block)
+    block_seqs: int  # sequences per walk program
+    walk_block_v: int  # vocabulary tile of the walk's passes over one row
+    search_block_v: int  # vocabulary tile of the threshold search (x NUM_THRESHOLDS keys)
+    stats_warps: int = 4
+    walk_warps: int = 4
+
+
+@cache
+def _sm_count(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def launch_config(batch: int, num_nodes: int, vocab: int, device: torch.device) -> LaunchConfig:
+    """On a GPU: one row per statistics program, and enough vocabulary slices per row for about
+    four programs per SM (a B=1 chain still spreads its few rows over the whole GPU); one sequence
+    per walk program. Under the interpreter, where every program costs Python overhead: many
+    rows and sequences per program, one slice."""
+    rows = batch * num_nodes
+    vocab_pow2 = triton.next_power_of_2(vocab)
+    if device.type != "cuda":
+        # Every interpreted operation (nested jit calls too) has a fixed Python cost: wide tiles.
+        block_v = min(vocab_pow2, 4096)
+        return LaunchConfig(
+            block_v=block_v,
+            block_rows=min(triton.next_power_of_2(rows), max(1, 16384 // block_v)),
+            num_splits=1,
+            block_seqs=min(triton.next_power_of_2(batch), 256),
+            walk_block_v=min(vocab_pow2, 4096),
+            search_block_v=min(vocab_pow2, 256),
+        )
+    block_v = min(vocab_pow2, 2048)
+    block_rows = min(triton.next_power_of_2(rows), max(1, 2048 // block_v))
+    row_programs = triton.cdiv(rows, block_rows)
+    num_splits = min(triton.cdiv(vocab, block_v), triton.cdiv(4 * _sm_count(device), row_programs))
+    return LaunchConfig(
+        block_v=block_v,
+        block_rows=block_rows,
+        num_splits=max(1, num_splits),
+        block_seqs=1,
+        walk_block_v=min(vocab_pow2, 1024),
+        search_block_v=min(vocab_pow2, 128),
+        stats_warps=8 if block_v * block_rows >= 2048 else 4,
+        walk_warps=8,
+    )
+
+
+def _scalar_or_tensor(value, placeholder: torch.Tensor):
+    """(pointer, stride, scalar, per-sequence flag) kernel arguments for one parameter."""
+    if isinstance(value, torch.Tensor):
+        return value, value.stride(0), 0, True
+    return placeholder, 0, value, False
+
+
+def launch_verify(
+    logits: torch.Tensor,
+    draft_tokens: torch.Tensor,
+    parents: torch.Tensor,
+    draft_probs: torch.Tensor | None,
+    params: SamplingParams,
+    config: LaunchConfig | None = None,
+) -> VerifyResult:
+    """Run the two Triton kernels on validated arguments; `config` overrides the heuristic (tests
+    use it to run GPU-like tilings under the interpreter)."""
+    batch, num_nodes, vocab = logits.shape
+    device = logits.device
+    if config is None:
+        config = launch_config(batch, num_nodes, vocab, device)
+    slice_len = triton.cdiv(triton.cdiv(vocab, config.num_splits), config.block_v) * config.block_v
+    num_splits = triton.cdiv(vocab, slice_len)
+    rows = batch * num_nodes
+    stats = torch.empty((NUM_FIELDS, rows, num_splits), dtype=torch.float32, device=device)
+    accepted_nodes = torch.empty((batch, num_nodes), dtype=torch.int32, device=device)
+    num_accepted = torch.empty((batch,), dtype=torch.int32, device=device)
+    next_tokens = torch.empty((batch,), dtype=torch.int64, device=device)
+    temperature = _scalar_or_tensor(params.temperature, parents)
+    top_k = _scalar_or_tensor(params.top_k, parents)
+    top_p = _scalar_or_tensor(params.top_p, parents)
+    seed = _scalar_or_tensor(params.seed, parents)
+    block_n = triton.next_power_of_2(num_nodes)
+
+    verify_stats_kernel[(triton.cdiv(rows, config.block_rows), num_splits)](
+        logits,
+        parents,
+        temperature[0],
+        seed[0],
+        stats,
+        temperature[2],
+        seed[2],
+        rows,
+        num_nodes,
+        vocab,
+        slice_len,
+        *logits.stride(),
+        *parents.stride(),
+        temperature[1],
+        seed[1],
+        stats.stride(0),
+        stats.stride(1),
+        TEMPERATURE_PER_SEQUENCE=temperature[3],
+        SEED_PER_SEQUENCE=seed[3],
+        ALL_GREEDY=params.all_greedy,
+        NEED_SUMEXP=params.has_filters or draft_probs is not None,
+        RACE_LEAVES_ONLY=draft_probs is not None,
+        BLOCK_R=config.block_rows,
+        BLOCK_V=config.block_v,
+        BLOCK_N=block_n,
+        num_warps=config.stats_warps,
+    )
+    probs = logits if draft_probs is None else draft_probs
+    verify_walk_kernel[(triton.cdiv(batch, config.block_seqs),)](
+        logits,
+        draft_tokens,
+        parents,
+        probs,
+        temperature[0],
+        top_k[0],
+        top_p[0],
+        seed[0],
+        stats,
+        accepted_nodes,
+        num_accepted,
+        next_tokens,
+        temperature[2],
+        top_k[2],
+        top_p[2],
+        seed[2],
+        batch,
+        num_nodes,
+        vocab,
+        num_splits,
+        *logits.stride(),
+        *draft_tokens.stride(),
+        *parents.stride(),
+        *probs.stride(),
+        temperature[1],
+        top_k[1],
+        top_p[1],
+        seed[1],
+        stats.stride(0),
+        stats.stride(1),
+        *accepted_nodes.stride(),
+        TEMPERATURE_PER_SEQUENCE=temperature[3],
+        TOP_K_PER_SEQUENCE=top_k[3],
+        TOP_P_PER_SEQUENCE=top_p[3],
+        SEED_PER_SEQUENCE=seed[3],
+        HAS_FILTERS=params.has_filters,
+        HAS_DRAFT_PROBS=draft_probs is not None,
+        BLOCK_B=config.block_seqs,
+        BLOCK_N=block_n,
+        BLOCK_S=triton.next_power_of_2(num_splits),
+        BLOCK_V=config.walk_block_v,
+        SEARCH_BLOCK_V=config.search_block_v,
+        NUM_THRESHOLDS=NUM_THRESHOLDS,
+        num_warps=config.walk_warps,
+    )
+    return VerifyResult(accepted_nodes, num_accepted, next_tokens)
+
+
+def verify(
+    logits: torch.Tensor,
+    draft_tokens: torch.Tensor,
+    parents: torch.Tensor,
+    draft_probs: torch.Tensor | None = None,
+    temperature=None,
+    top_k=None,
+    top_p=None,
+    seed=None,
+    *,
+    validate: bool = True,
+) -> VerifyResult:
+    """Verify B draft trees against the target's logits and choose the tokens to emit.
+
+    Emitted tokens of sequence b: the draft tokens of `accepted_nodes[b, 1 : num_accepted[b] + 1]`,
+    then `next_tokens[b]`. They are distributed exactly as sampling the (filtered) target one token
+    at a time; greedy rows emit exactly the target's argmax path (the lowest token id among ties).
+
+    Args:
+        logits: `[B, N, V]` fp32, bf16 or fp16, any strides: the target's logits at each node (the
+            distribution of that node's child). N <= 1024, V < 2**24.
+        draft_tokens: int32/int64 `[B, N]`, the token of each node (entry 0, the root, unused).
+        parents: int32/int64 `[B, N]`: -1 for node 0 (the root, the last token already chosen),
+            `parents[b, i] < i` for the others (topological order), -2 for padded nodes, which
+            are ignored. Chains have `parents[b, i] = i - 1`.
+        draft_probs: optional `[B, N, V]` fp32/bf16/fp16, the draft distribution each node's token
+            was sampled from (chains only): classic speculative sampling. Without it drafts are
+            deterministic proposals (Medusa, EAGLE, n-gram and top-k trees).
+        temperature: float or floating `[B]`; 0 (the default) is greedy. Greedy and sampling rows
+            may be mixed.
+        top_k: int or int `[B]`; 0 (the default) or >= V is off. Ties with the k-th logit are kept.
+        top_p: float or floating `[B]` in (0, 1]; 1 (the default) is off. Filters apply after the
+            temperature, top-k first (see `reference/verify.py` for the exact tie rule).
+        seed: int or int32/int64 `[B]`; None draws one from torch's default generator (so
+            `torch.manual_seed` fixes the outcome). Same inputs and seed give the same result on
+            either backend up to float rounding at near-ties. An int seed is mixed with each
+            sequence's batch index; a `[B]` seed alone keys its sequence's draws, which then do
+            not depend on the batch slot (equal seeds on equal rows draw alike). Reusing a seed
+            reuses the random numbers: change it every step. Under CUDA graph capture pass a
+            tensor and update it in place between replays.
+        validate: read the trees, parameter tensors and (after the launch) the outcome to raise
+            clear errors. That synchronizes a CUDA device, so the engine passes False; checks that
+            read values are skipped during graph capture either way. With the checks off the
+            kernels stay in bounds, and a sequence whose logits are unusable gets
+            `next_tokens = -1`, never a token.
+
+    Returns:
+        VerifyResult(accepted_nodes int32 `[B, N]`, num_accepted int32 `[B]`, next_tokens int64
+        `[B]`).
+
+    Raises:
+        ValueError: on shapes, dtypes, devices or parameters out of range; and, when validating,
+        on parents that are not topological or do not have node 0 as the only root, draft tokens
+        outside the vocabulary, draft_probs with a tree that is not a chain, and logits rows (of
+        existing nodes) with NaN, +inf or nothing but -inf.
+    """
+    _check_shapes(logits, draft_tokens, parents, draft_probs)
+    batch = logits.shape[0]
+    params = sampling_params(batch, logits.device, temperature, top_k, top_p, seed)
+    checking = validate and values_checkable(logits)
+    if checking and batch > 0:
+        _check_values(logits, draft_tokens, parents, draft_probs, params)
+    if use_triton(logits.device) and batch > 0:
+        result = launch_verify(logits, draft_tokens, parents, draft_probs, params)
+    else:
+        result = verify_reference(
+            logits,
+            draft_tokens,
+            parents,
+            draft_probs,
+            params.temperature,
+            params.top_k,
+            params.top_p,
+            params.seed,
+        )
+    # Unusable logits rows are found by the pass that reads them, which marks the sequence with
+    # next_tokens = -1: checking the outcome costs no second read of the logits.
+    if checking and bool((result.next_tokens < 0).any()):
+        _raise_for_invalid_rows(logits, parents)
+    return result

@@ -1,0 +1,556 @@
+"""tree_attention: the Triton kernel (interpreted on the CPU) against the plain-torch reference and
+against an independent dense-mask computation, over trees, causal runs, ragged batches, GQA groups,
+head dims, dtypes, split counts and cache layouts; plus every validation error.
+
+Every case poisons with NaN what must not be read (cache slots past each sequence's live tokens,
+padding query rows) and what must be written (the output and the split workspace).
+"""
+
+import contextlib
+import os
+import subprocess
+import sys
+from pathlib import Path
+from unittest import mock
+
+import pytest
+import torch
+import triton
+
+from specdec_fast.kernels import pack_tree_mask, tree_attention
+from specdec_fast.kernels.reference.tree_attention import (
+    tree_attention_reference,
+    unpack_tree_mask,
+)
+from specdec_fast.kernels.tree_attention import (
+    MAX_SPLITS,
+    MAX_TREE_NODES,
+    choose_num_splits,
+    kernel_config,
+    launch_tree_attention,
+)
+
+FP32, FP16, BF16 = torch.float32, torch.float16, torch.bfloat16
+# Kernel vs reference: both softmax in fp32; the kernel also rounds P to the input dtype before
+# P @ V (as tensor cores do), so they differ by a few units of the input dtype's precision.
+REFERENCE_TOL = {FP32: (1e-5, 1e-5), FP16: (2e-3, 2e-3), BF16: (1.6e-2, 1.6e-2)}
+# Flash-attention rule: |kernel - fp64 truth| <= 2 |plain torch in the dtype - truth| + ATOL.
+ATOL = {FP32: 1e-6, FP16: 1e-3, BF16: 8e-3}
+
+
+@contextlib.contextmanager
+def poisoned_allocations():
+    """torch.empty / empty_like return NaN (floats) or -77 (ints): unwritten elements show up."""
+    real_empty, real_empty_like = torch.empty, torch.empty_like
+
+    def poison(tensor):
+        return tensor.fill_(float("nan") if tensor.is_floating_point() else -77)
+
+    with (
+        mock.patch.object(torch, "empty", lambda *a, **k: poison(real_empty(*a, **k))),
+        mock.patch.object(torch, "empty_like", lambda *a, **k: poison(real_empty_like(*a, **k))),
+    ):
+        yield
+
+
+def random_parents(num_nodes: int, shape: str, generator: torch.Generator) -> list[int]:
+    """Parents of a tree in topological order: chain, star, deep, wide or uniformly random."""
+    parents = [-1]
+    for node in range(1, num_nodes):
+        if shape == "chain":
+            parent = node - 1
+        elif shape == "star":
+            parent = 0
+        elif shape == "deep":  # mostly a long spine with short side branches
+            parent = max(0, node - 1 - int(torch.randint(0, 3, (1,), generator=generator)))
+        elif shape == "wide":  # all nodes hang off the first few
+            parent = int(torch.randint(0, min(node, 4), (1,), generator=generator))
+        else:
+            parent = int(torch.randint(0, node, (1,), generator=generator))
+        parents.append(parent)
+    return parents
+
+
+def ancestor_mask(parents: list[int]) -> torch.Tensor:
+    """Bool [N, N]: node i sees j when j is i or an ancestor of i."""
+    mask = torch.zeros(len(parents), len(parents), dtype=torch.bool)
+    for node, parent in enumerate(parents):
+        if parent >= 0:
+            mask[node] = mask[parent]
+        mask[node, node] = True
+    return mask
+
+
+def make_cache(batch, num_kv_heads, capacity, head_dim, dtype, layout, generator):
+    """K and V caches `[B, Hkv, Lmax, D]` in one of several memory layouts (unit stride on D)."""
+    if layout == "contiguous":
+        shape = (2, batch, num_kv_heads, capacity, head_dim)
+        kv = torch.randn(shape, generator=generator).to(dtype)
+        return kv[0], kv[1]
+    if layout == "bshd":  # HF-style [B, Lmax, Hkv, D] storage, seen through a transpose
+        kv = torch.randn(2, batch, capacity, num_kv_heads, head_dim, generator=generator).to(dtype)
+        return kv[0].transpose(1, 2), kv[1].transpose(1, 2)
+    # "layered": one layer of the engine's [layers, 2, B, Hkv, Lmax, D] cache tensor
+    kv = torch.randn(3, 2, batch, num_kv_heads, capacity, head_dim, generator=generator).to(dtype)
+    return kv[1, 0], kv[1, 1]
+
+
+def dense_attention(q, k_cache, v_cache, allowed, scale, compute_dtype):
+    """Independent computation: explicit math over a dense `[B, N, Lmax]` mask in `compute_dtype`.
+
+    Low-precision dtypes mimic plain torch (matmuls in the dtype, softmax in fp32 then rounded).
+    """
+    group = q.shape[1] // k_cache.shape[1]
+    slot_read = allowed.any(dim=1)[:, None, :, None]
+    keys = torch.where(slot_read, k_cache, 0).to(compute_dtype).repeat_interleave(group, dim=1)
+    values = torch.where(slot_read, v_cache, 0).to(compute_dtype).repeat_interleave(group, dim=1)
+    scores = (q.to(compute_dtype) @ keys.transpose(-1, -2)).float() * scale
+    scores = scores.masked_fill(~allowed[:, None], float("-inf"))
+    probs = torch.softmax(scores, dim=-1).nan_to_num(0.0).to(compute_dtype)
+    return probs @ values
+
+
+def dense_mask(tree, cache_lens, q_lens, num_new, capacity):
+    """Bool `[B, N, Lmax]` built slice by slice (independently of the reference's gather)."""
+    allowed = torch.zeros(len(cache_lens), num_new, capacity, dtype=torch.bool)
+    for b, (prefix, live) in enumerate(zip(cache_lens.tolist(), q_lens.tolist(), strict=True)):
+        allowed[b, :live, :prefix] = True
+        allowed[b, :live, prefix : prefix + live] = tree[b, :live, :live]
+    return allowed
+
+
+def run_case(
+    *,
+    num_new,
+    head_dim,
+    group,
+    num_kv_heads,
+    prefixes,
+    dtype,
+    mask_kind,
+    padded,
+    layout="contiguous",
+    num_splits=None,
+    packed=True,
+    seed=0,
+):
+    """Build inputs, run the Triton kernel and check it against the reference and the truth."""
+    generator = torch.Generator().manual_seed(seed)
+    batch = len(prefixes)
+    capacity = max(prefixes) + num_new + 5
+    num_q_heads = group * num_kv_heads
+    cache_lens = torch.tensor(prefixes, dtype=torch.int32)
+    live = [max(1, num_new - 2 * b) if padded else num_new for b in range(batch)]
+    q_lens = torch.tensor(live, dtype=torch.int32)
+
+    q = torch.randn(batch, num_new, num_q_heads, head_dim, generator=generator).to(dtype)
+    q = q.transpose(1, 2)  # [B, Hq, N, D] with HF's strides
+    k_cache, v_cache = make_cache(batch, num_kv_heads, capacity, head_dim, dtype, layout, generator)
+    for b in range(batch):
+        q[b, :, live[b] :] = float("nan")
+        k_cache[b, :, prefixes[b] + live[b] :] = float("nan")
+        v_cache[b, :, prefixes[b] + live[b] :] = float("nan")
+
+    if mask_kind == "causal":
+        tree = torch.ones(num_new, num_new, dtype=torch.bool).tril().expand(batch, -1, -1)
+        tree_mask = None
+    else:
+        masks = [ancestor_mask(random_parents(num_new, mask_kind, generator)) for _ in range(batch)]
+        tree = torch.stack(masks)
+        tree_mask = pack_tree_mask(tree) if packed else tree
+    scale = head_dim**-0.5
+
+    with poisoned_allocations():
+        if num_splits is None:
+            out = tree_attention(
+                q, k_cache, v_cache, cache_lens, tree_mask, q_lens if padded else None
+            )
+        else:
+            packed_mask = None if tree_mask is None else pack_tree_mask(tree)
+            out = launch_tree_attention(
+                q, k_cache, v_cache, cache_lens, packed_mask, q_lens, scale, num_splits
+            )
+    reference = tree_attention_reference(q, k_cache, v_cache, cache_lens, tree_mask, q_lens)
+
+    assert out.shape == q.shape and out.dtype == dtype
+    assert not out.isnan().any()
+    for b in range(batch):
+        assert (out[b, :, live[b] :] == 0).all(), "padding rows must be zeros"
+    rtol, atol = REFERENCE_TOL[dtype]
+    torch.testing.assert_close(out, reference, rtol=rtol, atol=atol)
+
+    allowed = dense_mask(tree, cache_lens, q_lens, num_new, capacity)
+    truth = dense_attention(q, k_cache, v_cache, allowed, scale, torch.float64)
+    plain = dense_attention(q, k_cache, v_cache, allowed, scale, dtype)
+    kernel_error = (out.double() - truth).abs().max().item()
+    plain_error = (plain.double() - truth).abs().max().item()
+    assert kernel_error <= 2 * plain_error + ATOL[dtype], (kernel_error, plain_error)
+    return out
+
+
+# name: (N, D, group, Hkv, prefixes of a ragged batch, dtype, mask, padded rows, cache layout)
+CASES = {
+    "decode": (1, 64, 4, 2, (1000, 1), FP16, "causal", False, "contiguous"),
+    "decode-mha-fp32": (1, 32, 1, 2, (0, 127), FP32, "causal", False, "bshd"),
+    "chain-bf16": (3, 80, 2, 2, (127, 0), BF16, "chain", True, "layered"),
+    "prefill": (17, 96, 3, 1, (0, 1), FP32, "causal", True, "bshd"),
+    "star-gqa6": (17, 128, 6, 1, (1, 127), BF16, "star", False, "contiguous"),
+    "deep-mqa8": (64, 64, 8, 1, (127, 1000), FP16, "deep", True, "layered"),
+    "wide": (64, 32, 2, 2, (1, 0), FP32, "wide", True, "contiguous"),
+    "random-128": (128, 64, 4, 1, (1000,), BF16, "random", True, "bshd"),
+    "causal-128": (128, 32, 1, 1, (127, 0), FP16, "causal", True, "contiguous"),
+    "d256": (3, 256, 2, 1, (127, 1), FP32, "random", False, "layered"),
+    "d256-bf16": (17, 256, 3, 1, (1,), BF16, "random", True, "contiguous"),
+}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_kernel_matches_reference_and_truth(triton_backend, name):
+    num_new, head_dim, group, kv_heads, prefixes, dtype, mask_kind, padded, layout = CASES[name]
+    run_case(
+        num_new=num_new,
+        head_dim=head_dim,
+        group=group,
+        num_kv_heads=kv_heads,
+        prefixes=prefixes,
+        dtype=dtype,
+        mask_kind=mask_kind,
+        padded=padded,
+        layout=layout,
+    )
+
+
+@pytest.mark.parametrize(
+    ("num_splits", "prefixes", "mask_kind", "dtype"),
+    [
+        (2, (127, 0), "random", FP32),
+        (3, (1000, 1), "causal", BF16),
+        (7, (127, 64), "chain", FP16),  # more splits than tiles: empty splits weigh nothing
+    ],
+)
+def test_split_kv_matches(num_splits, prefixes, mask_kind, dtype):
+    run_case(
+        num_new=17,
+        head_dim=32,
+        group=2,
+        num_kv_heads=1,
+        prefixes=prefixes,
+        dtype=dtype,
+        mask_kind=mask_kind,
+        padded=True,
+        num_splits=num_splits,
+    )
+
+
+def test_bool_and_packed_masks_agree(triton_backend):
+    common = dict(num_new=33, head_dim=32, group=2, num_kv_heads=1, prefixes=(40, 3))
+    common.update(dtype=FP32, mask_kind="random", padded=False, seed=3)
+    from_bool = run_case(**common, packed=False)
+    from_packed = run_case(**common, packed=True)
+    torch.testing.assert_close(from_bool, from_packed, rtol=0, atol=0)
+
+
+def test_default_backend_on_cpu_is_the_reference():
+    generator = torch.Generator().manual_seed(1)
+    q = torch.randn(1, 2, 3, 16, generator=generator)
+    k_cache, v_cache = torch.randn(2, 1, 1, 9, 16, generator=generator)
+    cache_lens = torch.tensor([4], dtype=torch.int32)
+    with mock.patch("specdec_fast.kernels.tree_attention.launch_tree_attention") as launch:
+        out = tree_attention(q, k_cache, v_cache, cache_lens, scale=0.3)
+    launch.assert_not_called()
+    expected = tree_attention_reference(q, k_cache, v_cache, cache_lens, scale=0.3)
+    torch.testing.assert_close(out, expected, rtol=0, atol=0)
+
+
+def attend_slots(q_rows, k_cache, v_cache, slots):
+    """Softmax attention of `q_rows` `[H, D]` to the listed cache slots of `[H, L, D]` caches."""
+    scores = q_rows[:, None, :] @ k_cache[:, slots].transpose(-1, -2) * q_rows.shape[-1] ** -0.5
+    return (torch.softmax(scores, dim=-1) @ v_cache[:, slots])[:, 0]
+
+
+@pytest.mark.parametrize("prefix", [0, 6])
+def test_rows_without_diagonal_follow_the_mask_literally(triton_backend, prefix):
+    """Row 1 sees only token 0; row 2 sees no new token (only the prefix, or nothing: zeros)."""
+    generator = torch.Generator().manual_seed(2)
+    q = torch.randn(1, 2, 3, 16, generator=generator)
+    k_cache, v_cache = torch.randn(2, 1, 2, prefix + 3, 16, generator=generator)
+    cache_lens = torch.tensor([prefix], dtype=torch.int32)
+    tree = torch.tensor([[[1, 0, 0], [1, 0, 0], [0, 0, 0]]], dtype=torch.bool)
+    out = tree_attention(q, k_cache, v_cache, cache_lens, tree)
+    reference = tree_attention_reference(q, k_cache, v_cache, cache_lens, tree)
+    torch.testing.assert_close(out, reference, rtol=1e-5, atol=1e-5)
+    row_1 = attend_slots(q[0, :, 1], k_cache[0], v_cache[0], list(range(prefix + 1)))
+    torch.testing.assert_close(out[0, :, 1], row_1, rtol=1e-5, atol=1e-5)
+    if prefix == 0:
+        assert (out[0, :, 2] == 0).all()
+    else:
+        row_2 = attend_slots(q[0, :, 2], k_cache[0], v_cache[0], list(range(prefix)))
+        torch.testing.assert_close(out[0, :, 2], row_2, rtol=1e-5, atol=1e-5)
+
+
+def test_empty_batch_and_zero_live_rows(triton_backend):
+    k_cache, v_cache = torch.randn(2, 2, 1, 8, 16)
+    empty = tree_attention(
+        torch.randn(0, 2, 3, 16), k_cache[:0], v_cache[:0], torch.zeros(0, dtype=torch.int32)
+    )
+    assert empty.shape == (0, 2, 3, 16)
+    q = torch.randn(2, 2, 3, 16)
+    with poisoned_allocations():
+        out = tree_attention(
+            q,
+            k_cache,
+            v_cache,
+            torch.tensor([5, 2], dtype=torch.int32),
+            q_lens=torch.tensor([0, 3], dtype=torch.int32),
+        )
+    assert (out[0] == 0).all() and not out[1].isnan().any() and (out[1] != 0).any()
+
+
+@pytest.mark.parametrize("num_nodes", [1, 31, 32, 33, 128])
+def test_pack_tree_mask_round_trip(num_nodes):
+    mask = (
+        torch.rand(2, num_nodes, num_nodes, generator=torch.Generator().manual_seed(num_nodes))
+        < 0.5
+    )
+    packed = pack_tree_mask(mask)
+    assert packed.dtype == torch.int32 and packed.shape == (2, num_nodes, -(-num_nodes // 32))
+    assert torch.equal(unpack_tree_mask(packed, num_nodes), mask)
+
+
+def test_pack_tree_mask_bit_layout():
+    mask = torch.zeros(1, 40, 40, dtype=torch.bool)
+    mask[0, 0, 0] = mask[0, 0, 31] = mask[0, 0, 33] = True
+    packed = pack_tree_mask(mask)
+    assert packed[0, 0, 0].item() == 1 - 2**31  # bits 0 and 31 (the sign bit)
+    assert packed[0, 0, 1].item() == 2  # bit 33 % 32
+    assert (packed[0, 1:] == 0).all()
+
+
+def test_num_splits_heuristic():
+    # Llama-3-8B verify of 64 nodes at B=1: 8 KV heads x 2 row blocks on 132 SMs -> one wave.
+    assert choose_num_splits(16, 4096, 64, 132) == 8
+    assert choose_num_splits(16, 200, 64, 132) == 1  # a short cache is not worth splitting
+    assert choose_num_splits(256, 1 << 20, 64, 132) == 1  # the batch already fills the GPU
+    assert choose_num_splits(1, 1 << 20, 64, 132) == MAX_SPLITS
+    assert choose_num_splits(0, 0, 64, 132) == 1
+
+
+@pytest.mark.parametrize("head_dim", [32, 64, 80, 96, 128, 256])
+@pytest.mark.parametrize("dtype", [FP32, BF16])
+def test_kernel_config_tiles_are_dot_shaped(head_dim, dtype):
+    for group, num_new in [(1, 1), (3, 17), (8, 128)]:
+        config = kernel_config(head_dim, group, num_new, dtype)
+        for block in (config.block_m, config.block_n, config.block_d):
+            assert block >= 16 and block & (block - 1) == 0
+        assert config.block_d >= head_dim and config.block_m * config.block_d <= 128 * 128
+
+
+def valid_args():
+    q = torch.randn(2, 4, 3, 16)
+    k_cache, v_cache = torch.randn(2, 2, 2, 10, 16)
+    cache_lens = torch.tensor([4, 7], dtype=torch.int32)
+    return dict(q=q, k_cache=k_cache, v_cache=v_cache, cache_lens=cache_lens)
+
+
+BAD_ARGS = {
+    "q not a tensor": (dict(q=[1.0]), "q: expected a torch.Tensor"),
+    "q 3-d": (dict(q=torch.randn(2, 4, 16)), r"q: expected shape \[B, Hq, N, D\]"),
+    "q int": (dict(q=torch.ones(2, 4, 3, 16, dtype=torch.int32)), "q: expected dtype"),
+    "q head dim too big": (dict(q=torch.randn(2, 4, 3, 257)), "D must be <= 256"),
+    "q D stride": (dict(q=torch.randn(2, 4, 16, 3).transpose(2, 3)), "q: expected unit stride"),
+    "k dtype": (dict(k_cache=torch.randn(2, 2, 10, 16, dtype=FP16)), "k_cache: expected dtype"),
+    "k batch": (dict(k_cache=torch.randn(3, 2, 10, 16)), r"k_cache: expected shape"),
+    "k head dim": (dict(k_cache=torch.randn(2, 2, 10, 8)), r"k_cache: expected shape"),
+    "v shape": (dict(v_cache=torch.randn(2, 2, 9, 16)), r"v_cache: expected shape"),
+    "k D stride": (
+        dict(k_cache=torch.randn(2, 2, 16, 10).transpose(2, 3)),
+        "k_cache: expected unit stride",
+    ),
+    "heads not a multiple": (
+        dict(k_cache=torch.randn(2, 3, 10, 16), v_cache=torch.randn(2, 3, 10, 16)),
+        "Hq must be a multiple of Hkv",
+    ),
+    "cache_lens int64": (dict(cache_lens=torch.tensor([4, 7])), "cache_lens: expected dtype"),
+    "cache_lens shape": (
+        dict(cache_lens=torch.tensor([4], dtype=torch.int32)),
+        r"cache_lens: expected shape \[B\]",
+    ),
+    "cache overflow": (
+        dict(cache_lens=torch.tensor([4, 8], dtype=torch.int32)),
+        r"cache_lens\[1\] = 8 is out of range: expected 0 <= cache_lens\[1\] <= 7",
+    ),
+    "negative cache_lens": (
+        dict(cache_lens=torch.tensor([-1, 0], dtype=torch.int32)),
+        "cache_lens",
+    ),
+    "q_lens too big": (dict(q_lens=torch.tensor([3, 4], dtype=torch.int32)), r"q_lens\[1\] = 4"),
+    "q_lens dtype": (
+        dict(q_lens=torch.tensor([3, 3], dtype=torch.int64)),
+        "q_lens: expected dtype",
+    ),
+    "mask N disagrees": (
+        dict(tree_mask=torch.ones(2, 4, 4, dtype=torch.bool)),
+        r"tree_mask: expected shape \[B, N, N\]",
+    ),
+    "packed mask words": (
+        dict(tree_mask=torch.ones(2, 3, 2, dtype=torch.int32)),
+        r"tree_mask: expected shape \[B, N, ceil\(N/32\)\]",
+    ),
+    "mask dtype": (dict(tree_mask=torch.ones(2, 3, 1)), "tree_mask: expected dtype"),
+    "scale nan": (dict(scale=float("nan")), "scale: expected a finite float"),
+    "scale tensor": (dict(scale=torch.tensor(0.5)), "scale: expected a finite float"),
+}
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("name", list(BAD_ARGS))
+def test_validation_errors(monkeypatch, backend, name):
+    monkeypatch.setenv("SPECDEC_BACKEND", backend)
+    changes, message = BAD_ARGS[name]
+    args = valid_args() | changes
+    with (
+        mock.patch("specdec_fast.kernels.tree_attention.launch_tree_attention") as launch,
+        pytest.raises(ValueError, match=message),
+    ):
+        tree_attention(**args)
+    launch.assert_not_called()
+
+
+def test_tree_size_limit():
+    num_new = MAX_TREE_NODES + 1
+    args = valid_args() | dict(
+        q=torch.randn(2, 4, num_new, 16),
+        k_cache=torch.randn(2, 2, 200, 16),
+        v_cache=torch.randn(2, 2, 200, 16),
+        tree_mask=torch.ones(2, num_new, num_new, dtype=torch.bool),
+    )
+    with pytest.raises(ValueError, match=f"at most {MAX_TREE_NODES} nodes"):
+        tree_attention(**args)
+    # Causal runs (prefill) have no such limit.
+    args["tree_mask"] = None
+    assert tree_attention(**args).shape == (2, 4, num_new, 16)
+
+
+def test_device_mismatch_is_a_clear_error():
+    args = valid_args()
+    args["cache_lens"] = args["cache_lens"].to("meta")
+    with pytest.raises(ValueError, match="cache_lens: expected a tensor on cpu"):
+        tree_attention(**args)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    ("batch", "prefix", "num_new", "mask_kind", "dtype"),
+    [
+        (1, 4096, 64, "random", BF16),
+        (3, 1000, 1, "causal", FP16),
+        (2, 2048, 32, "chain", FP32),
+        (4, 0, 300, "causal", BF16),
+    ],
+)
+def test_compiled_kernel_matches_reference(batch, prefix, num_new, mask_kind, dtype):
+    generator = torch.Generator(device="cuda").manual_seed(0)
+    q = torch.randn(batch, 32, num_new, 128, device="cuda", generator=generator).to(dtype)
+    k_cache, v_cache = torch.randn(2, batch, 8, prefix + num_new + 7, 128, device="cuda").to(dtype)
+    cache_lens = torch.arange(batch, dtype=torch.int32, device="cuda") * -7 + prefix
+    cache_lens.clamp_(min=0)
+    tree_mask = None
+    if mask_kind != "causal":
+        masks = [
+            ancestor_mask(random_parents(num_new, mask_kind, torch.Generator()))
+            for _ in range(batch)
+        ]
+        tree_mask = pack_tree_mask(torch.stack(masks).cuda())
+    out = tree_attention(q, k_cache, v_cache, cache_lens, tree_mask)
+    expected = tree_attention_reference(q, k_cache, v_cache, cache_lens, tree_mask)
+    rtol, atol = REFERENCE_TOL[dtype]
+    torch.testing.assert_close(out, expected, rtol=rtol, atol=atol)
+
+
+@pytest.mark.gpu
+def test_cuda_graph_replay_follows_new_lengths():
+    """No host sync inside: the call captures, and a replay reads the lengths of the moment."""
+    q = torch.randn(2, 32, 64, 128, device="cuda", dtype=BF16)
+    k_cache, v_cache = torch.randn(2, 2, 8, 4200, 128, device="cuda", dtype=BF16)
+    cache_lens = torch.tensor([4096, 100], dtype=torch.int32, device="cuda")
+    tree_attention(q, k_cache, v_cache, cache_lens)  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = tree_attention(q, k_cache, v_cache, cache_lens)
+    cache_lens.copy_(torch.tensor([17, 3000], dtype=torch.int32))
+    graph.replay()
+    expected = tree_attention_reference(q, k_cache, v_cache, cache_lens)
+    torch.testing.assert_close(out, expected, rtol=1.6e-2, atol=1.6e-2)
+
+
+# Compiles the kernels for sm_90 without a GPU (Triton ships ptxas), in a process where Triton is
+# not interpreting, and prints the local-memory bytes (spills) of each compiled kernel.
+COMPILE_SCRIPT = """
+import os, re, subprocess, sys, tempfile
+import torch, triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from specdec_fast.kernels.jit.tree_attention import (
+    tree_attention_combine_kernel, tree_attention_kernel,
+)
+from specdec_fast.kernels.tree_attention import kernel_config
+
+CUOBJDUMP = os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/cuobjdump")
+ELEMENT = {"bf16": torch.bfloat16, "fp32": torch.float32}
+
+def arg_type(name, element):
+    if name in ("q_ptr", "k_ptr", "v_ptr", "out_ptr"):
+        return "*" + element
+    if name in ("cache_lens_ptr", "q_lens_ptr", "mask_ptr"):
+        return "*i32"
+    if name in ("part_out_ptr", "part_lse_ptr"):
+        return "*fp32"
+    return "constexpr" if name.isupper() else "fp32" if name == "qk_scale" else "i32"
+
+def compile_kernel(fn, element, constexprs, **options):
+    signature = {name: arg_type(name, element) for name in fn.arg_names}
+    source = ASTSource(fn=fn, signature=signature, constexprs=constexprs)
+    kernel = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
+    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as cubin:
+        cubin.write(kernel.asm["cubin"])
+    usage = subprocess.run([CUOBJDUMP, "--dump-resource-usage", cubin.name],
+                           capture_output=True, text=True, check=True).stdout
+    return int(re.search(r"STACK:(\\d+)", usage).group(1))
+
+for spec in sys.argv[1:]:
+    element, head_dim, group, num_new, tree = spec.split(",")
+    head_dim, group, num_new, tree = int(head_dim), int(group), int(num_new), tree == "tree"
+    config = kernel_config(head_dim, group, num_new, ELEMENT[element])
+    constexprs = dict(
+        HEAD_DIM=head_dim, GROUP=group, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
+        BLOCK_D=config.block_d, IS_TREE=tree, MASK_WORDS=-(-num_new // 32) if tree else 0,
+        HAS_Q_LENS=True, WRITE_PARTIAL=True,
+        DOT_PRECISION="ieee" if element == "fp32" else "tf32", DOT_UPCAST=False,
+    )
+    stack = compile_kernel(tree_attention_kernel, element, constexprs,
+                           num_warps=config.num_warps, num_stages=config.num_stages)
+    combine = compile_kernel(tree_attention_combine_kernel, element,
+                             dict(BLOCK_T=32, BLOCK_D=config.block_d), num_warps=4)
+    print(spec, stack, combine)
+"""
+
+
+@pytest.mark.slow
+def test_kernels_compile_for_sm90_without_spilling_the_anchor_shape():
+    ptxas = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
+    if not ptxas.exists():
+        pytest.skip("this Triton build ships no ptxas")
+    specs = ["bf16,128,4,64,tree", "bf16,256,3,17,causal", "fp32,80,6,3,tree"]
+    env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
+    result = subprocess.run(
+        [sys.executable, "-c", COMPILE_SCRIPT, *specs],
+        capture_output=True,
+        text=True,
+        env=env,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    stacks = {line.split()[0]: line.split()[1:] for line in result.stdout.splitlines()}
+    assert set(stacks) == set(specs)
+    # Llama-3-8B's verify shape (bf16, D=128, GQA 4, 64 nodes) must keep everything in registers.
+    assert stacks["bf16,128,4,64,tree"] == ["0", "0"]
