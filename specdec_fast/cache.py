@@ -1,0 +1,213 @@
+"""The engine's KV cache: one `[num_layers, 2, B, Hkv, Lmax, D]` tensor behind HF's `Cache` API.
+
+Each layer's keys and values are views into the one tensor, so `kv_compact` moves the accepted path
+of every layer in one launch. `cache_lens` (int32 `[B]`, on the device) counts the committed tokens
+of each sequence; a forward writes its N new tokens at slots `cache_lens[b] + i` without advancing
+`cache_lens`: only `compact` (after verification) or the runner's prefill commit tokens. Slots past
+`cache_lens[b]` hold uncommitted data that the attention masks never expose.
+
+Sliding-window layers are stored like full ones (all tokens are kept); enforcing the window is the
+attention function's job. Layer kinds that are not softmax attention over every token (linear or
+chunked attention, KV shared across layers) are refused with an error naming the model type.
+"""
+
+import torch
+from transformers import PreTrainedConfig
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+from specdec_fast.kernels.kv_compact import kv_compact
+
+SUPPORTED_LAYER_TYPES = ("full_attention", "sliding_attention")
+
+
+def attention_windows(config: PreTrainedConfig) -> list[int | None]:
+    """The sliding window of each decoder layer (None for full attention), as HF configures it.
+
+    Raises ValueError, naming the model type, for layer kinds this cache cannot hold.
+    """
+    model_type = config.model_type
+    num_layers = config.num_hidden_layers
+    sliding_window = getattr(config, "sliding_window", None)
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types is None:
+        # As in HF (cache_utils.get_layer_types_and_kwargs): a config-wide window slides all layers.
+        if getattr(config, "attention_chunk_size", None) is not None:
+            layer_types = ["chunked_attention"] * num_layers
+        else:
+            kind = "full_attention" if sliding_window is None else "sliding_attention"
+            layer_types = [kind] * num_layers
+    unsupported = sorted(set(layer_types) - set(SUPPORTED_LAYER_TYPES))
+    if unsupported:
+        raise ValueError(
+            f"{model_type}: layer types {unsupported} are not supported; the specdec-fast KV cache "
+            f"holds only {list(SUPPORTED_LAYER_TYPES)} layers"
+        )
+    if getattr(config, "num_kv_shared_layers", None):
+        raise ValueError(f"{model_type}: layers that share KV with other layers are not supported")
+    return [sliding_window if kind == "sliding_attention" else None for kind in layer_types]
+
+
+class SpecKVLayer(CacheLayerMixin):
+    """One decoder layer's view of a `SpecKVCache`: `keys` and `values` are `[B, Hkv, Lmax, D]`."""
+
+    is_compileable = True
+    supports_early_init = False
+
+    def __init__(self, cache: "SpecKVCache", layer_idx: int, sliding_window: int | None):
+        super().__init__()
+        self.cache = cache
+        self.keys = cache.kv[layer_idx, 0]
+        self.values = cache.kv[layer_idx, 1]
+        self.is_sliding = sliding_window is not None
+        self.sliding_window = sliding_window
+        self.batch_size = cache.kv.shape[2]
+        self.is_initialized = True
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        """Nothing to do: the storage is allocated with the cache."""
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write the N new tokens (`[B, Hkv, N, D]` each) at slots `cache_lens[b] + i`.
+
+        Returns the whole layer, `[B, Hkv, Lmax, D]` keys and values, for the attention function.
+        """
+        slots = self.cache.write_slots
+        expected = (*self.keys.shape[:2], slots.shape[1], self.keys.shape[3])
+        for name, states in (("key_states", key_states), ("value_states", value_states)):
+            if tuple(states.shape) != expected or states.dtype != self.keys.dtype:
+                raise ValueError(
+                    f"{self.cache.model_type}: {name}: expected shape [B, Hkv, N, D] = {expected} "
+                    f"and dtype {self.keys.dtype}, got {tuple(states.shape)} and {states.dtype}"
+                )
+        batch_index = self.cache.batch_index
+        # Slot-major views make (batch, slot) the two indexed dims, so one index_put_ per tensor.
+        self.keys.transpose(1, 2).index_put_((batch_index, slots), key_states.transpose(1, 2))
+        self.values.transpose(1, 2).index_put_((batch_index, slots), value_states.transpose(1, 2))
+        return self.keys, self.values
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        """The whole capacity, as for HF's static cache (the mask built from it is never used)."""
+        return self.keys.shape[2], 0
+
+    def get_seq_length(self) -> torch.Tensor:
+        """The longest committed length, as a 0-dim device tensor so that no host read happens.
+
+        Per-sequence lengths are `SpecKVCache.cache_lens`.
+        """
+        return self.cache.cache_lens.max()
+
+    def get_max_length(self) -> int:
+        return self.keys.shape[2]
+
+
+class SpecKVCache(Cache):
+    """A static, ragged KV cache for tree verification.
+
+    Hkv and D come from the config and are the same for every layer; a model whose layers disagree
+    (or whose keys and values differ in width) fails at its first write, naming the model type.
+
+    Attributes:
+        kv: `[num_layers, 2, B, Hkv, Lmax, D]` in the model's dtype; layer l's K is `kv[l, 0]`.
+        cache_lens: int32 `[B]`, committed tokens per sequence, on the cache's device.
+        write_slots: int64 `[B, N]`, the slots the current forward writes (set by `prepare_write`).
+    """
+
+    def __init__(
+        self,
+        config: PreTrainedConfig,
+        batch_size: int,
+        max_cache_len: int,
+        *,
+        dtype: torch.dtype,
+        device: torch.device | str,
+    ):
+        text_config = config.get_text_config(decoder=True)
+        self.model_type = text_config.model_type
+        windows = attention_windows(text_config)
+        num_kv_heads = (
+            getattr(text_config, "num_key_value_heads", None) or text_config.num_attention_heads
+        )
+        head_dim = (
+            getattr(text_config, "head_dim", None)
+            or text_config.hidden_size // text_config.num_attention_heads
+        )
+        if batch_size < 1 or max_cache_len < 1:
+            raise ValueError(
+                f"batch_size and max_cache_len must be positive, got {batch_size} and "
+                f"{max_cache_len}"
+            )
+        shape = (len(windows), 2, batch_size, num_kv_heads, max_cache_len, head_dim)
+        # Zeros, not empty: unwritten slots are masked out, but NaN garbage would survive 0 * NaN.
+        self.kv = torch.zeros(shape, dtype=dtype, device=device)
+        self.cache_lens = torch.zeros(batch_size, dtype=torch.int32, device=device)
+        self.batch_index = torch.arange(batch_size, device=device)[:, None]
+        self.write_slots = torch.zeros(batch_size, 0, dtype=torch.long, device=device)
+        # Host-side upper bound of max(cache_lens): room checks read the device only near capacity.
+        self._len_bound = 0
+        super().__init__(layers=[SpecKVLayer(self, i, window) for i, window in enumerate(windows)])
+
+    @property
+    def max_cache_len(self) -> int:
+        return self.kv.shape[4]
+
+    @property
+    def length_bound(self) -> int:
+        """A host-side upper bound of `cache_lens[b]` plus the tokens being written, never above
+        the capacity (valid after `ensure_room`)."""
+        return min(self._len_bound, self.max_cache_len)
+
+    def ensure_room(self, num_new: int) -> None:
+        """Check that every sequence has room for `num_new` more tokens; raise ValueError if not.
+
+        Call it before a forward that writes `num_new` tokens per sequence: it raises before any
+        write. It assumes the committed lengths then grow by at most `num_new` (a verify step
+        followed by one compaction does), which keeps the host-side bound valid without a sync.
+        """
+        if self._len_bound + num_new > self.max_cache_len:
+            self._len_bound = int(self.cache_lens.max())
+            if self._len_bound + num_new > self.max_cache_len:
+                raise ValueError(
+                    f"KV cache overflow: {num_new} new tokens on top of {self._len_bound} cached "
+                    f"ones exceed the capacity max_cache_len = {self.max_cache_len}"
+                )
+        self._len_bound += num_new
+
+    def prepare_write(self, num_new: int) -> None:
+        """Set `write_slots` to `cache_lens[b] + i`, i < `num_new` (device ops only)."""
+        offsets = torch.arange(num_new, device=self.cache_lens.device)
+        self.write_slots = self.cache_lens[:, None].long() + offsets
+
+    def commit_lengths(self, lengths: torch.Tensor, max_length: int) -> None:
+        """Set `cache_lens` (in place) to `lengths` (int `[B]`), whose maximum is `max_length`."""
+        self.cache_lens.copy_(lengths)
+        self._len_bound = max_length
+
+    def compact(
+        self, accepted_nodes: torch.Tensor, num_accepted: torch.Tensor, *, validate: bool = True
+    ) -> None:
+        """Keep the accepted path of the last verify step and advance `cache_lens` (on the device).
+
+        Args:
+            accepted_nodes: int32 `[B, N]`, the accepted node indices, root first, then -1.
+            num_accepted: int32 `[B]`, accepted non-root nodes.
+            validate: let `kv_compact` check the path values on the host (a device read on
+                CUDA); the engine's hot path passes False for paths that `kernels.verify` made.
+        """
+        kv_compact(self.kv, self.cache_lens, accepted_nodes, num_accepted, validate=validate)
+
+    def select(self, rows: torch.Tensor) -> None:
+        """Keep only the sequences `rows` (int64 `[B']`, indices into the batch), in that order."""
+        self.kv = self.kv[:, :, rows].contiguous()
+        self.cache_lens = self.cache_lens[rows].contiguous()
+        self.batch_index = torch.arange(rows.numel(), device=self.kv.device)[:, None]
+        self.write_slots = self.write_slots[rows]
+        for index, layer in enumerate(self.layers):
+            layer.keys, layer.values = self.kv[index, 0], self.kv[index, 1]
+            layer.batch_size = rows.numel()
+
+    def reset(self) -> None:
+        """Forget every committed token (the storage is kept as it is)."""
+        self.cache_lens.zero_()
+        self._len_bound = 0

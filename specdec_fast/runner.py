@@ -1,0 +1,431 @@
+"""The model runner: an unmodified HF causal LM driven through our KV cache and tree attention.
+
+`ModelRunner(model, max_cache_len)` switches the model's attention to `tree_attention` (through
+transformers' `AttentionInterface`, no change to code or weights) until `close()` or the end of a
+`with` block, which restore the original implementation.
+
+Protocol for one batch of B sequences (what the engine does):
+
+1. `out = runner.prefill(input_ids, attention_mask)`. Left or right padding is removed on the host
+   side of the forward; every real prompt token **except the last** enters the cache, so
+   `cache.cache_lens[b] = len_b - 1` and padding never does. `out.root_tokens` (int64 `[B]`) holds
+   each prompt's last real token: the root of the first tree. `out.hidden_states[layer]` is
+   `[B, T, H]`, row t the t-th cached token (rows `t >= cache_lens[b]` are padding).
+2. Each step: the drafter proposes `tokens [B, N]` and `parents [B, N]` with node 0 the root (the
+   last chosen token, not yet in the cache: `tokens[:, 0]` must hold it) and `parents[:, 0] = -1`.
+   `v = runner.verify(tokens, parents)` feeds node i at position `cache_lens[b] + depth(i)` and
+   writes its K/V at slot `cache_lens[b] + i`; `v.logits[b, i]` (fp32 `[B, N, V]`) is the
+   distribution of node i's child, exactly what a plain forward over the prefix plus the
+   root-to-node path gives at its last token.
+3. `res = kernels.verify(v.logits, tokens, parents, ...)`, then
+   `runner.cache.compact(res.accepted_nodes, res.num_accepted)`: the cache holds the prefix, the
+   root and the accepted path, and `cache_lens` advanced by `num_accepted + 1` on the device.
+   `res.next_tokens` is the next root.
+
+Plain decoding is the same loop with N = 1 (`parents = [[-1]]`, accepting the root alone). Nodes
+with parent -2 are padding: they see only themselves and nobody sees them, so they are harmless
+(their token must still be a valid id; their logits are meaningless).
+
+Hidden states for drafters: `runner.capture_hidden([i, ...])` registers forward hooks; layer i is
+the output of decoder layer i, and -1 is the final normed hidden state (the input of `lm_head`).
+`prefill` and `verify` return them in `hidden_states`.
+
+On CUDA, `verify` for a given (B, N) is captured as a CUDA graph on first use and replayed after;
+the returned tensors are then static buffers, overwritten by the next `verify` of the same shape.
+A replayed step reads nothing back from the device except for the capacity check, and that only
+near capacity (the eager path, `use_cuda_graphs=False`, lets the kernels check lengths on the host).
+`prefill` always runs eagerly and reads the prompt lengths once.
+"""
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from functools import partial
+
+import torch
+from torch import nn
+from transformers import PreTrainedModel
+
+from specdec_fast.attention import (
+    ATTENTION_NAME,
+    METADATA_KWARG,
+    StepMetadata,
+    check_attention_features,
+    register_attention,
+)
+from specdec_fast.cache import SpecKVCache, attention_windows
+from specdec_fast.kernels import pack_tree_mask
+from specdec_fast.kernels.validation import check_tensor
+from specdec_fast.tree_mask import ancestor_mask, node_depths
+
+FINAL_NORM = -1
+INDEX_DTYPES = (torch.int32, torch.int64)
+# Eager runs before capture: lazy initialisations and Triton compilation must not be captured.
+GRAPH_WARMUP_STEPS = 2
+
+
+@dataclass
+class PrefillOutput:
+    """What `ModelRunner.prefill` returns.
+
+    Attributes:
+        root_tokens: int64 `[B]`, each prompt's last real token (not cached: the first root).
+        cache_lens: int32 `[B]`, the cached prompt lengths (`len_b - 1`).
+        hidden_states: `{layer: [B, T, H]}` for the captured layers, T = max cached length.
+        logits: fp32 `[B, T, V]` for the cached tokens when asked for, else None.
+    """
+
+    root_tokens: torch.Tensor
+    cache_lens: torch.Tensor
+    hidden_states: dict[int, torch.Tensor]
+    logits: torch.Tensor | None
+
+
+@dataclass
+class VerifyOutput:
+    """What `ModelRunner.verify` returns.
+
+    Attributes:
+        logits: fp32 `[B, N, V]`; row i is the distribution of node i's child.
+        hidden_states: `{layer: [B, N, H]}` for the captured layers, in the model's dtype.
+    """
+
+    logits: torch.Tensor
+    hidden_states: dict[int, torch.Tensor]
+
+
+@dataclass
+class _VerifyGraph:
+    """A captured verify forward with its static inputs and outputs."""
+
+    graph: torch.cuda.CUDAGraph
+    tokens: torch.Tensor
+    parents: torch.Tensor
+    q_lens: torch.Tensor | None
+    output: VerifyOutput
+
+
+def _decoder_modules(model: PreTrainedModel) -> tuple[nn.ModuleList, nn.Module | None]:
+    """The decoder layers and the final norm of a causal LM (`model.get_decoder()`)."""
+    decoder = model.get_decoder()
+    layers = getattr(decoder, "layers", None)
+    if not isinstance(layers, nn.ModuleList):
+        raise ValueError(
+            f"{model.config.model_type}: cannot find the decoder layers "
+            "(expected a ModuleList at model.get_decoder().layers)"
+        )
+    return layers, getattr(decoder, "norm", None)
+
+
+class ModelRunner:
+    """Runs prefill and tree verification of an HF causal LM over a `SpecKVCache`.
+
+    Args:
+        model: an HF `PreTrainedModel` for causal LM whose attention goes through
+            `AttentionInterface` (Llama, Mistral, Qwen2/3, Gemma, ...). The cache takes its dtype.
+        max_cache_len: cache capacity per sequence (prompt and generated tokens, plus the N nodes
+            of a verify step).
+        use_cuda_graphs: capture and replay `verify` as CUDA graphs; default True on CUDA. Turn it
+            off to debug; it cannot be on for a model on the CPU.
+
+    Raises:
+        ValueError: naming the model type, for attention this runner cannot serve.
+    """
+
+    def __init__(
+        self, model: PreTrainedModel, max_cache_len: int, *, use_cuda_graphs: bool | None = None
+    ):
+        config = model.config.get_text_config(decoder=True)
+        model_type = config.model_type
+        for window in set(attention_windows(config)):
+            check_attention_features(
+                model_type,
+                max_cache_len,
+                sliding_window=window,
+                softcap=getattr(config, "attn_logit_softcapping", None),
+            )
+        self.model = model
+        self.max_cache_len = max_cache_len
+        self.device = model.device
+        self.use_cuda_graphs = (
+            self.device.type == "cuda" if use_cuda_graphs is None else use_cuda_graphs
+        )
+        if self.use_cuda_graphs and self.device.type != "cuda":
+            raise ValueError(
+                f"use_cuda_graphs needs a model on CUDA, the model is on {self.device}"
+            )
+        self._layers, self._final_norm = _decoder_modules(model)
+        self.cache: SpecKVCache | None = None
+        self._captured: dict[int, torch.Tensor] = {}
+        self._capture_layers: tuple[int, ...] = ()
+        self._hooks: list[torch.utils.hooks.RemovableHandle] = []
+        self._graphs: dict[tuple, _VerifyGraph] = {}
+        self._graph_pool = None
+
+        register_attention()
+        self._original_attention = model.config._attn_implementation
+        model.set_attn_implementation(ATTENTION_NAME)
+        if model.config._attn_implementation != ATTENTION_NAME:
+            raise ValueError(
+                f"{model_type}: the model does not route attention through transformers' "
+                f"AttentionInterface, so {ATTENTION_NAME!r} cannot be switched on"
+            )
+        self._open = True
+
+    def __enter__(self) -> "ModelRunner":
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Restore the model's original attention and remove the hooks (idempotent)."""
+        if not self._open:
+            return
+        self._open = False
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks.clear()
+        self._graphs.clear()
+        self.cache = None
+        self.model.set_attn_implementation(self._original_attention)
+
+    def capture_hidden(self, layers: Sequence[int]) -> None:
+        """Return these layers' hidden states from now on.
+
+        Layer i is the output of decoder layer i (HF's `hidden_states[i + 1]`); -1 is the final
+        normed hidden state, the input of `lm_head`. Replaces the previous selection.
+        """
+        self._check_open()
+        modules = {}
+        for layer in layers:
+            if layer == FINAL_NORM and self._final_norm is not None:
+                modules[layer] = self._final_norm
+            elif 0 <= layer < len(self._layers):
+                modules[layer] = self._layers[layer]
+            else:
+                raise ValueError(
+                    f"layers: expected decoder layer indices in [0, {len(self._layers)}) or -1 "
+                    f"(final norm, if the decoder has `norm`), got {layer}"
+                )
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks = [
+            module.register_forward_hook(self._hook_for(layer)) for layer, module in modules.items()
+        ]
+        self._capture_layers = tuple(modules)
+        # Captured graphs record the hooks that ran at capture time.
+        self._graphs.clear()
+
+    def _hook_for(self, layer: int):
+        def hook(module, args, output):
+            self._captured[layer] = output[0] if isinstance(output, tuple) else output
+
+        return hook
+
+    def prefill(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        *,
+        return_logits: bool = False,
+    ) -> PrefillOutput:
+        """Start B sequences: cache each prompt except its last real token (see the module doc).
+
+        Args:
+            input_ids: int `[B, T]`, padded on either side.
+            attention_mask: `[B, T]`, nonzero at real tokens; None means no padding. Every
+                sequence needs at least one real token.
+            return_logits: also return the logits of the cached tokens.
+
+        Reads the prompt lengths back to the host (once). Resets the cache.
+        """
+        self._check_open()
+        check_tensor("input_ids", input_ids, shape=(-1, -1), dims="[B, T]", dtypes=INDEX_DTYPES)
+        batch, _ = input_ids.shape
+        input_ids = input_ids.to(self.device)
+        if attention_mask is None:
+            real = torch.ones_like(input_ids, dtype=torch.bool)
+        else:
+            check_tensor("attention_mask", attention_mask, shape=input_ids.shape, dims="[B, T]")
+            real = attention_mask.to(self.device) != 0
+        lengths = real.sum(dim=1)
+        lengths_host = lengths.tolist()
+        if min(lengths_host) < 1:
+            empty = lengths_host.index(min(lengths_host))
+            raise ValueError(f"attention_mask: sequence {empty} has no real token")
+        # A stable sort on "is padding" moves each row's real tokens to the front, in order.
+        order = torch.sort((~real).to(torch.int8), dim=1, stable=True).indices
+        packed = input_ids.gather(1, order)
+        root_tokens = packed.gather(1, (lengths - 1)[:, None]).squeeze(1).long()
+        cached_lens = (lengths - 1).to(torch.int32)
+        num_cached = max(lengths_host) - 1
+
+        self._ensure_cache(batch)
+        self.cache.reset()
+        self.cache.ensure_room(num_cached)
+        if num_cached == 0:
+            logits, hidden = self._empty_outputs(batch)
+        else:
+            positions = torch.arange(num_cached, device=self.device).expand(batch, -1)
+            logits, hidden = self._forward(
+                packed[:, :num_cached],
+                positions,
+                tree_mask=None,
+                q_lens=cached_lens,
+                logits_to_keep=0 if return_logits else 1,
+            )
+        self.cache.commit_lengths(cached_lens, num_cached)
+        return PrefillOutput(
+            root_tokens=root_tokens,
+            cache_lens=cached_lens,
+            hidden_states=hidden,
+            logits=logits if return_logits else None,
+        )
+
+    def verify(
+        self, tokens: torch.Tensor, parents: torch.Tensor, q_lens: torch.Tensor | None = None
+    ) -> VerifyOutput:
+        """Run the target over a tree of N nodes per sequence (see the module doc).
+
+        Args:
+            tokens: int `[B, N]`, the token at each node; node 0 is the root.
+            parents: int `[B, N]`, topological (`parents[b, i] < i`), -1 for the root, -2 for a
+                padded node. Not read on the host.
+            q_lens: optional int32 `[B]`: nodes `i >= q_lens[b]` are padding (zero attention).
+
+        Returns:
+            fp32 logits `[B, N, V]` and the captured hidden states `{layer: [B, N, H]}`.
+
+        Raises:
+            ValueError: on bad shapes, or if `cache_lens[b] + N` could exceed `max_cache_len`
+            (before anything is written).
+        """
+        self._check_open()
+        if self.cache is None:
+            raise RuntimeError("verify: call prefill first")
+        batch = self.cache.kv.shape[2]
+        check_index = partial(check_tensor, dtypes=INDEX_DTYPES, device=self.device)
+        check_index("tokens", tokens, shape=(batch, -1), dims="[B, N]")
+        if tokens.shape[1] < 1:
+            raise ValueError("tokens: expected N >= 1 nodes (the root at least), got N = 0")
+        check_index("parents", parents, shape=tokens.shape, dims="[B, N] of tokens")
+        if q_lens is not None:
+            check_index("q_lens", q_lens, shape=(batch,), dims="[B]")
+        self.cache.ensure_room(tokens.shape[1])
+        if self.use_cuda_graphs:
+            return self._replay(tokens, parents, q_lens)
+        return VerifyOutput(*self._verify_step(tokens, parents, q_lens))
+
+    def keep(self, rows: torch.Tensor) -> None:
+        """Keep only the sequences `rows` (int64 `[B']`, indices into the batch), in that order:
+        finished sequences leave the batch and stop costing work. Captured graphs of the old
+        batch size are dropped."""
+        self._check_open()
+        if self.cache is None:
+            raise RuntimeError("keep: call prefill first")
+        self.cache.select(rows.to(self.device))
+        self._graphs.clear()
+
+    def _check_open(self) -> None:
+        if not self._open:
+            raise RuntimeError("this ModelRunner is closed")
+
+    def _ensure_cache(self, batch: int) -> None:
+        if self.cache is not None and self.cache.kv.shape[2] == batch:
+            return
+        self._graphs.clear()
+        self.cache = None  # free the old storage before allocating the new one
+        self.cache = SpecKVCache(
+            self.model.config,
+            batch,
+            self.max_cache_len,
+            dtype=self.model.dtype,
+            device=self.device,
+        )
+
+    def _empty_outputs(self, batch: int) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+        config = self.model.config.get_text_config(decoder=True)
+        hidden = {
+            layer: torch.zeros(
+                batch, 0, config.hidden_size, dtype=self.model.dtype, device=self.device
+            )
+            for layer in self._capture_layers
+        }
+        logits = torch.zeros(batch, 0, config.vocab_size, device=self.device)
+        return logits, hidden
+
+    def _verify_step(
+        self, tokens: torch.Tensor, parents: torch.Tensor, q_lens: torch.Tensor | None
+    ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+        """Tree mask and positions from `parents`, then the forward (device ops only)."""
+        ancestors = ancestor_mask(parents)
+        positions = self.cache.cache_lens[:, None].long() + node_depths(ancestors)
+        # A single node sees only itself, which is what the causal default gives.
+        tree_mask = None if tokens.shape[1] == 1 else pack_tree_mask(ancestors)
+        q_lens = None if q_lens is None else q_lens.to(torch.int32)
+        return self._forward(tokens, positions, tree_mask, q_lens, logits_to_keep=0)
+
+    def _forward(
+        self,
+        tokens: torch.Tensor,
+        positions: torch.Tensor,
+        tree_mask: torch.Tensor | None,
+        q_lens: torch.Tensor | None,
+        logits_to_keep: int,
+    ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+        self.cache.prepare_write(tokens.shape[1])
+        key_bound = None if self.use_cuda_graphs else self.cache.length_bound
+        metadata = StepMetadata(
+            self.cache.cache_lens, tree_mask, q_lens, self.max_cache_len, key_bound
+        )
+        self._captured.clear()
+        with torch.no_grad():
+            output = self.model(
+                input_ids=tokens,
+                position_ids=positions,
+                past_key_values=self.cache,
+                use_cache=True,
+                logits_to_keep=logits_to_keep,
+                **{METADATA_KWARG: metadata},
+            )
+        hidden = {layer: self._captured[layer] for layer in self._capture_layers}
+        return output.logits.float(), hidden
+
+    def _replay(
+        self, tokens: torch.Tensor, parents: torch.Tensor, q_lens: torch.Tensor | None
+    ) -> VerifyOutput:
+        key = (tuple(tokens.shape), q_lens is None)
+        captured = self._graphs.get(key)
+        if captured is None:
+            captured = self._capture(tokens, parents, q_lens)
+            self._graphs[key] = captured
+        captured.tokens.copy_(tokens)
+        captured.parents.copy_(parents)
+        if q_lens is not None:
+            captured.q_lens.copy_(q_lens)
+        captured.graph.replay()
+        return captured.output
+
+    def _capture(
+        self, tokens: torch.Tensor, parents: torch.Tensor, q_lens: torch.Tensor | None
+    ) -> _VerifyGraph:
+        """Capture `_verify_step` on static copies of the inputs.
+
+        Warm-up and capture write K/V only at uncommitted slots, which the replay overwrites.
+        """
+        static_tokens, static_parents = tokens.clone(), parents.clone()
+        static_q_lens = None if q_lens is None else q_lens.clone()
+        if self._graph_pool is None:
+            self._graph_pool = torch.cuda.graph_pool_handle()
+        side_stream = torch.cuda.Stream(self.device)
+        side_stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side_stream):
+            for _ in range(GRAPH_WARMUP_STEPS):
+                self._verify_step(static_tokens, static_parents, static_q_lens)
+        torch.cuda.current_stream(self.device).wait_stream(side_stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._graph_pool):
+            logits, hidden = self._verify_step(static_tokens, static_parents, static_q_lens)
+        return _VerifyGraph(
+            graph, static_tokens, static_parents, static_q_lens, VerifyOutput(logits, hidden)
+        )

@@ -1,0 +1,32 @@
+"""Tree structure from parent pointers, computed on the device without reading anything back.
+
+A tree of N nodes is given as `parents [B, N]` in topological order (`parents[b, i] < i`): the root
+has parent -1 and a padded node (one that does not exist) has parent -2. Both functions are a fixed
+number of batched tensor ops for a given N, so they can be captured in a CUDA graph.
+"""
+
+import math
+
+import torch
+
+
+def ancestor_mask(parents: torch.Tensor) -> torch.Tensor:
+    """Bool `[B, N, N]`: entry `[b, i, j]` says node j is node i itself or one of its ancestors.
+
+    Args:
+        parents: integer `[B, N]`; -1 marks the root, -2 a padded node (which then sees only itself
+            and is seen by nobody).
+    """
+    num_nodes = parents.shape[-1]
+    node = torch.arange(num_nodes, device=parents.device)
+    # One step up the tree plus the node itself; negative parents match no column.
+    reach = ((parents[..., :, None] == node) | (node[:, None] == node)).float()
+    # Repeated squaring doubles the path length covered: ceil(log2 N) products reach every ancestor.
+    for _ in range(math.ceil(math.log2(num_nodes)) if num_nodes > 1 else 0):
+        reach = (reach @ reach).clamp_(max=1.0)
+    return reach.bool()
+
+
+def node_depths(ancestors: torch.Tensor) -> torch.Tensor:
+    """int64 `[B, N]`: the depth of each node (root 0), from the mask of `ancestor_mask`."""
+    return ancestors.sum(dim=-1) - 1
