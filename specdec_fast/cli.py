@@ -1,16 +1,21 @@
 """The `specdec-fast` command line: `demo` (the main job), `generate` and `bench`."""
 
+from __future__ import annotations
+
 import argparse
+import json
 import sys
 
+from specdec_fast.loading import DrafterSpec
 
-def _not_built(name: str, issue: str) -> int:
-    print(
-        f"specdec-fast {name}: not built yet ({issue}). The kernels are importable as "
-        "specdec_fast.kernels; run the tests with `bash run.sh test`.",
-        file=sys.stderr,
-    )
-    return 2
+
+def _add_sampling(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--max-new-tokens", type=int, default=128, help="default: 128")
+    parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    parser.add_argument("--top-k", type=int, default=0, help="0 = off (default)")
+    parser.add_argument("--top-p", type=float, default=1.0, help="1.0 = off (default)")
+    parser.add_argument("--seed", type=int, default=None, help="sampling seed")
+    parser.add_argument("--device", default=None, help="default: cuda if available, else cpu")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -19,31 +24,182 @@ def build_parser() -> argparse.ArgumentParser:
         description="Fast, lossless speculative decoding for Hugging Face causal LMs.",
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    sub.add_parser(
+    demo = sub.add_parser(
         "demo",
         help="speculative decoding on the bundled model pair, side by side with plain decoding",
         description="Complete held-out code prompts with plain decoding and every drafter.",
     )
-    sub.add_parser(
+    demo.add_argument("--prompts", type=int, default=4, help="held-out prompts (default: 4)")
+    demo.add_argument("--max-new-tokens", type=int, default=64, help="default: 64")
+    demo.add_argument("--device", default=None, help="default: cuda if available, else cpu")
+    gen = sub.add_parser(
         "generate",
         help="complete one prompt with a chosen drafter",
         description="Complete a prompt with speculative decoding and print a stats summary.",
     )
-    sub.add_parser(
+    gen.add_argument("--model", default="tiny-code", help="folder or bundled name (tiny-code)")
+    gen.add_argument(
+        "--drafter",
+        default="ngram",
+        type=DrafterSpec.parse,
+        help="none | ngram[:N] | suffix[:N] | draft:PATH[:K] | draft-tree:PATH[:N] "
+        "(PATH: folder or bundled name, e.g. draft:tiny-code-draft); default: ngram",
+    )
+    gen.add_argument("--prompt", required=True, help="the prompt text")
+    gen.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+    _add_sampling(gen)
+    _add_bench(sub)
+    return parser
+
+
+def _int_list(text: str) -> list[int]:
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected comma-separated integers, got {text!r}"
+        ) from None
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
+    return values
+
+
+def _add_bench(sub) -> None:
+    bench = sub.add_parser(
         "bench",
         help="measure speculation on your own prompts (acceptance, latency, throughput)",
-        description="Benchmark drafters against plain decoding on a JSONL prompt set.",
+        description="Benchmark drafters against plain decoding on a JSONL prompt set and write "
+        "DIR/report.json and DIR/report.md (plus PNG plots when matplotlib is installed).",
     )
-    return parser
+    bench.add_argument("--model", default="tiny-code", help="folder or bundled name (tiny-code)")
+    bench.add_argument(
+        "--drafter",
+        action="append",
+        type=DrafterSpec.parse,
+        help="a drafter SPEC, repeatable: ngram | suffix | draft:PATH | draft-tree:PATH | "
+        "medusa:PATH | eagle:PATH (PATH: folder or bundled name); default: ngram and suffix",
+    )
+    bench.add_argument(
+        "--prompts", default=None, help="JSONL prompt set (default: the shipped default set)"
+    )
+    bench.add_argument(
+        "--per-task", type=int, default=None, help="only the first N prompts of each task type"
+    )
+    bench.add_argument("--k", type=_int_list, default=[1, 2, 3], help="sizes k/N (1,2,3)")
+    bench.add_argument(
+        "--tree", type=_int_list, default=[], help="tree budgets, e.g. 16,32,64 (none)"
+    )
+    bench.add_argument("--batch", type=_int_list, default=[1, 4], help="concurrency (1,4)")
+    bench.add_argument(
+        "--no-adaptive", action="store_true", help="skip the adaptive-speculation cells"
+    )
+    bench.add_argument(
+        "--max-new-tokens", type=int, default=64, help="for prompts without their own (64)"
+    )
+    bench.add_argument("--price-per-hour", type=float, default=None, help="device price, $/h")
+    bench.add_argument("--guardrails", default=None, help="YAML guardrail policy to judge cells")
+    bench.add_argument(
+        "--repeats", type=int, default=1, help="runs per cell, the fastest counts (1)"
+    )
+    bench.add_argument("--device", default=None, help="default: cuda if available, else cpu")
+    bench.add_argument(
+        "--threads", type=int, default=None, help="CPU threads for torch (default: torch's)"
+    )
+    bench.add_argument("--out", required=True, help="output folder")
+
+
+def run_bench(args: argparse.Namespace) -> int:
+    import torch
+
+    from specdec_fast.harness import bench
+
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    drafters = [str(d) for d in args.drafter] if args.drafter else ["ngram", "suffix"]
+    report = bench(
+        args.model,
+        drafters,
+        args.prompts,
+        args.out,
+        k=args.k,
+        trees=args.tree,
+        batch=args.batch,
+        adaptive=not args.no_adaptive,
+        max_new_tokens=args.max_new_tokens,
+        price_per_hour=args.price_per_hour,
+        guardrails=args.guardrails,
+        repeats=args.repeats,
+        per_task=args.per_task,
+        device=args.device,
+    )
+    print(f"wrote {report['files']['markdown']} and {report['files']['json']}")
+    return 0
+
+
+def run_generate(args: argparse.Namespace) -> int:
+    import torch
+
+    from specdec_fast.engine import generate
+    from specdec_fast.loading import load_model, load_tokenizer, pick_device
+
+    device = pick_device(args.device)
+    model = load_model(args.model, device)
+    tokenizer = load_tokenizer(args.model)
+    drafter = args.drafter.build(model)
+    prompt_ids = tokenizer(args.prompt, add_special_tokens=False)["input_ids"]
+    if not prompt_ids:
+        raise SystemExit("specdec-fast generate: the prompt encodes to no tokens")
+    done = [0]
+
+    def show(row: int, tokens: list[int]) -> None:
+        done[0] += len(tokens)
+        if args.json:
+            print(f"\r{done[0]}/{args.max_new_tokens} tokens", end="", file=sys.stderr, flush=True)
+        else:
+            print(tokenizer.decode(tokens), end="", flush=True)
+
+    if not args.json:
+        print(args.prompt, end="", flush=True)
+    with torch.no_grad():
+        out = generate(
+            model,
+            [prompt_ids],
+            drafter=drafter,
+            max_new_tokens=args.max_new_tokens,
+            temperature=args.temperature,
+            top_k=args.top_k,
+            top_p=args.top_p,
+            seed=args.seed,
+            on_tokens=show,
+        )
+    completion = tokenizer.decode(out.sequences[0][len(prompt_ids) :])
+    if args.json:
+        print(file=sys.stderr)
+        record = {"prompt": args.prompt, "completion": completion, "drafter": str(args.drafter)}
+        print(json.dumps(record | {"stats": out.stats.summary()}))
+    else:
+        print(f"\n\n[{args.drafter}] {out.stats.one_line()}")
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    if args.command == "demo":
-        return _not_built("demo", "the bundled model family and demo are tracked in issue 6")
+    try:
+        return _dispatch(args)
+    except ValueError as error:
+        # Bad input (paths, specs, shapes) is reported as such, not as a traceback.
+        print(f"specdec-fast {args.command}: error: {error}", file=sys.stderr)
+        return 2
+
+
+def _dispatch(args: argparse.Namespace) -> int:
     if args.command == "generate":
-        return _not_built("generate", "the engine is tracked in issue 5")
-    return _not_built("bench", "the evaluation harness is tracked in issue 8")
+        return run_generate(args)
+    if args.command == "demo":
+        from specdec_fast.demo import main as demo_main
+
+        return demo_main(args.prompts, args.max_new_tokens, args.device)
+    return run_bench(args)
 
 
 if __name__ == "__main__":

@@ -1,7 +1,8 @@
-"""Plain-torch reference of `tree_attention`: a dense key-visibility mask and an fp32 softmax.
+"""Plain-torch reference of `tree_attention`: a dense key-visibility mask and fp32 attention.
 
-It materializes scores over the whole cache (`[B, Hq, N, Lmax]` in fp32), so it is meant for tests,
-the CPU backend and small models, not for speed. It never reads the lengths back to the host, so it
+It materializes a `[B, N, Lmax]` visibility mask and an fp32 copy of the cache, then runs SDPA's
+fp32 math with that mask, so it is meant for tests, the CPU backend and small models, not for
+speed on a GPU. It never reads the lengths back to the host, so it
 also runs under CUDA graph capture.
 """
 
@@ -71,16 +72,16 @@ def tree_attention_reference(
     Returns:
         `[B, Hq, N, D]` in the dtype of q. A row that sees no key at all gives zeros.
     """
-    _, num_q_heads, num_new, head_dim = q.shape
-    group = num_q_heads // k_cache.shape[1]
+    num_new, head_dim = q.shape[2], q.shape[3]
     scale = head_dim**-0.5 if scale is None else scale
     visible = key_visibility(cache_lens, tree_mask, q_lens, num_new, k_cache.shape[2])[:, None]
     # Slots no row sees (beyond the live new tokens) are never read, even when they hold NaN.
     slot_read = visible.any(dim=2)[..., None]
-    keys = torch.where(slot_read, k_cache.float(), 0.0).repeat_interleave(group, dim=1)
-    values = torch.where(slot_read, v_cache.float(), 0.0).repeat_interleave(group, dim=1)
-    scores = (q.float() @ keys.transpose(-1, -2)) * scale
-    scores = scores.masked_fill(~visible, float("-inf"))
-    probs = torch.softmax(scores, dim=-1)
-    probs = torch.where(visible.any(dim=-1, keepdim=True), probs, 0.0)
-    return (probs @ values).to(q.dtype)
+    keys = torch.where(slot_read, k_cache.float(), 0.0)
+    values = torch.where(slot_read, v_cache.float(), 0.0)
+    # SDPA's math in fp32 with a boolean mask is exactly softmax(q k^T * scale) v over the visible
+    # keys; GQA query heads h read KV head h // group.
+    out = torch.nn.functional.scaled_dot_product_attention(
+        q.float(), keys, values, attn_mask=visible, scale=scale, enable_gqa=True
+    )
+    return torch.where(visible.any(dim=-1, keepdim=True), out, 0.0).to(q.dtype)

@@ -1,0 +1,177 @@
+"""The drafter protocol, and the tree proposal that every drafter returns.
+
+One speculative step, as the engine runs it (DESIGN.md, "Data flow of one step"):
+
+1. `drafter.propose(state)` returns a `Proposal`: a tree of `N` nodes per active row, node 0 being
+   the root (the last token already chosen, not yet in the target's cache), nodes in topological
+   order, siblings in the order they should be tried (most likely first).
+2. The target verifies the whole tree in one forward pass; `specdec_fast.kernels.verify` picks the
+   accepted path and the next token; the target's KV cache is compacted to that path.
+3. `drafter.update(state, outcome)` lets the drafter follow (its own cache, features, indexes).
+
+A drafter is any object with these members (subclass `Drafter` for the defaults):
+
+- `max_nodes: int`: the tree budget, draft nodes per step excluding the root (N = max_nodes + 1).
+- `max_depth: int`: the deepest level a proposal may reach (a chain of k tokens has depth k).
+- `hidden_layers: tuple[int, ...]`: target layers whose hidden states the drafter reads (-1 is the
+  final normed hidden state that feeds the LM head); the engine captures them at prefill and verify.
+- `attach(target, max_cache_len)`: called once per `generate` before anything else; model-based
+  drafters check that they fit the target and set up their own caches here.
+- `begin(state)`: a new batch of requests starts; `state.tokens` holds the prompts and
+  `state.hidden` the target's hidden states over the cached prompt tokens (all but the last).
+- `propose(state) -> Proposal`.
+- `update(state, outcome)`: after verification; `outcome.emitted[r]` are the tokens appended to
+  row r
+  (accepted drafts then the next token, truncated at a stop), `outcome.hidden` the hidden states of
+  the verified nodes.
+- `keep(rows)`: finished rows leave the batch; `rows` (int64 [B']) indexes the rows that remain.
+- `end()`: the batch is done (a drafter with a global store may learn from the outputs here).
+
+Proposals of deterministic drafters (n-gram, suffix, Medusa, EAGLE, top-k draft trees) carry no
+draft probabilities; a chain sampled from a draft model carries `draft_probs` so that verification
+stays lossless when sampling.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+PAD_PARENT = -2
+
+
+@dataclass
+class Proposal:
+    """A batch of draft trees.
+
+    tokens: int64 [B, N]; column 0 holds the root token of each row.
+    parents: int64 [B, N]; -1 for the root, the parent's node index (< own index) for a node,
+        -2 for padding.
+    draft_probs: optional float [B, N, V], chains only: row i is the draft distribution node i's
+        token was sampled from.
+    """
+
+    tokens: torch.Tensor
+    parents: torch.Tensor
+    draft_probs: torch.Tensor | None = None
+
+    @property
+    def num_nodes(self) -> int:
+        return self.tokens.shape[1]
+
+
+@dataclass
+class DraftState:
+    """What the engine tells a drafter about the active rows (in batch order).
+
+    tokens: per row, every token so far (prompt and emitted); the last one is the root of the next
+        tree and is not yet in the target's cache.
+    temperature, top_k, top_p: float/int64/float [B] tensors on the device (0.0 = greedy).
+    seed: int64 [B] per-row seeds, advanced by the engine at every step.
+    hidden: target hidden states by layer index: after prefill, [B, T, H] over the cached prompt
+        tokens (padded rows hold zeros after `prompt_lens[r] - 1`).
+    """
+
+    tokens: list[list[int]]
+    temperature: torch.Tensor
+    top_k: torch.Tensor
+    top_p: torch.Tensor
+    seed: torch.Tensor
+    device: torch.device
+    hidden: dict[int, torch.Tensor] = field(default_factory=dict)
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.tokens)
+
+    @property
+    def greedy(self) -> bool:
+        """True when every row decodes greedily."""
+        return bool((self.temperature == 0).all())
+
+
+@dataclass
+class StepOutcome:
+    """The result of verifying one proposal.
+
+    accepted_nodes: int32 [B, N], the accepted path as node indices, root first, then -1.
+    num_accepted: int32 [B], accepted non-root nodes.
+    next_tokens: int64 [B], the token sampled after the path.
+    emitted: per row, the tokens appended this step (accepted drafts, then the next token),
+        truncated after a stop; empty for rows that had already finished.
+    hidden: target hidden states of the verified nodes by layer index, [B, N, H].
+    """
+
+    proposal: Proposal
+    accepted_nodes: torch.Tensor
+    num_accepted: torch.Tensor
+    next_tokens: torch.Tensor
+    emitted: list[list[int]]
+    hidden: dict[int, torch.Tensor] = field(default_factory=dict)
+
+
+class Drafter:
+    """Base class with the protocol's defaults; subclasses implement `propose`."""
+
+    hidden_layers: tuple[int, ...] = ()
+
+    def __init__(self, max_nodes: int, max_depth: int | None = None):
+        if max_nodes < 1:
+            raise ValueError(f"max_nodes must be >= 1, got {max_nodes}")
+        max_depth = max_nodes if max_depth is None else max_depth
+        if not 1 <= max_depth <= max_nodes:
+            raise ValueError(f"max_depth must be in [1, max_nodes={max_nodes}], got {max_depth}")
+        self.max_nodes = max_nodes
+        self.max_depth = max_depth
+
+    def attach(self, target, max_cache_len: int) -> None:
+        """Bind to the target model of a `generate` call (lookup drafters need nothing)."""
+
+    def begin(self, state: DraftState) -> None:
+        """A new batch starts (stateless drafters need nothing)."""
+
+    def propose(self, state: DraftState) -> Proposal:
+        raise NotImplementedError
+
+    def update(self, state: DraftState, outcome: StepOutcome) -> None:
+        """Follow the accepted path (stateless drafters need nothing)."""
+
+    def keep(self, rows: torch.Tensor) -> None:
+        """Finished rows left the batch (stateless drafters need nothing)."""
+
+    def end(self) -> None:
+        """The batch is done."""
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(max_nodes={self.max_nodes}, max_depth={self.max_depth})"
+
+
+def pack_trees(
+    roots: Sequence[int],
+    trees: Sequence[tuple[Sequence[int], Sequence[int]]],
+    device: torch.device,
+    num_nodes: int | None = None,
+) -> Proposal:
+    """Pad per-row trees into a `Proposal`.
+
+    roots: the root token of each row.
+    trees: per row, (tokens, parents) of its draft nodes in topological order; parents index the
+        row's node list with the root as 0, so the first node's parent is 0.
+    num_nodes: N of the result (root included); the smallest that fits when None.
+    """
+    longest = max((len(tokens) for tokens, _ in trees), default=0) + 1
+    width = longest if num_nodes is None else num_nodes
+    if width < longest:
+        raise ValueError(f"num_nodes={num_nodes} cannot hold a tree of {longest} nodes")
+    tokens = torch.zeros(len(trees), width, dtype=torch.int64)
+    parents = torch.full((len(trees), width), PAD_PARENT, dtype=torch.int64)
+    parents[:, 0] = -1
+    tokens[:, 0] = torch.as_tensor(list(roots), dtype=torch.int64)
+    for row, (node_tokens, node_parents) in enumerate(trees):
+        count = len(node_tokens)
+        if count:
+            tokens[row, 1 : count + 1] = torch.as_tensor(list(node_tokens), dtype=torch.int64)
+            parents[row, 1 : count + 1] = torch.as_tensor(list(node_parents), dtype=torch.int64)
+    return Proposal(tokens=tokens.to(device), parents=parents.to(device))

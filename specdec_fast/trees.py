@@ -1,0 +1,355 @@
+"""Draft-tree shapes: static trees from top-k index paths, dynamic (EAGLE-2) trees, validation.
+
+A static tree is a set of paths of top-k ranks below the root: `(0,)` is the most likely token
+after the root, `(0, 1)` the second most likely token after that one, and so on. Three spellings
+are accepted (`parse_tree`): Medusa's `medusa_choices` (a list of lists, e.g.
+`[[0], [0, 0], [1], [0, 1]]`), vLLM's `speculative_token_tree` string (e.g.
+`"[(0,), (1,), (0, 0)]"`), and parent pointers (`StaticTree.from_parents`). A drafter fills such a
+tree with tokens (Medusa: the top-k of head d at depth d) and the verifier walks it. Every form
+gives the same structure: parents, depths, positions, ancestor masks, root-to-leaf paths.
+
+A dynamic tree (EAGLE-2, `DynamicTreeBuilder`) is grown per step from the draft's own scores:
+level by level, the k best frontier nodes by cumulative log-probability each get their top-k
+children; at the end the best `max_nodes` candidates overall by cumulative score form the tree.
+"""
+
+from __future__ import annotations
+
+import ast
+import heapq
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+# Probability that the rank-r candidate is the right token, used only to shape the default trees
+# (a profile typical of trained Medusa/EAGLE heads: most mass on the top-1, a long thin tail).
+DEFAULT_RANK_PROBS = (0.60, 0.14, 0.06, 0.035, 0.02, 0.012, 0.008, 0.005)
+
+
+@dataclass(frozen=True)
+class StaticTree:
+    """A tree of top-k rank paths, in topological order (by depth, then lexicographic).
+
+    paths: per draft node, its rank path from the root.
+    parents: per draft node, the index of its parent in the node list with the root as 0, so
+        `parents[i]` refers to node `parents[i]` and draft node i is node i + 1.
+    depths: per draft node, its depth (1 for the root's children).
+    ranks: per draft node, its own rank among its siblings' candidates (the path's last entry).
+    """
+
+    paths: tuple[tuple[int, ...], ...]
+    parents: tuple[int, ...]
+    depths: tuple[int, ...]
+    ranks: tuple[int, ...]
+
+    @property
+    def num_nodes(self) -> int:
+        """Draft nodes, root excluded."""
+        return len(self.paths)
+
+    @property
+    def max_depth(self) -> int:
+        return max(self.depths, default=0)
+
+    @property
+    def max_rank(self) -> int:
+        """Candidates needed per node: 1 + the largest rank used."""
+        return max(self.ranks, default=-1) + 1
+
+    def to_choices(self) -> list[list[int]]:
+        return [list(path) for path in self.paths]
+
+    def to_token_tree_string(self) -> str:
+        return "[" + ", ".join(_tuple_repr(path) for path in self.paths) + "]"
+
+    @property
+    def node_parents(self) -> tuple[int, ...]:
+        """Per node, root included: -1 for the root, then `parents` (the `Proposal` layout)."""
+        return (-1, *self.parents)
+
+    @property
+    def positions(self) -> tuple[int, ...]:
+        """Per node, root included: its depth, i.e. its position offset after the root's."""
+        return (0, *self.depths)
+
+    def ancestor_mask(self) -> torch.Tensor:
+        """Bool `[N + 1, N + 1]` over the nodes, root included: `[i, j]` says node j is node i or
+        one of its ancestors (the tree-attention mask of the verify step)."""
+        size = self.num_nodes + 1
+        mask = torch.eye(size, dtype=torch.bool)
+        for node, parent in enumerate(self.parents, start=1):
+            mask[node] |= mask[parent]
+        return mask
+
+    def leaf_paths(self) -> list[tuple[int, ...]]:
+        """Node-index paths from the root (0) to every leaf, in node order of the leaves."""
+        has_child = set(self.parents)
+        paths = []
+        for leaf in range(1, self.num_nodes + 1):
+            if leaf in has_child:
+                continue
+            path, node = [leaf], leaf
+            while node:
+                node = self.parents[node - 1]
+                path.append(node)
+            paths.append(tuple(reversed(path)))
+        return paths
+
+    @classmethod
+    def from_choices(
+        cls, choices: Iterable[Sequence[int]], max_nodes: int | None = None
+    ) -> StaticTree:
+        """Build from `medusa_choices`-style rank paths; raises ValueError on duplicates, missing
+        ancestors, negative ranks, empty paths, or more than `max_nodes` nodes."""
+        paths = [tuple(int(rank) for rank in path) for path in choices]
+        if not paths:
+            raise ValueError("a tree needs at least one path")
+        seen = set()
+        for path in paths:
+            if not path:
+                raise ValueError("empty path: the root is implicit, list only draft nodes")
+            if any(rank < 0 for rank in path):
+                raise ValueError(f"negative rank in path {list(path)}")
+            if path in seen:
+                raise ValueError(f"duplicate path {list(path)}")
+            seen.add(path)
+        for path in paths:
+            if len(path) > 1 and path[:-1] not in seen:
+                raise ValueError(f"path {list(path)} has no parent path {list(path[:-1])}")
+        if max_nodes is not None and len(paths) > max_nodes:
+            raise ValueError(f"tree has {len(paths)} nodes, over the budget of {max_nodes}")
+        ordered = sorted(paths, key=lambda path: (len(path), path))
+        index = {path: i + 1 for i, path in enumerate(ordered)}
+        parents = tuple(index[path[:-1]] if len(path) > 1 else 0 for path in ordered)
+        return cls(
+            paths=tuple(ordered),
+            parents=parents,
+            depths=tuple(len(path) for path in ordered),
+            ranks=tuple(path[-1] for path in ordered),
+        )
+
+    @classmethod
+    def from_token_tree_string(cls, text: str, max_nodes: int | None = None) -> StaticTree:
+        """Build from vLLM's `speculative_token_tree`, e.g. "[(0,), (1,), (0, 0)]"."""
+        try:
+            value = ast.literal_eval(text)
+        except (SyntaxError, ValueError) as error:
+            raise ValueError(f"cannot parse token tree {text!r}: {error}") from None
+        if not isinstance(value, list | tuple) or not all(
+            isinstance(path, list | tuple) and all(isinstance(r, int) for r in path)
+            for path in value
+        ):
+            raise ValueError(f"token tree must be a list of tuples of ints, got {text!r}")
+        return cls.from_choices(value, max_nodes)
+
+    @classmethod
+    def from_parents(cls, parents: Sequence[int], max_nodes: int | None = None) -> StaticTree:
+        """Build from parent pointers over the nodes, root included (`[-1, 0, 0, 1, ...]`: node 0
+        is the root, every other node's parent comes before it). Siblings get ranks in node
+        order, and the nodes are renumbered in the canonical order (by depth, then rank path).
+        Raises ValueError on a missing root, a parent that does not come first, or more than
+        `max_nodes` draft nodes."""
+        parents = [int(p) for p in parents]
+        if not parents or parents[0] != -1:
+            raise ValueError(f"parents: expected -1 (the root) first, got {parents[:1]}")
+        paths: list[tuple[int, ...]] = [()]
+        children = [0] * len(parents)
+        for node, parent in enumerate(parents[1:], start=1):
+            if not 0 <= parent < node:
+                raise ValueError(
+                    f"parents: node {node} has parent {parent}; expected a node in [0, {node})"
+                )
+            paths.append((*paths[parent], children[parent]))
+            children[parent] += 1
+        return cls.from_choices(paths[1:], max_nodes)
+
+    @classmethod
+    def chain(cls, length: int) -> StaticTree:
+        """The top-1 chain of `length` nodes."""
+        return cls.from_choices([[0] * depth for depth in range(1, length + 1)])
+
+
+TreeSpec = StaticTree | Sequence[Sequence[int]] | str
+
+
+def parse_tree(tree: TreeSpec, max_nodes: int | None = None) -> StaticTree:
+    """A `StaticTree` from any of its spellings: a `StaticTree`, `medusa_choices` rank paths, or
+    a `speculative_token_tree` string; raises ValueError on a malformed or over-budget tree."""
+    if isinstance(tree, StaticTree):
+        if max_nodes is not None and tree.num_nodes > max_nodes:
+            raise ValueError(f"tree has {tree.num_nodes} nodes, over the budget of {max_nodes}")
+        return tree
+    if isinstance(tree, str):
+        return StaticTree.from_token_tree_string(tree, max_nodes)
+    return StaticTree.from_choices(tree, max_nodes)
+
+
+def _tuple_repr(path: tuple[int, ...]) -> str:
+    return "(" + ", ".join(str(r) for r in path) + ("," if len(path) == 1 else "") + ")"
+
+
+def best_static_tree(
+    num_nodes: int,
+    rank_probs: Sequence[float] = DEFAULT_RANK_PROBS,
+    max_depth: int | None = None,
+) -> StaticTree:
+    """The tree of `num_nodes` nodes with the largest expected accepted length when the rank-r
+    candidate at any node is right with probability `rank_probs[r]` independently of depth:
+    a path's value is the product of its ranks' probabilities, and the best nodes are taken
+    best-first (a child never scores above its parent, so the result is a tree)."""
+    if num_nodes < 1:
+        raise ValueError(f"num_nodes must be >= 1, got {num_nodes}")
+    heap = [(-rank_probs[r], (r,)) for r in range(len(rank_probs))]
+    heapq.heapify(heap)
+    chosen: list[tuple[int, ...]] = []
+    while heap and len(chosen) < num_nodes:
+        neg_value, path = heapq.heappop(heap)
+        chosen.append(path)
+        if max_depth is None or len(path) < max_depth:
+            for r, prob in enumerate(rank_probs):
+                heapq.heappush(heap, (neg_value * prob, (*path, r)))
+    return StaticTree.from_choices(chosen)
+
+
+DEFAULT_BUDGETS = (8, 16, 32, 64)
+
+
+def default_tree(num_nodes: int, max_depth: int = 8) -> StaticTree:
+    """A good static tree for a node budget (8, 16, 32 and 64 are the tuned defaults; any other
+    budget gets the same construction); `max_depth` caps it (e.g. at Medusa's head count)."""
+    return best_static_tree(num_nodes, DEFAULT_RANK_PROBS, max_depth=max_depth)
+
+
+# EAGLE-2 shapes per node budget: (depth, top-k). Candidates k + (depth - 1) k^2 exceed the budget,
+# so the final selection has room to choose; the frontier (k nodes per level) stays small.
+DYNAMIC_TREE_SHAPES = {8: (4, 3), 16: (5, 4), 32: (6, 6), 64: (7, 8)}
+
+
+def dynamic_tree_shape(max_nodes: int) -> tuple[int, int]:
+    """(depth, top_k) for a dynamic tree of `max_nodes` draft nodes: the tuned shape of the
+    nearest default budget at or above it (the largest one beyond 64), depth capped at the
+    budget."""
+    if max_nodes < 1:
+        raise ValueError(f"max_nodes must be >= 1, got {max_nodes}")
+    budget = min(
+        (b for b in DYNAMIC_TREE_SHAPES if b >= max_nodes), default=max(DYNAMIC_TREE_SHAPES)
+    )
+    depth, top_k = DYNAMIC_TREE_SHAPES[budget]
+    return min(depth, max_nodes), top_k
+
+
+def check_dynamic_tree(top_k: int, depth: int, max_nodes: int) -> None:
+    """Raise ValueError unless a dynamic tree of these arguments can be built."""
+    if top_k < 1 or depth < 1 or max_nodes < 1:
+        raise ValueError(
+            f"top_k, depth and max_nodes must be >= 1, got {top_k}, {depth} and {max_nodes}"
+        )
+    candidates = top_k + (depth - 1) * top_k * top_k
+    if max_nodes > candidates:
+        raise ValueError(
+            f"max_nodes={max_nodes} is over the {candidates} candidates that top_k={top_k} and "
+            f"depth={depth} produce (top_k + (depth - 1) * top_k^2)"
+        )
+
+
+class DynamicTreeBuilder:
+    """Grows a batch of EAGLE-2 dynamic trees from the draft's top-k scores, level by level.
+
+    Usage, for B rows: `tokens = start(scores [B, k], tokens [B, k])` with the root's top-k
+    children; then per further level, `tokens, source = expand(scores [B, k, k], tokens [B, k, k])`
+    where row i holds the top-k children of frontier node i (scores are the draft's
+    log-probabilities, not cumulative). Each call returns the new frontier: the k candidates of
+    the level with the best cumulative scores (int64 `[B, k]`) and, from `expand`, which node of
+    the previous frontier each one hangs from (int64 `[B, k]`). `finish(roots)` keeps the
+    `max_nodes` best candidates overall and returns `(tokens, parents)`, int64 `[B, max_nodes + 1]`
+    in topological order (by depth, then best first), node 0 being the root.
+
+    A child's cumulative score never exceeds its parent's, and ties go to the earlier (shallower)
+    candidate, so the kept set always contains every kept node's parent. Everything is batched
+    tensor work with shapes fixed by (B, k, depth, max_nodes): no host reads.
+    """
+
+    def __init__(self, top_k: int, depth: int, max_nodes: int):
+        check_dynamic_tree(top_k, depth, max_nodes)
+        self.top_k, self.depth, self.max_nodes = top_k, depth, max_nodes
+        self._levels = 0
+
+    def start(self, scores: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        """The root's children: scores float `[B, k]`, tokens int `[B, k]`."""
+        self._check("scores", scores, (self.top_k,))
+        self._check("tokens", tokens, (self.top_k,))
+        scores = self._log_probs(scores)
+        batch = scores.shape[0]
+        self._scores, self._tokens = [scores], [tokens.long()]
+        self._parents = [torch.full_like(tokens, -1, dtype=torch.long)]
+        self._depths = [torch.ones(batch, self.top_k, dtype=torch.long, device=scores.device)]
+        self._frontier = torch.arange(self.top_k, device=scores.device).expand(batch, -1)
+        self._frontier_scores = scores
+        self._count, self._levels = self.top_k, 1
+        return tokens.long()
+
+    def expand(
+        self, scores: torch.Tensor, tokens: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The frontier's children: scores float `[B, k, k]`, tokens int `[B, k, k]`."""
+        if not 1 <= self._levels < self.depth:
+            raise RuntimeError(
+                f"expand: call start first, and at most depth - 1 = {self.depth - 1} times"
+            )
+        k = self.top_k
+        self._check("scores", scores, (k, k))
+        self._check("tokens", tokens, (k, k))
+        cumulative = (self._frontier_scores[:, :, None] + self._log_probs(scores)).flatten(1)
+        flat_tokens = tokens.long().flatten(1)
+        self._scores.append(cumulative)
+        self._tokens.append(flat_tokens)
+        self._parents.append(self._frontier.repeat_interleave(k, dim=1))
+        self._levels += 1
+        self._depths.append(torch.full_like(flat_tokens, self._levels))
+        best = cumulative.topk(k, dim=1)
+        self._frontier = self._count + best.indices
+        self._frontier_scores = best.values
+        self._count += k * k
+        return flat_tokens.gather(1, best.indices), best.indices // k
+
+    def finish(self, roots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The best `max_nodes` candidates as a tree under `roots` (int `[B]`)."""
+        if self._levels == 0:
+            raise RuntimeError("finish: call start first")
+        scores = torch.cat(self._scores, dim=1)
+        tokens = torch.cat(self._tokens, dim=1)
+        parents = torch.cat(self._parents, dim=1)
+        depths = torch.cat(self._depths, dim=1)
+        if self.max_nodes > scores.shape[1]:
+            raise RuntimeError(
+                f"finish: {scores.shape[1]} candidates after {self._levels} levels, fewer than "
+                f"max_nodes={self.max_nodes}"
+            )
+        # Stable: among equal scores the earlier candidate (never deeper) comes first.
+        chosen = scores.sort(dim=1, descending=True, stable=True).indices[:, : self.max_nodes]
+        by_depth = depths.gather(1, chosen).sort(dim=1, stable=True).indices
+        chosen = chosen.gather(1, by_depth)
+        batch = chosen.shape[0]
+        node_of = torch.full_like(tokens, -1)
+        node_ids = torch.arange(1, self.max_nodes + 1, device=chosen.device).expand(batch, -1)
+        node_of.scatter_(1, chosen, node_ids)
+        parent_candidates = parents.gather(1, chosen)
+        parent_nodes = torch.where(
+            parent_candidates < 0, 0, node_of.gather(1, parent_candidates.clamp(min=0))
+        )
+        root_parent = torch.full((batch, 1), -1, dtype=torch.long, device=chosen.device)
+        out_tokens = torch.cat([roots.long().reshape(batch, 1), tokens.gather(1, chosen)], dim=1)
+        return out_tokens, torch.cat([root_parent, parent_nodes], dim=1)
+
+    @staticmethod
+    def _log_probs(scores: torch.Tensor) -> torch.Tensor:
+        # Log-probabilities are <= 0 (so a child never outranks its parent); NaN ranks last.
+        return torch.nan_to_num(scores.float(), nan=-torch.inf).clamp(max=0.0)
+
+    def _check(self, name: str, tensor: torch.Tensor, tail: tuple[int, ...]) -> None:
+        if tensor.dim() != 1 + len(tail) or tuple(tensor.shape[1:]) != tail:
+            dims = ", ".join(["B", *map(str, tail)])
+            raise ValueError(
+                f"{name}: expected shape [{dims}] (top_k={self.top_k}), got {tuple(tensor.shape)}"
+            )

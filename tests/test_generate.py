@@ -1,0 +1,118 @@
+"""The engine's promise: greedy output equals the target's own greedy output, for every drafter.
+
+Rule used here: bitwise equality with HF `model.generate(do_sample=False)`. The tiny models use a
+wide initializer so that their logits are peaked; the test models were checked to have no
+near-ties (< 1e-5) on these prompts, so argmax decisions are stable across attention numerics.
+"""
+
+import pytest
+import torch
+from tiny_models import OracleChain, repetitive_prompts, tiny_llama
+
+from specdec_fast import DraftModelDrafter, NGramDrafter, SuffixDrafter, generate
+from specdec_fast.drafters.base import Drafter, Proposal, pack_trees
+from specdec_fast.trees import default_tree
+
+NEW_TOKENS = 64
+VOCAB = 96
+
+
+@pytest.fixture(scope="module")
+def target():
+    return tiny_llama(vocab_size=VOCAB)
+
+
+@pytest.fixture(scope="module")
+def draft():
+    return tiny_llama(vocab_size=VOCAB, hidden_size=32, seed=1)
+
+
+def hf_greedy(model, prompts, max_new_tokens=NEW_TOKENS):
+    return [
+        model.generate(torch.tensor([p]), do_sample=False, max_new_tokens=max_new_tokens)[
+            0
+        ].tolist()
+        for p in prompts
+    ]
+
+
+class WrongDrafter(Drafter):
+    """Proposes a wide tree of tokens the target never picks (always wrong)."""
+
+    def __init__(self, avoid, max_nodes=6):
+        super().__init__(max_nodes, 2)
+        self.avoid = avoid
+
+    def propose(self, state) -> Proposal:
+        trees = []
+        for tokens in state.tokens:
+            full = next(c for c in self.avoid if c[: len(tokens)] == tokens)
+            right = full[len(tokens)] if len(full) > len(tokens) else -1
+            wrong = [t for t in range(VOCAB) if t != right][:3]
+            trees.append((wrong + [wrong[0]] * 3, [0, 0, 0, 1, 1, 2]))
+        return pack_trees([t[-1] for t in state.tokens], trees, state.device)
+
+
+DRAFTERS = {
+    "plain": lambda draft: None,
+    "ngram": lambda draft: NGramDrafter(max_nodes=8),
+    "suffix": lambda draft: SuffixDrafter(max_nodes=8),
+    "draft-chain": lambda draft: DraftModelDrafter(draft, num_tokens=3),
+    "draft-tree": lambda draft: DraftModelDrafter(draft, tree=default_tree(8)),
+}
+
+
+@pytest.mark.parametrize("lengths", [[13], [5, 17, 1, 30, 9]], ids=["batch1", "ragged5"])
+@pytest.mark.parametrize("name", list(DRAFTERS))
+def test_greedy_equals_hf_generate(target, draft, name, lengths):
+    prompts = repetitive_prompts(lengths, VOCAB, seed=len(lengths))
+    expected = hf_greedy(target, prompts)
+    out = generate(target, prompts, drafter=DRAFTERS[name](draft), max_new_tokens=NEW_TOKENS)
+    assert [s.tolist() for s in out.sequences] == expected
+    assert out.stats.new_tokens == NEW_TOKENS * len(lengths)
+
+
+def test_padded_tensor_input_equals_list_input(target):
+    prompts = repetitive_prompts([4, 11, 7], VOCAB, seed=3)
+    width = max(map(len, prompts))
+    ids = torch.zeros(3, width, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for row, prompt in enumerate(prompts):  # left padding
+        ids[row, width - len(prompt) :] = torch.tensor(prompt)
+        mask[row, width - len(prompt) :] = 1
+    as_tensor = generate(
+        target, ids, attention_mask=mask, drafter=NGramDrafter(), max_new_tokens=20
+    )
+    as_lists = generate(target, prompts, drafter=None, max_new_tokens=20)
+    assert [s.tolist() for s in as_tensor.sequences] == [s.tolist() for s in as_lists.sequences]
+
+
+def test_always_wrong_drafter_is_exact_but_accepts_nothing(target):
+    prompts = repetitive_prompts([6, 15], VOCAB, seed=5)
+    expected = hf_greedy(target, prompts, 24)
+    out = generate(target, prompts, drafter=WrongDrafter(expected), max_new_tokens=24)
+    assert [s.tolist() for s in out.sequences] == expected
+    assert out.stats.accepted_tokens == 0
+    assert out.stats.mean_accepted_per_step == 1.0
+
+
+def test_oracle_drafter_gets_every_node_accepted(target):
+    prompts = repetitive_prompts([6, 15], VOCAB, seed=6)
+    expected = hf_greedy(target, prompts, 30)
+
+    def continuation_of(tokens):
+        return next(c for c in expected if c[: len(tokens)] == tokens)[len(tokens) :]
+
+    out = generate(target, prompts, drafter=OracleChain(continuation_of, 5), max_new_tokens=30)
+    assert [s.tolist() for s in out.sequences] == expected
+    assert out.stats.acceptance_rate == 1.0
+    assert out.stats.steps == 5  # 30 tokens, 6 per step (5 drafts + the bonus token)
+
+
+def test_self_drafting_accepts_everything(target):
+    prompts = repetitive_prompts([9], VOCAB, seed=7)
+    out = generate(
+        target, prompts, drafter=DraftModelDrafter(target, num_tokens=4), max_new_tokens=25
+    )
+    assert [s.tolist() for s in out.sequences] == hf_greedy(target, prompts, 25)
+    assert out.stats.acceptance_rate == 1.0

@@ -1,0 +1,173 @@
+"""`generate` on stops, streaming, statistics and bad input."""
+
+import json
+
+import pytest
+import torch
+from tiny_models import OracleChain, repetitive_prompts, tiny_llama
+
+from specdec_fast import DraftModelDrafter, NGramDrafter, SpecStats, generate
+
+VOCAB = 96
+
+
+@pytest.fixture(scope="module")
+def target():
+    return tiny_llama(vocab_size=VOCAB)
+
+
+def plain_continuation(model, prompt, tokens):
+    out = generate(model, [prompt], drafter=None, max_new_tokens=tokens, eos_token_id=[])
+    return out.sequences[0].tolist()[len(prompt) :]
+
+
+def test_eos_and_stop_sequences_cut_inside_an_accepted_path(target):
+    prompt = repetitive_prompts([10], VOCAB, seed=1)[0]
+    future = plain_continuation(target, prompt, 30)
+    full = prompt + future
+
+    def continuation(tokens):
+        return full[len(tokens) :]
+
+    eos = future[5]
+    first_eos = future.index(eos)
+    out = generate(
+        target, [prompt], drafter=OracleChain(continuation, 12), max_new_tokens=30, eos_token_id=eos
+    )
+    assert out.sequences[0].tolist() == full[: len(prompt) + first_eos + 1]
+    assert out.stats.sequences[0].finish_reason == "eos"
+    stop = future[7:9]
+    out = generate(
+        target,
+        [prompt],
+        drafter=OracleChain(continuation, 12),
+        max_new_tokens=30,
+        eos_token_id=[],
+        stop=[stop],
+    )
+    generated = out.sequences[0].tolist()[len(prompt) :]
+    assert generated[-2:] == stop
+    assert generated == future[: len(generated)]
+    assert out.stats.sequences[0].finish_reason == "stop"
+
+
+def test_rows_finish_independently_and_streaming_sees_every_token(target):
+    prompts = repetitive_prompts([4, 9, 13], VOCAB, seed=2)
+    streamed = {row: [] for row in range(3)}
+    out = generate(
+        target,
+        prompts,
+        drafter=NGramDrafter(),
+        max_new_tokens=[5, 20, 11][0] + 15,
+        eos_token_id=[],
+        on_tokens=lambda row, toks: streamed[row].extend(toks),
+    )
+    for row, prompt in enumerate(prompts):
+        assert streamed[row] == out.sequences[row].tolist()[len(prompt) :]
+        assert len(streamed[row]) == 20
+
+
+def test_stats_are_complete_and_json_ready(target):
+    prompts = repetitive_prompts([6, 12], VOCAB, seed=3)
+    out = generate(
+        target, prompts, drafter=NGramDrafter(max_nodes=4), max_new_tokens=16, eos_token_id=[]
+    )
+    stats = out.stats
+    assert isinstance(stats, SpecStats)
+    summary = stats.summary()
+    for key in (
+        "acceptance_rate",
+        "mean_accepted_tokens_per_step",
+        "per_position_acceptance",
+        "ttft_s",
+        "tpot_s",
+        "itl_s",
+        "tokens_per_second",
+        "fallbacks",
+        "steps",
+        "drafted_tokens",
+        "accepted_tokens",
+        "peak_memory_bytes",
+    ):
+        assert key in summary
+    assert set(summary["itl_s"]) == {"p50", "p95", "p99"}
+    assert stats.new_tokens == 32
+    assert len(stats.itl) == 2 * 15  # every token after the first of each sequence
+    assert all(x >= 0 for x in stats.itl)
+    assert stats.mean_accepted_per_step >= 1.0
+    json.dumps(stats.to_dict())
+
+
+def test_sampling_is_reproducible_with_a_seed(target):
+    prompts = repetitive_prompts([5, 8], VOCAB, seed=4)
+    runs = [
+        generate(
+            target,
+            prompts,
+            drafter=NGramDrafter(),
+            max_new_tokens=12,
+            temperature=1.0,
+            top_p=0.9,
+            seed=123,
+            eos_token_id=[],
+        ).sequences
+        for _ in range(2)
+    ]
+    assert [s.tolist() for s in runs[0]] == [s.tolist() for s in runs[1]]
+
+
+def test_max_new_tokens_zero_returns_the_prompts(target):
+    out = generate(target, [[1, 2, 3]], drafter=NGramDrafter(), max_new_tokens=0)
+    assert out.sequences[0].tolist() == [1, 2, 3]
+    assert out.stats.new_tokens == 0
+
+
+def test_full_cache_stops_the_sequence(target):
+    prompt = repetitive_prompts([10], VOCAB, seed=5)[0]
+    out = generate(
+        target, [prompt], drafter=None, max_new_tokens=50, max_cache_len=20, eos_token_id=[]
+    )
+    assert out.stats.sequences[0].finish_reason == "cache"
+    # 20 slots hold the prompt and all but the last generated token (the uncached root).
+    assert out.sequences[0].tolist() == prompt + plain_continuation(target, prompt, 50)[:11]
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"input_ids": [[]]}, "prompt 0 has no tokens"),
+        ({"input_ids": []}, "batch is empty"),
+        ({"input_ids": [[1, 2, 500]]}, "outside"),
+        ({"input_ids": torch.zeros(2, 3, 4, dtype=torch.long)}, r"\[B, T\]"),
+        ({"max_new_tokens": -1}, "max_new_tokens"),
+        ({"temperature": -0.5}, "temperature"),
+        ({"top_p": 0.0}, "top_p"),
+        ({"top_k": -2}, "top_k"),
+        ({"temperature": [0.0, 1.0, 1.0]}, "temperature"),
+        ({"max_cache_len": 4}, "max_cache_len"),
+        ({"stop": [[]]}, "stop"),
+    ],
+)
+def test_bad_input_is_a_clear_error(target, kwargs, match):
+    call = {"input_ids": [[1, 2, 3, 4, 5, 6]], "drafter": None, "max_new_tokens": 4} | kwargs
+    with pytest.raises(ValueError, match=match):
+        generate(target, **call)
+    assert target.config._attn_implementation != "specdec_tree"
+
+
+def test_mismatched_draft_vocabulary_is_named(target):
+    other = tiny_llama(vocab_size=VOCAB + 4, hidden_size=32, seed=9)
+    with pytest.raises(ValueError, match="vocabularies differ in size: draft 100, target 96"):
+        generate(target, [[1, 2, 3]], drafter=DraftModelDrafter(other), max_new_tokens=4)
+    assert other.config._attn_implementation != "specdec_tree"
+
+
+def test_model_without_the_attention_interface_is_refused():
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    class NoInterface(GPT2LMHeadModel):
+        _supports_attention_backend = False
+
+    model = NoInterface(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64)).eval()
+    with pytest.raises(ValueError, match=r"gpt2|attention"):
+        generate(model, [[1, 2, 3]], drafter=None, max_new_tokens=2)

@@ -1,0 +1,67 @@
+"""Tiny randomly initialized causal LMs for engine tests (built from configs; no downloads)."""
+
+from collections.abc import Callable
+
+import torch
+from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
+
+from specdec_fast.drafters.base import Drafter, pack_trees
+
+
+def tiny_llama(
+    vocab_size: int = 96,
+    hidden_size: int = 48,
+    layers: int = 2,
+    seed: int = 0,
+    initializer_range: float = 0.3,
+    eos_token_id: int | None = None,
+) -> LlamaForCausalLM:
+    """An fp32 Llama with GQA; a wide initializer gives peaked logits, so few greedy near-ties."""
+    config = LlamaConfig(
+        vocab_size=vocab_size,
+        hidden_size=hidden_size,
+        intermediate_size=2 * hidden_size,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=hidden_size // 4,
+        max_position_embeddings=512,
+        initializer_range=initializer_range,
+        bos_token_id=None,
+        eos_token_id=eos_token_id,
+        pad_token_id=None,
+    )
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(config).eval()
+    model.generation_config = GenerationConfig(
+        bos_token_id=None, eos_token_id=eos_token_id, pad_token_id=None
+    )
+    return model
+
+
+def repetitive_prompts(lengths, vocab_size: int, seed: int = 0) -> list[list[int]]:
+    """Prompts made of a short random motif repeated, so lookup drafters find matches."""
+    generator = torch.Generator().manual_seed(seed)
+    prompts = []
+    for length in lengths:
+        motif = torch.randint(
+            vocab_size, (int(torch.randint(3, 7, (1,), generator=generator)),), generator=generator
+        ).tolist()
+        prompts.append((motif * (length // len(motif) + 1))[:length])
+    return prompts
+
+
+class OracleChain(Drafter):
+    """Proposes a known continuation as a chain: with the target's own greedy future, every node
+    is accepted. `continuation_of(tokens)` returns the tokens that follow `tokens`."""
+
+    def __init__(self, continuation_of: Callable[[list[int]], list[int]], max_nodes: int):
+        super().__init__(max_nodes)
+        self.continuation_of = continuation_of
+
+    def propose(self, state):
+        trees = []
+        for tokens in state.tokens:
+            ahead = self.continuation_of(tokens)[: self.max_nodes]
+            trees.append((ahead, list(range(len(ahead)))))
+        return pack_trees([t[-1] for t in state.tokens], trees, state.device)
