@@ -1,0 +1,160 @@
+"""`python -m specdec_fast.train COMMAND`: tokenizer, lm, eval.
+
+Each command is a registrar that adds its subparser and sets `run`; further commands (drafter
+heads) append their registrar to `REGISTRARS`.
+"""
+
+import argparse
+import json
+import shlex
+import sys
+from collections.abc import Callable
+
+import torch
+
+
+def _command_line() -> str:
+    return shlex.join(["python", "-m", "specdec_fast.train", *sys.argv[1:]])
+
+
+def _run_tokenizer(args) -> int:
+    from . import corpus
+    from .tokenizer import save_tokenizer, train_tokenizer
+
+    save_tokenizer(train_tokenizer(corpus.read_texts("train"), args.vocab_size), args.out)
+    print(f"tokenizer saved to {args.out}", file=sys.stderr)
+    return 0
+
+
+def register_tokenizer(sub) -> None:
+    parser = sub.add_parser("tokenizer", help="train the byte-level BPE on the corpus' train split")
+    parser.add_argument("--out", required=True, help="output folder (tokenizer.json, config)")
+    parser.add_argument("--vocab-size", type=int, default=4096, help="4096 to 8192")
+    parser.set_defaults(run=_run_tokenizer)
+
+
+def _run_lm(args) -> int:
+    import dataclasses
+
+    from . import corpus
+    from .data import token_stream
+    from .export import export_checkpoint
+    from .lm import TrainSettings, model_config, train_lm
+    from .tokenizer import load_tokenizer
+
+    tokenizer = load_tokenizer(args.tokenizer)
+    config = model_config(
+        args.preset,
+        len(tokenizer),
+        tokenizer.bos_token_id,
+        tokenizer.eos_token_id,
+        tokenizer.pad_token_id,
+    )
+    settings = TrainSettings(
+        steps=args.steps,
+        batch_size=args.batch_size,
+        seq_len=args.seq_len,
+        lr=args.lr,
+        warmup_steps=args.warmup_steps,
+        seed=args.seed,
+        checkpoint_minutes=args.checkpoint_minutes,
+    )
+    stream = token_stream("train", args.tokenizer, args.data_dir)
+    model, steps_done = train_lm(
+        config, settings, stream, args.run_dir, resume=args.resume, stop_at=args.stop_at
+    )
+    if steps_done < settings.steps or args.out is None:
+        return 0
+    info = {
+        "command": _command_line(),
+        "preset": args.preset,
+        "settings": dataclasses.asdict(settings),
+        "tokens_trained": steps_done * settings.batch_size * settings.seq_len,
+        "train_tokens_in_corpus": int(len(stream)),
+        "heldout_percent": corpus.HELDOUT_PERCENT,
+    }
+    export_checkpoint(model, args.tokenizer, args.out, info)
+    print(f"model exported to {args.out}", file=sys.stderr)
+    return 0
+
+
+def add_run_arguments(
+    parser: argparse.ArgumentParser,
+    *,
+    batch_size: int,
+    seq_len: int,
+    lr: float,
+    warmup_steps: int,
+    checkpoint_minutes: float,
+) -> None:
+    """The options every training command shares: folders, schedule, seed, resume."""
+    parser.add_argument("--run-dir", required=True, help="checkpoint and log folder")
+    parser.add_argument("--out", help="export the finished model to this folder")
+    parser.add_argument("--data-dir", default="runs/data", help="token stream cache")
+    parser.add_argument("--steps", type=int, required=True)
+    parser.add_argument("--batch-size", type=int, default=batch_size)
+    parser.add_argument("--seq-len", type=int, default=seq_len)
+    parser.add_argument("--lr", type=float, default=lr)
+    parser.add_argument("--warmup-steps", type=int, default=warmup_steps)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--checkpoint-minutes", type=float, default=checkpoint_minutes)
+    parser.add_argument("--resume", action="store_true", help="continue from run-dir's checkpoint")
+    parser.add_argument("--stop-at", type=int, help="stop (checkpointed) at this step")
+
+
+def register_lm(sub) -> None:
+    parser = sub.add_parser("lm", help="train a causal LM preset and export it")
+    parser.add_argument("--preset", required=True, choices=["target", "draft", "tiny"])
+    parser.add_argument("--tokenizer", required=True, help="folder written by `tokenizer`")
+    add_run_arguments(
+        parser, batch_size=8, seq_len=1024, lr=3e-3, warmup_steps=30, checkpoint_minutes=5.0
+    )
+    parser.set_defaults(run=_run_lm)
+
+
+def _run_eval(args) -> int:
+    from .evaluate import evaluate_models
+
+    record_command = _command_line() if args.record else None
+    results = evaluate_models(
+        args.model, args.draft, args.data_dir, args.seq_len, args.max_windows, record_command
+    )
+    print(json.dumps(results, indent=2))
+    return 0
+
+
+def register_eval(sub) -> None:
+    parser = sub.add_parser(
+        "eval", help="held-out loss of a model folder (and draft/target greedy agreement)"
+    )
+    parser.add_argument("--model", required=True, help="checkpoint folder")
+    parser.add_argument("--draft", help="a draft checkpoint folder to compare with --model")
+    parser.add_argument("--data-dir", default="runs/data", help="token stream cache")
+    parser.add_argument("--seq-len", type=int, default=1024)
+    parser.add_argument("--max-windows", type=int, help="evaluate only the first N windows")
+    parser.add_argument(
+        "--record", action="store_true", help="write the results into training_info.json"
+    )
+    parser.set_defaults(run=_run_eval)
+
+
+REGISTRARS: list[Callable] = [register_tokenizer, register_lm, register_eval]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m specdec_fast.train", description="Train the bundled model family."
+    )
+    parser.add_argument(
+        "--threads", type=int, default=1, help="CPU threads for torch (the CPU may be shared)"
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for register in REGISTRARS:
+        register(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    torch.set_num_threads(args.threads)
+    return args.run(args)
