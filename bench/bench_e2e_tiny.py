@@ -24,6 +24,7 @@ from e2e import E2ERecord, compare, format_table, run_hf, run_ours
 
 from specdec_fast import DraftModelDrafter, NGramDrafter, SuffixDrafter, bundled
 from specdec_fast.drafters.base import Drafter
+from specdec_fast.drafters.bundled_heads import bundled_head_drafters
 from specdec_fast.trees import default_tree
 
 BUDGETS = (8, 16, 32, 64)
@@ -66,6 +67,8 @@ def run(
     ]
     records, outputs = [], {}
     grid = drafter_grid(draft, quick)
+    # Medusa, EAGLE-2 and EAGLE-3 over the bundled heads that are installed, same budgets.
+    grid.update(bundled_head_drafters(target, BUDGETS[:2] if quick else BUDGETS))
     for name, make in grid.items():
         record, out = run_ours(name, target, prompts, make, new_tokens, 1)
         records.append(record)

@@ -17,6 +17,7 @@ import torch
 from specdec_fast import bundled
 from specdec_fast.drafters import DraftModelDrafter, NGramDrafter, SuffixDrafter
 from specdec_fast.drafters.base import Drafter
+from specdec_fast.drafters.bundled_heads import bundled_head_drafters
 from specdec_fast.engine import generate
 from specdec_fast.loading import load_model, load_tokenizer, pick_device
 from specdec_fast.prompts import load_code_prompts
@@ -44,6 +45,8 @@ def demo_drafters(target, device) -> dict[str, Callable[[], Drafter | None]]:
         draft = load_model("tiny-code-draft", device, target.dtype)
         drafters["draft model, chain k=4"] = lambda: DraftModelDrafter(draft, num_tokens=4)
         drafters["draft model, tree 16"] = lambda: DraftModelDrafter(draft, tree=default_tree(16))
+    # Medusa and EAGLE heads trained for the target, those that are installed.
+    drafters.update(bundled_head_drafters(target, budgets=(16,)))
     return drafters
 
 

@@ -2,6 +2,8 @@
 
 from .base import Drafter, DraftState, Proposal, StepOutcome, pack_trees
 from .draft_model import DraftModelDrafter
+from .eagle import EagleDrafter
+from .medusa import MedusaDrafter
 from .ngram import NGramDrafter
 from .suffix import SuffixDrafter
 
@@ -9,6 +11,8 @@ __all__ = [
     "DraftModelDrafter",
     "DraftState",
     "Drafter",
+    "EagleDrafter",
+    "MedusaDrafter",
     "NGramDrafter",
     "Proposal",
     "StepOutcome",

@@ -138,7 +138,13 @@ def register_eval(sub) -> None:
     parser.set_defaults(run=_run_eval)
 
 
-REGISTRARS: list[Callable] = [register_tokenizer, register_lm, register_eval]
+def register_heads(sub) -> None:
+    from .heads import register_head_commands
+
+    register_head_commands(sub)
+
+
+REGISTRARS: list[Callable] = [register_tokenizer, register_lm, register_eval, register_heads]
 
 
 def build_parser() -> argparse.ArgumentParser:

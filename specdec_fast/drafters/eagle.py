@@ -1,0 +1,203 @@
+"""EAGLE: a one-layer draft head over the target's features grows a dynamic tree (EAGLE-2).
+
+The head (`specdec_fast.heads.eagle`, EAGLE-1/2 or EAGLE-3) runs on its own one-layer KV cache
+through our attention kernels. Its entry t pairs the target's feature at position t with the
+token at t + 1 (see the heads' module doc). With the target's cache holding c tokens, the head's
+cache holds its c entries 0..c-1, all computed from the target's own features, and the output of
+entry c - 1 (which pairs the last cached token's feature with the root) ranks the root's
+children.
+
+One step:
+- `propose`: the root's top-k children start the tree; for each further level the frontier's
+  entries (and their ancestors, refed so the attention sees them) go through the head above the
+  committed entries with a tree mask, and `DynamicTreeBuilder` keeps the best k of their top-k
+  children by cumulative log-probability; the best `max_nodes` candidates form the tree. These
+  entries are written past the committed length and never committed.
+- `update`: the accepted path's a + 1 entries (the root's and each accepted node's target
+  features with the next token of the path, the last one paired with the sampled next token)
+  are fed as a ragged chain and committed, so the head's cache stays in step with the target's;
+  the last entry's output ranks the next root's children.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from specdec_fast.attention import ATTENTION_NAME, METADATA_KWARG, StepMetadata, register_attention
+from specdec_fast.cache import SpecKVCache
+from specdec_fast.heads.eagle import Eagle3Head, EagleHead, load_eagle_head
+from specdec_fast.kernels import pack_tree_mask
+from specdec_fast.kernels.tree_attention import MAX_TREE_NODES
+from specdec_fast.tree_mask import ancestor_mask, node_depths
+from specdec_fast.trees import DynamicTreeBuilder, check_dynamic_tree, dynamic_tree_shape
+
+from .base import Drafter, DraftState, Proposal, StepOutcome
+from .features import gather_rows
+
+
+class EagleDrafter(Drafter):
+    """Speculation with an EAGLE-1/2 or EAGLE-3 head and EAGLE-2 dynamic trees.
+
+    Args:
+        head: an `EagleHead` or `Eagle3Head` for the target.
+        max_nodes: draft nodes per tree (N - 1).
+        depth, top_k: tree depth and children per expanded node; default from
+            `specdec_fast.trees.dynamic_tree_shape(max_nodes)`.
+    """
+
+    def __init__(
+        self,
+        head: EagleHead | Eagle3Head,
+        max_nodes: int = 16,
+        depth: int | None = None,
+        top_k: int | None = None,
+    ):
+        default_depth, default_top_k = dynamic_tree_shape(max_nodes)
+        # A tree of max_nodes nodes is at most that deep: deeper levels could never be kept.
+        depth = min(default_depth if depth is None else depth, max_nodes)
+        top_k = default_top_k if top_k is None else top_k
+        check_dynamic_tree(top_k, depth, max_nodes)
+        super().__init__(max_nodes, depth)
+        if top_k * (depth - 1) > MAX_TREE_NODES:
+            raise ValueError(
+                f"top_k * (depth - 1) = {top_k * (depth - 1)} head entries per level exceed the "
+                f"{MAX_TREE_NODES} tree nodes tree_attention supports"
+            )
+        if top_k > head.draft_vocab_size:
+            raise ValueError(f"top_k={top_k} exceeds the head's {head.draft_vocab_size} tokens")
+        self.head = head
+        self.depth, self.top_k = depth, top_k
+        self.hidden_layers = head.target_layers
+        self._embed = self._lm_head = None
+        self._cache: SpecKVCache | None = None
+        self._outputs: torch.Tensor | None = None  # [B, h]: output of each row's last entry
+        self._attached = False
+        self._attention_before: str | None = None
+
+    @classmethod
+    def from_pretrained(cls, name_or_path: str | os.PathLike, target, **tree_args) -> EagleDrafter:
+        """Load an EAGLE-1/2 or EAGLE-3 head (told apart by its config) for `target`;
+        `tree_args` are `max_nodes`, `depth`, `top_k`."""
+        return cls(load_eagle_head(name_or_path, target), **tree_args)
+
+    def __repr__(self) -> str:
+        return (
+            f"EagleDrafter(eagle{self.head.version}, max_nodes={self.max_nodes}, "
+            f"depth={self.depth}, top_k={self.top_k})"
+        )
+
+    def attach(self, target, max_cache_len: int) -> None:
+        self.head.check_target(target)
+        self.head.to(device=target.device, dtype=target.dtype).eval()
+        self._embed = target.get_input_embeddings()
+        self._lm_head = target.get_output_embeddings()
+        register_attention()
+        if not self._attached:
+            self._attention_before = self.head.config._attn_implementation
+            self._attached = True
+        self.head.config._attn_implementation = ATTENTION_NAME
+        # Entries past the committed length: the refed tree levels, or the accepted-path chain.
+        self._capacity = max_cache_len + max(self.top_k * (self.depth - 1), self.depth + 1)
+
+    def end(self) -> None:
+        """Drop the head's cache and give the head its own attention back."""
+        self._cache = self._outputs = None
+        if self._attached:
+            self.head.config._attn_implementation = self._attention_before
+            self._attached = False
+
+    def _run(
+        self,
+        hidden: torch.Tensor,
+        tokens: torch.Tensor,
+        positions: torch.Tensor,
+        tree_mask: torch.Tensor | None = None,
+        q_lens: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Head outputs `[B, N, h]` for N entries written at slots `cache_lens[b] + i`."""
+        cache = self._cache
+        cache.ensure_room(tokens.shape[1])
+        cache.prepare_write(tokens.shape[1])
+        metadata = StepMetadata(
+            cache.cache_lens, tree_mask, q_lens, cache.max_cache_len, cache.length_bound
+        )
+        return self.head(
+            hidden,
+            self._embed(tokens),
+            positions,
+            past_key_values=cache,
+            **{METADATA_KWARG: metadata},
+        )
+
+    @torch.no_grad()
+    def begin(self, state: DraftState) -> None:
+        device, batch = state.device, state.batch_size
+        self._cache = SpecKVCache(
+            self.head.config, batch, self._capacity, dtype=self.head.fc.weight.dtype, device=device
+        )
+        lengths = [len(row) - 1 for row in state.tokens]
+        width = max(lengths)
+        self._outputs = torch.zeros(
+            batch, self.head.hidden_size, dtype=self.head.fc.weight.dtype, device=device
+        )
+        if width > 0:
+            tokens = torch.zeros(batch, width, dtype=torch.int64)
+            for row, (ids, length) in enumerate(zip(state.tokens, lengths, strict=True)):
+                tokens[row, :length] = torch.as_tensor(ids[1 : length + 1])
+            hidden = self.head.fuse([state.hidden[layer] for layer in self.hidden_layers])
+            q_lens = torch.tensor(lengths, dtype=torch.int32, device=device)
+            positions = torch.arange(width, device=device).expand(batch, -1)
+            outputs = self._run(hidden, tokens.to(device), positions, None, q_lens)
+            last = gather_rows(outputs, (q_lens.long() - 1).clamp(min=0)[:, None])[:, 0]
+            self._outputs = torch.where((q_lens > 0)[:, None], last, self._outputs)
+        self._cache.commit_lengths(torch.tensor(lengths, dtype=torch.int32, device=device), width)
+
+    def _top_k(self, outputs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Log-probabilities and target ids of the top-k next tokens after head outputs."""
+        log_probs = torch.log_softmax(self.head.logits(outputs, self._lm_head).float(), dim=-1)
+        best = log_probs.topk(self.top_k, dim=-1)
+        return best.values, self.head.to_target_ids(best.indices)
+
+    @torch.no_grad()
+    def propose(self, state: DraftState) -> Proposal:
+        device, batch, k = state.device, state.batch_size, self.top_k
+        builder = DynamicTreeBuilder(k, self.depth, self.max_nodes)
+        fed_tokens = builder.start(*self._top_k(self._outputs))
+        fed_hidden = self._outputs[:, None].expand(-1, k, -1)
+        fed_parents = torch.full((batch, k), -1, dtype=torch.long, device=device)
+        for _ in range(1, self.depth):
+            ancestors = ancestor_mask(fed_parents)
+            positions = self._cache.cache_lens[:, None].long() + node_depths(ancestors)
+            outputs = self._run(fed_hidden, fed_tokens, positions, pack_tree_mask(ancestors))
+            frontier = outputs[:, -k:]
+            scores, tokens = self._top_k(frontier)
+            new_tokens, source = builder.expand(scores, tokens)
+            fed_parents = torch.cat([fed_parents, fed_tokens.shape[1] - k + source], dim=1)
+            fed_tokens = torch.cat([fed_tokens, new_tokens], dim=1)
+            fed_hidden = torch.cat([fed_hidden, gather_rows(frontier, source)], dim=1)
+        roots = torch.tensor([row[-1] for row in state.tokens], device=device)
+        return Proposal(*builder.finish(roots))
+
+    @torch.no_grad()
+    def update(self, state: DraftState, outcome: StepOutcome) -> None:
+        width = self.depth + 1  # the root and at most `depth` accepted nodes
+        accepted = outcome.num_accepted.long()
+        nodes = outcome.accepted_nodes[:, :width].long().clamp(min=0)
+        path_tokens = outcome.proposal.tokens.gather(1, nodes)
+        step = torch.arange(width, device=nodes.device)
+        following = torch.cat([path_tokens[:, 1:], outcome.next_tokens[:, None]], dim=1)
+        tokens = torch.where(step < accepted[:, None], following, outcome.next_tokens[:, None])
+        hidden = self.head.fuse(
+            [gather_rows(outcome.hidden[layer], nodes) for layer in self.hidden_layers]
+        )
+        positions = self._cache.cache_lens[:, None].long() + step
+        q_lens = (accepted + 1).to(torch.int32)
+        outputs = self._run(hidden, tokens, positions, None, q_lens)
+        self._outputs = gather_rows(outputs, accepted[:, None])[:, 0]
+        self._cache.cache_lens.add_(q_lens)
+
+    def keep(self, rows: torch.Tensor) -> None:
+        self._cache.select(rows)
+        self._outputs = self._outputs[rows]
