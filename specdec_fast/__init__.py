@@ -2,6 +2,7 @@
 
 from importlib.metadata import PackageNotFoundError, version
 
+from .adaptive import AdaptiveDrafter, CostModel
 from .drafters import (
     Drafter,
     DraftModelDrafter,
@@ -14,6 +15,8 @@ from .drafters import (
     SuffixDrafter,
 )
 from .engine import GenerateOutput, generate
+from .guardrails import GuardedDrafter, GuardrailPolicy, Guardrails
+from .metrics import SpecMetrics, prometheus_text
 from .stats import SequenceStats, SpecStats
 
 try:
@@ -22,18 +25,25 @@ except PackageNotFoundError:  # running from a source tree that was never instal
     __version__ = "0.0.0"
 
 __all__ = [
+    "AdaptiveDrafter",
+    "CostModel",
     "DraftModelDrafter",
     "DraftState",
     "Drafter",
     "EagleDrafter",
     "GenerateOutput",
+    "GuardedDrafter",
+    "GuardrailPolicy",
+    "Guardrails",
     "MedusaDrafter",
     "NGramDrafter",
     "Proposal",
     "SequenceStats",
+    "SpecMetrics",
     "SpecStats",
     "StepOutcome",
     "SuffixDrafter",
     "__version__",
     "generate",
+    "prometheus_text",
 ]

@@ -1,0 +1,331 @@
+"""Adaptive speculation: each step's tree budget from a cost model, or no speculation at all.
+
+Speculating with n draft nodes at batch size B pays off when
+
+    E(n) / (D(B) + V(B, n + 1))  >  1 / V(B, 1)
+
+where V(B, N) is the measured time of a verify step of N nodes per row, D(B) the drafter's time
+per step, and E(n) the expected tokens a row emits per step (accepted drafts + 1) when only the
+first n nodes of the drafter's tree are verified. E(n) comes from recent steps: node indices grow
+along any root-to-leaf path, so the accepted path of a verified tree, cut to the nodes with index
+<= n, is the path a tree cut to its first n nodes would have accepted. Every verified step thus
+measures E for all smaller budgets at once.
+
+`AdaptiveDrafter` wraps any drafter: before each step it picks the budget that maximizes the
+predicted speed and proposes the inner tree cut to it. When no budget beats plain decoding by
+`margin`, the request continues plainly without calling the inner drafter again (a drafter's
+state cannot skip steps and resume), so plain decoding does not pay for drafting; every request
+starts with a fresh decision, and one predicted to lose does not start the drafter at all.
+Full-budget exploration steps, backed off exponentially while they keep losing, refresh the
+acceptance estimates.
+
+`CostModel.calibrate` times verify steps of the target over a grid of (B, N); the wrapper refines
+the table with the steps it measures online.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections import deque
+from collections.abc import Callable, Iterable
+
+import torch
+
+from specdec_fast.drafters.base import Drafter, DraftState, Proposal, StepOutcome
+from specdec_fast.engine import generate
+from specdec_fast.wrapping import WrappedDrafter, root_only, trim_proposal, widen_outcome
+
+# Budgets the wrapper chooses among: few distinct tree widths keep the number of captured CUDA
+# graphs (one per (B, N)) small.
+BUDGETS = (1, 2, 3, 5, 8, 16, 32, 64)
+
+
+def _interpolate(x: float, points: list[tuple[float, float]]) -> float:
+    """Piecewise-linear through sorted (x, y) points, extended linearly past both ends."""
+    if len(points) == 1:
+        return points[0][1]
+    for (x0, y0), (x1, y1) in zip(points, points[1:], strict=False):
+        if x <= x1 or (x1, y1) == points[-1]:
+            return y0 + (y1 - y0) * (x - x0) / (x1 - x0)
+    raise AssertionError("unreachable")
+
+
+class CostModel:
+    """Seconds per verify step V(B, N) and per drafting step D(B), measured and interpolated.
+
+    Each (B, N) keeps the median of its last `samples` measurements, which ignores the odd step
+    slowed by something else on the machine; unmeasured points are interpolated linearly in N
+    along each measured batch size, then linearly in B.
+    """
+
+    def __init__(self, samples: int = 9):
+        if samples < 1:
+            raise ValueError(f"samples must be >= 1, got {samples}")
+        self.samples = samples
+        self.verify_s: dict[tuple[int, int], float] = {}
+        self.draft_s: dict[int, float] = {}
+        self._recent: dict[tuple, deque[float]] = {}
+
+    def _record(self, table: dict, key, seconds: float) -> None:
+        recent = self._recent.setdefault((id(table), key), deque(maxlen=self.samples))
+        recent.append(seconds)
+        table[key] = statistics.median(recent)
+
+    def observe_verify(self, batch: int, nodes: int, seconds: float) -> None:
+        self._record(self.verify_s, (batch, nodes), seconds)
+
+    def observe_draft(self, batch: int, seconds: float) -> None:
+        self._record(self.draft_s, batch, seconds)
+
+    def verify_cost(self, batch: int, nodes: int) -> float | None:
+        """Predicted seconds of a verify step with `nodes` nodes per row (root included)."""
+        if (batch, nodes) in self.verify_s:
+            return self.verify_s[(batch, nodes)]
+        curves: dict[int, list[tuple[float, float]]] = {}
+        for (b, n), seconds in sorted(self.verify_s.items()):
+            curves.setdefault(b, []).append((n, seconds))
+        # A batch size measured at one width says nothing about the slope in N.
+        shaped = {b: c for b, c in curves.items() if len(c) > 1}
+        curves = shaped or curves
+        if not curves:
+            return None
+        at_batch = [(b, _interpolate(nodes, c)) for b, c in sorted(curves.items())]
+        return max(_interpolate(batch, at_batch), 0.0)
+
+    def draft_cost(self, batch: int) -> float:
+        if not self.draft_s:
+            return 0.0
+        return max(_interpolate(batch, sorted(self.draft_s.items())), 0.0)
+
+    def calibrate(
+        self,
+        model,
+        batch_sizes: Iterable[int],
+        node_counts: Iterable[int],
+        context_len: int = 64,
+        steps: int = 6,
+    ) -> CostModel:
+        """Measure whole engine steps of `model` (verify, acceptance, compaction, bookkeeping:
+        what the wrapper times online) for every (B, N), drafting random chains that are almost
+        always rejected."""
+        vocab = model.config.get_text_config(decoder=True).vocab_size
+        generator = torch.Generator().manual_seed(0)
+        for batch in sorted(set(batch_sizes)):
+            prompts = torch.randint(vocab, (batch, context_len), generator=generator).tolist()
+            for nodes in sorted(set(node_counts) | {1}):
+                drafter = _RandomChain(nodes - 1, vocab) if nodes > 1 else None
+                with torch.no_grad():
+                    out = generate(
+                        model, prompts, drafter=drafter, max_new_tokens=steps, eos_token_id=[]
+                    )
+                for gap in out.stats.sequences[0].emission_gaps:
+                    self.observe_verify(batch, nodes, gap)
+        return self
+
+    def to_dict(self) -> dict:
+        return {
+            "verify_s": {f"{b}x{n}": s for (b, n), s in sorted(self.verify_s.items())},
+            "draft_s": {str(b): s for b, s in sorted(self.draft_s.items())},
+        }
+
+
+class _RandomChain(Drafter):
+    """Chains of random tokens: the verify cost of N = max_nodes + 1 without acceptance."""
+
+    def __init__(self, max_nodes: int, vocab_size: int):
+        super().__init__(max_nodes)
+        self.vocab_size = vocab_size
+        self.generator = torch.Generator().manual_seed(1)
+
+    def propose(self, state: DraftState) -> Proposal:
+        batch, width = state.batch_size, self.max_nodes + 1
+        tokens = torch.randint(self.vocab_size, (batch, width), generator=self.generator)
+        tokens[:, 0] = torch.tensor([row[-1] for row in state.tokens])
+        parents = torch.arange(-1, width - 1).expand(batch, -1)
+        return Proposal(tokens.to(state.device), parents.contiguous().to(state.device))
+
+
+class AcceptanceWindow:
+    """Recent verified row-steps: for each, the budget verified and how many of the accepted
+    path's nodes have index <= n, for every n up to that budget (running sums per n)."""
+
+    def __init__(self, size: int = 512):
+        self.records: deque[list[int]] = deque()
+        self.size = size
+        self._sums: list[int] = []
+        self._counts: list[int] = []
+
+    def _apply(self, accepted_within: list[int], sign: int) -> None:
+        grow = len(accepted_within) - len(self._sums)
+        if grow > 0:
+            self._sums.extend([0] * grow)
+            self._counts.extend([0] * grow)
+        for n, accepted in enumerate(accepted_within):
+            self._sums[n] += sign * accepted
+            self._counts[n] += sign
+
+    def add(self, budget: int, accepted_nodes: list[list[int]]) -> None:
+        """One verified step: `accepted_nodes` per row (root first, then -1), `budget` nodes."""
+        for path in accepted_nodes:
+            nodes = [node for node in path[1:] if node > 0]
+            within = [sum(1 for node in nodes if node <= n) for n in range(1, budget + 1)]
+            self.records.append(within)
+            self._apply(within, 1)
+            if len(self.records) > self.size:
+                self._apply(self.records.popleft(), -1)
+
+    def expected_tokens(self, budget: int) -> float | None:
+        """Mean tokens emitted per row-step (drafts + 1) had only nodes 1..budget been verified;
+        None without a step that verified that many."""
+        if budget > len(self._counts) or not self._counts[budget - 1]:
+            return None
+        return 1.0 + self._sums[budget - 1] / self._counts[budget - 1]
+
+
+class AdaptiveDrafter(WrappedDrafter):
+    """Speculates with the budget the cost model predicts fastest, or not at all (module doc).
+
+    cost_model: the target's verify costs, shareable between drafters of one target (e.g.
+        calibrated once); drafting costs are measured per wrapper (`draft_costs`).
+    margin: a budget must beat plain decoding by this predicted fraction to be used.
+    explore_every: steps between full-budget exploration steps; doubled after each exploration
+        that finds speculation losing (up to `max_explore_every`), reset when it wins.
+    probe_steps: full-budget steps at the start of an exploring request (see `begin`).
+    window: row-steps of acceptance history.
+    """
+
+    def __init__(
+        self,
+        inner: Drafter,
+        cost_model: CostModel | None = None,
+        margin: float = 0.05,
+        explore_every: int = 32,
+        max_explore_every: int = 1024,
+        probe_steps: int = 4,
+        window: int = 512,
+        clock: Callable[[], float] = time.perf_counter,
+    ):
+        super().__init__(inner)
+        # Verify costs are the target's and may be shared; drafting costs are this drafter's.
+        self.cost_model = cost_model or CostModel()
+        self.draft_costs = CostModel()
+        self.acceptance = AcceptanceWindow(window)
+        self.margin = margin
+        self.base_explore_every = explore_every
+        self.explore_every = explore_every
+        self.max_explore_every = max_explore_every
+        self.probe_steps = probe_steps
+        self._probe_left = 0
+        self.clock = clock
+        self.budgets = [b for b in BUDGETS if b < inner.max_nodes] + [inner.max_nodes]
+        self.chosen: list[int] = []  # budget of every step (0 = plain), for reports
+        self._attached = False
+        self._active = False
+        self._since_explore = 0
+        self._full: Proposal | None = None
+        self._budget = 0
+        self._nodes = 1
+        self._draft_s = 0.0
+        self._verify_start = 0.0
+
+    def attach(self, target, max_cache_len: int) -> None:
+        self.inner.attach(target, max_cache_len)
+        self._attached = True
+
+    def begin(self, state: DraftState) -> None:
+        # A request predicted to lose starts plain (no drafter work) unless an exploration is
+        # due; an exploring request, like one before anything is known, probes the full tree for
+        # `probe_steps` steps, so that the estimate sees more than a request's first steps
+        # (whose acceptance is often lower: less context to draft from).
+        best, known = self._best(state.batch_size)
+        plain = self.cost_model.verify_cost(state.batch_size, 1)
+        losing = known and best == 0 and plain is not None
+        explore = losing and self._since_explore >= self.explore_every
+        self._active = not losing or explore
+        self._probe_left = self.probe_steps if explore or not known else 0
+        if explore:
+            self._since_explore = 0
+            self.explore_every = min(2 * self.explore_every, self.max_explore_every)
+        if self._active:
+            self.inner.begin(state)
+
+    def predicted_speedup(self, batch: int, budget: int) -> float | None:
+        """Predicted tokens/s with `budget` draft nodes over plain tokens/s; None if unknown."""
+        plain = self.cost_model.verify_cost(batch, 1)
+        verify = self.cost_model.verify_cost(batch, budget + 1)
+        tokens = self.acceptance.expected_tokens(budget)
+        if plain is None or verify is None or tokens is None:
+            return None
+        return tokens * plain / (self.draft_costs.draft_cost(batch) + verify)
+
+    def _best(self, batch: int) -> tuple[int, bool]:
+        """(the budget predicted fastest, 0 if none beats plain by `margin`; whether every
+        budget's prediction is known)."""
+        best, best_speedup, known = 0, 1.0 + self.margin, True
+        for budget in self.budgets:
+            speedup = self.predicted_speedup(batch, budget)
+            if speedup is None:
+                known = False
+            elif speedup > best_speedup:
+                best, best_speedup = budget, speedup
+        return best, known
+
+    def choose_budget(self, batch: int) -> int:
+        """The budget for the next step at batch size `batch` (0 = plain decoding)."""
+        if self.cost_model.verify_cost(batch, 1) is None:
+            return 0  # measure plain decoding first
+        if self._probe_left > 0:
+            self._probe_left -= 1
+            return self.budgets[-1]
+        best, known = self._best(batch)
+        if best == 0 and not known:
+            return self.budgets[-1]  # nothing known beats plain yet: look at the full tree
+        if best > 0:
+            self.explore_every = self.base_explore_every
+        if self._since_explore >= self.explore_every:
+            self._since_explore = 0
+            if best == 0:  # back off while explorations keep finding a loss
+                self.explore_every = min(2 * self.explore_every, self.max_explore_every)
+            return self.budgets[-1]
+        return best
+
+    def propose(self, state: DraftState) -> Proposal:
+        self._since_explore += 1
+        self._budget = self.choose_budget(state.batch_size) if self._active else 0
+        if self._budget == 0:
+            # Predicted loss: the rest of the request decodes plainly, without drafting.
+            self._active = False
+            proposal = root_only(state)
+        else:
+            start = self.clock()
+            self._full = self.inner.propose(state)
+            self._draft_s = self.clock() - start
+            proposal = trim_proposal(self._full, self._budget)
+        self.chosen.append(self._budget)
+        self._nodes = proposal.num_nodes
+        self._verify_start = self.clock()
+        return proposal
+
+    def update(self, state: DraftState, outcome: StepOutcome) -> None:
+        now = self.clock()
+        batch = len(outcome.emitted)
+        self.cost_model.observe_verify(batch, self._nodes, now - self._verify_start)
+        if self._budget == 0:
+            return
+        self.acceptance.add(self._budget, outcome.accepted_nodes.cpu().tolist())
+        self.inner.update(state, widen_outcome(outcome, self._full))
+        self.draft_costs.observe_draft(batch, self._draft_s + self.clock() - now)
+
+    def keep(self, rows: torch.Tensor) -> None:
+        if self._active:
+            self.inner.keep(rows)
+
+    def end(self) -> None:
+        self._active = False
+        if self._attached:
+            self._attached = False
+            self.inner.end()
+
+    def __repr__(self) -> str:
+        return f"AdaptiveDrafter({self.inner!r})"

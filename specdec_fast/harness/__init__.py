@@ -1,0 +1,121 @@
+"""The evaluation harness: measure speculation on your own prompts before turning it on.
+
+`bench(...)` (and `specdec-fast bench`) decodes a JSONL prompt set plainly and with each drafter
+configuration over a grid of sizes and batch sizes, and writes `report.json` and `report.md`:
+acceptance, latency percentiles, throughput, memory, errors, cost, speed-ups, quality equivalence
+with plain decoding, the best configuration per task type and concurrency, and adaptive
+speculation against the baseline at every concurrency.
+"""
+
+from __future__ import annotations
+
+import platform
+from collections.abc import Sequence
+from datetime import datetime, timezone
+from pathlib import Path
+
+from specdec_fast.guardrails import Guardrails
+from specdec_fast.harness.prompts import (
+    DEFAULT_PROMPTS,
+    PromptRecord,
+    default_prompts,
+    first_per_task,
+    load_prompts,
+)
+from specdec_fast.harness.report import summarize, write_report
+from specdec_fast.harness.sweep import BenchConfig, run_sweep
+
+__all__ = [
+    "BenchConfig",
+    "PromptRecord",
+    "bench",
+    "default_prompts",
+    "load_prompts",
+    "run_sweep",
+    "write_report",
+]
+
+
+def _versions() -> dict[str, str]:
+    import torch
+    import transformers
+
+    from specdec_fast import __version__
+
+    return {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "specdec_fast": __version__,
+    }
+
+
+def bench(
+    model,
+    drafters: Sequence[str],
+    prompts: str | Path | Sequence[PromptRecord] | None = None,
+    out: str | Path | None = None,
+    *,
+    k: Sequence[int] = (1, 2, 3),
+    trees: Sequence[int] = (),
+    batch: Sequence[int] = (1, 4),
+    adaptive: bool = True,
+    max_new_tokens: int = 64,
+    price_per_hour: float | None = None,
+    guardrails: Guardrails | str | Path | None = None,
+    repeats: int = 1,
+    per_task: int | None = None,
+    tokenizer=None,
+    device: str | None = None,
+    progress: bool = True,
+) -> dict:
+    """Benchmark drafters against plain decoding; returns the report and writes it to `out`.
+
+    Args:
+        model: a folder or bundled name (its tokenizer is loaded too), or a loaded HF model
+            (then pass `tokenizer`).
+        drafters: drafter SPECs (`ngram`, `suffix`, `draft:PATH`, `medusa:PATH`, ...).
+        prompts: a JSONL file, a list of `PromptRecord`, or None for the shipped default set.
+        k, trees, batch: the grid (see `BenchConfig`).
+        guardrails: a `Guardrails` or a YAML file; each cell is judged against its policies.
+        per_task: keep only the first `per_task` prompts of each task type.
+    """
+    from specdec_fast.loading import load_model, load_tokenizer, pick_device
+
+    name = model if isinstance(model, (str, Path)) else type(model).__name__
+    if isinstance(model, (str, Path)):
+        tokenizer = tokenizer or load_tokenizer(str(model))
+        model = load_model(str(model), pick_device(device))
+    if tokenizer is None:
+        raise ValueError("tokenizer: required when `model` is a loaded model")
+    if prompts is None:
+        prompts_file, records = str(DEFAULT_PROMPTS), default_prompts(per_task)
+    elif isinstance(prompts, (str, Path)):
+        prompts_file, records = str(prompts), first_per_task(load_prompts(prompts), per_task)
+    else:
+        prompts_file, records = "(given)", first_per_task(list(prompts), per_task)
+    if isinstance(guardrails, (str, Path)):
+        guardrails = Guardrails.from_yaml(Path(guardrails))
+    config = BenchConfig(
+        drafters=list(drafters),
+        sizes=list(k),
+        trees=list(trees),
+        batches=list(batch),
+        adaptive=adaptive,
+        max_new_tokens=max_new_tokens,
+        price_per_hour=price_per_hour,
+        repeats=repeats,
+        guardrails=guardrails,
+    )
+    report = run_sweep(model, tokenizer, records, config, progress=progress)
+    report["meta"] = {
+        "model": str(name),
+        "device": str(model.device),
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "prompts_file": prompts_file,
+        "versions": _versions(),
+    }
+    summarize(report)
+    if out is not None:
+        report["files"] = write_report(report, out)
+    return report

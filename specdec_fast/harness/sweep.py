@@ -1,0 +1,491 @@
+"""The benchmark sweep: a plain-decoding baseline, then one cell per (drafter, size, batch).
+
+Every cell decodes the whole prompt set with `generate`, `batch` prompts at a time (prompts are
+grouped by `max_new_tokens` first, in file order), taking turns chunk by chunk with plain decoding
+of the same prompts (a paired measurement, robust to a machine whose speed drifts), and is compared
+with that baseline: speed-up of tokens/s and of TPOT, exact match of greedy outputs, quality
+checks. Plain decoding paired with itself gives each batch size's noise. Adaptive cells (one
+`AdaptiveDrafter` around the largest size of each drafter, with a calibrated `CostModel`, serving
+the whole concurrency sweep as it would serve a service's traffic) run at every batch size; the
+report shows their ratio to the baseline next to the noise.
+"""
+
+from __future__ import annotations
+
+import resource
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+from specdec_fast.adaptive import BUDGETS, AdaptiveDrafter, CostModel
+from specdec_fast.drafters.base import Drafter
+from specdec_fast.engine import GenerateOutput, generate
+from specdec_fast.guardrails import Guardrails
+from specdec_fast.harness.checks import passes
+from specdec_fast.harness.prompts import PromptRecord
+from specdec_fast.loading import DrafterSpec
+from specdec_fast.stats import SequenceStats, SpecStats, percentile
+from specdec_fast.train.progress import Progress
+
+# Output-length and prompt-length buckets (tokens) of the report's splits.
+OUTPUT_BUCKETS = ((32, "<=32"), (128, "33-128"), (512, "129-512"))
+PROMPT_BUCKETS = ((128, "<=128"), (512, "129-512"), (2048, "513-2048"))
+
+
+@dataclass
+class BenchConfig:
+    """What to sweep.
+
+    drafters: drafter SPECs (see `specdec_fast.loading`).
+    sizes: k (chain length) or N (tree budget) of each drafter; `trees`: tree budgets, which
+        turn `draft:PATH` into `draft-tree:PATH`.
+    batches: concurrency levels (prompts decoded together).
+    adaptive: also run an `AdaptiveDrafter` cell per drafter and batch.
+    max_new_tokens: default for prompts without their own.
+    price_per_hour: device price, for the cost per 1K output tokens.
+    repeats: runs of the prompt set per cell; each chunk's fastest run counts (the least
+        disturbed by other load).
+    noise_floor: the smallest relative noise assumed; the noise of a batch size is how far
+        plain decoding paired with itself strays from a ratio of 1.
+    """
+
+    drafters: list[str]
+    sizes: list[int] = field(default_factory=lambda: [1, 2, 3])
+    trees: list[int] = field(default_factory=list)
+    batches: list[int] = field(default_factory=lambda: [1, 4])
+    adaptive: bool = True
+    max_new_tokens: int = 64
+    price_per_hour: float | None = None
+    repeats: int = 1
+    noise_floor: float = 0.05
+    seed: int = 0
+    warmup: bool = True
+    guardrails: Guardrails | None = None
+
+    def cells(self) -> list[tuple[str, DrafterSpec, int, bool]]:
+        """(name, spec, size, adaptive) of every speculative cell, batch excluded. A SPEC with its
+        own size (`suffix:16`) is one configuration; the others sweep `sizes` and `trees`."""
+        out = []
+        for text in self.drafters:
+            parsed = DrafterSpec.parse(text)
+            spec = DrafterSpec(parsed.kind, parsed.path, None)
+            tree_spec = DrafterSpec("draft-tree" if spec.kind == "draft" else spec.kind, spec.path)
+            grid = [(spec, size) for size in sorted(set(self.sizes))]
+            grid += [(tree_spec, size) for size in sorted(set(self.trees))]
+            if parsed.size is not None:
+                grid = [(spec, parsed.size)]
+            out += [(f"{s}:{size}", s, size, False) for s, size in grid]
+            if self.adaptive:
+                top, largest = max(grid, key=lambda cell: cell[1])
+                out.append((f"adaptive({top}:{largest})", top, largest, True))
+        return out
+
+
+@dataclass
+class Encoded:
+    record: PromptRecord
+    index: int
+    ids: list[int]
+    max_new_tokens: int
+
+
+@dataclass
+class CellRun:
+    """The raw outcome of decoding the prompt set once."""
+
+    stats: SpecStats
+    outputs: dict[int, list[int] | None]  # prompt index -> generated tokens (None: failed)
+    sequences: dict[int, SequenceStats]
+    errors: dict[int, str]
+    wall_s: float
+    budgets: list[int] = field(default_factory=list)
+
+
+def encode_prompts(records: list[PromptRecord], tokenizer, max_new_tokens: int) -> list[Encoded]:
+    bos = getattr(tokenizer, "bos_token_id", None)
+    out = []
+    for index, record in enumerate(records):
+        ids = tokenizer.encode(record.prompt, add_special_tokens=False)
+        ids = ([bos] if bos is not None else []) + list(ids)
+        out.append(Encoded(record, index, ids, record.max_new_tokens or max_new_tokens))
+    return out
+
+
+def batches_of(prompts: list[Encoded], batch: int) -> list[list[Encoded]]:
+    """Chunks of `batch` prompts sharing `max_new_tokens`, in file order within a length."""
+    by_length: dict[int, list[Encoded]] = {}
+    for prompt in prompts:
+        by_length.setdefault(prompt.max_new_tokens, []).append(prompt)
+    return [
+        group[i : i + batch]
+        for _, group in sorted(by_length.items())
+        for i in range(0, len(group), batch)
+    ]
+
+
+@dataclass
+class _Chunk:
+    """One `generate` call: its wall time and output, or the error it raised."""
+
+    wall: float
+    out: GenerateOutput | None = None
+    error: str | None = None
+
+
+def _decode_chunk(model, chunk: list[Encoded], drafter: Drafter | None, seed: int) -> _Chunk:
+    start = time.perf_counter()
+    try:
+        with torch.no_grad():
+            out = generate(
+                model,
+                [p.ids for p in chunk],
+                drafter=drafter,
+                max_new_tokens=chunk[0].max_new_tokens,
+                temperature=[p.record.temperature for p in chunk],
+                seed=[seed + p.index for p in chunk],
+            )
+    except Exception as error:  # noqa: BLE001 - a failed request is a measured error
+        return _Chunk(time.perf_counter() - start, error=f"{type(error).__name__}: {error}")
+    return _Chunk(time.perf_counter() - start, out)
+
+
+def _merge(model, chunks: list[list[Encoded]], results: list[_Chunk], drafter) -> CellRun:
+    outputs: dict[int, list[int] | None] = {}
+    sequences: dict[int, SequenceStats] = {}
+    errors: dict[int, str] = {}
+    merged = SpecStats(
+        drafter=repr(drafter) if drafter is not None else None, memory_device=model.device.type
+    )
+    for chunk, result in zip(chunks, results, strict=True):
+        if result.out is None:
+            for p in chunk:
+                outputs[p.index] = None
+                errors[p.index] = result.error
+            continue
+        stats = result.out.stats
+        for p, sequence, seq_stats in zip(
+            chunk, result.out.sequences, stats.sequences, strict=True
+        ):
+            outputs[p.index] = sequence[len(p.ids) :].tolist()
+            sequences[p.index] = seq_stats
+        merged.sequences.extend(stats.sequences)
+        merged.fallbacks += stats.fallbacks
+        if stats.peak_memory_bytes is not None:
+            merged.peak_memory_bytes = max(merged.peak_memory_bytes or 0, stats.peak_memory_bytes)
+    merged.wall_time = sum(result.wall for result in results)
+    return CellRun(merged, outputs, sequences, errors, merged.wall_time)
+
+
+def decode_paired(
+    model,
+    prompts: list[Encoded],
+    batch: int,
+    drafters: list[Drafter | None],
+    seed: int,
+    repeats: int = 1,
+) -> list[CellRun]:
+    """Decode every prompt `batch` at a time once per drafter (None: plain), the drafters taking
+    turns chunk by chunk, so that all of them meet the same machine conditions (a paired
+    measurement: drift and other load cancel out of their ratios).
+
+    Each drafter instance serves all its chunks (its state carries over, as in a service). With
+    `repeats`, each chunk keeps its fastest run per drafter; a chunk that fails in any run counts
+    its prompts as errors (the sweep goes on)."""
+    chunks = batches_of(prompts, batch)
+    best: list[list[_Chunk | None]] = [[None] * len(chunks) for _ in drafters]
+    for _ in range(repeats):
+        for index, chunk in enumerate(chunks):
+            for side, drafter in enumerate(drafters):
+                result = _decode_chunk(model, chunk, drafter, seed)
+                kept = best[side][index]
+                if kept is None or (
+                    kept.error is None and (result.error or result.wall < kept.wall)
+                ):
+                    best[side][index] = result
+    return [
+        _merge(model, chunks, results, drafter)
+        for results, drafter in zip(best, drafters, strict=True)
+    ]
+
+
+def cell_metrics(run: CellRun, requests: int, price_per_hour: float | None) -> dict:
+    """The headline figures of one run (SpecStats summary plus rates, errors and cost)."""
+    summary = run.stats.summary()
+    new_tokens = summary["new_tokens"]
+    summary["requests_per_second"] = requests / run.wall_s if run.wall_s else None
+    summary["error_rate"] = len(run.errors) / requests if requests else 0.0
+    summary["cost_per_1k_output_tokens"] = (
+        price_per_hour / 3600.0 * run.wall_s / new_tokens * 1000.0
+        if price_per_hour is not None and new_tokens
+        else None
+    )
+    summary["host_peak_rss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    return summary
+
+
+def _bucket(value: int, buckets) -> str:
+    for bound, label in buckets:
+        if value <= bound:
+            return label
+    return f">{buckets[-1][0]}"
+
+
+def split_keys(prompt: Encoded) -> dict[str, str]:
+    record = prompt.record
+    return {
+        "task": record.task,
+        "output_length": _bucket(prompt.max_new_tokens, OUTPUT_BUCKETS),
+        "temperature": "greedy" if record.temperature == 0 else f"t={record.temperature:g}",
+        "prompt_length": _bucket(len(prompt.ids), PROMPT_BUCKETS),
+    }
+
+
+def _mean(values: list[float]) -> float | None:
+    return sum(values) / len(values) if values else None
+
+
+def split_metrics(prompts: list[Encoded], run: CellRun, baseline: CellRun) -> dict:
+    """Per split kind and value: acceptance, tokens per step, TPOT p50 and the TPOT speed-up
+    against the baseline's sequences of the same split."""
+    groups: dict[str, dict[str, list[int]]] = {}
+    for prompt in prompts:
+        for kind, value in split_keys(prompt).items():
+            groups.setdefault(kind, {}).setdefault(value, []).append(prompt.index)
+    out: dict[str, dict] = {}
+    for kind, values in groups.items():
+        out[kind] = {}
+        for value, indices in sorted(values.items()):
+            seqs = [run.sequences[i] for i in indices if i in run.sequences]
+            base = [baseline.sequences[i] for i in indices if i in baseline.sequences]
+            stats = SpecStats(sequences=seqs)
+            tpot = [s.tpot for s in seqs if s.tpot is not None]
+            base_tpot = [s.tpot for s in base if s.tpot is not None]
+            out[kind][value] = {
+                "prompts": len(indices),
+                "acceptance_rate": stats.acceptance_rate,
+                "mean_accepted_tokens_per_step": stats.mean_accepted_per_step,
+                "tpot_p50_s": percentile(tpot, 50),
+                "speedup_tpot": _mean(base_tpot) / _mean(tpot) if tpot and base_tpot else None,
+            }
+    return out
+
+
+def _detok(tokenizer, tokens: list[int] | None) -> str | None:
+    return None if tokens is None else tokenizer.decode(tokens)
+
+
+def quality(prompts: list[Encoded], run: CellRun, baseline: CellRun, tokenizer) -> dict:
+    """Greedy exact match against the baseline, check pass counts, and every divergence."""
+    divergences, greedy, equal = [], 0, 0
+    checked, base_pass, cell_pass, regressions = 0, 0, 0, 0
+    for prompt in prompts:
+        ours, theirs = run.outputs.get(prompt.index), baseline.outputs.get(prompt.index)
+        if ours is None or theirs is None:
+            continue
+        ours_text, theirs_text = _detok(tokenizer, ours), _detok(tokenizer, theirs)
+        regressed = False
+        if prompt.record.check is not None:
+            checked += 1
+            was = passes(prompt.record.check, theirs_text, theirs_text)
+            now = passes(prompt.record.check, ours_text, theirs_text)
+            base_pass += was
+            cell_pass += now
+            regressed = was and not now
+            regressions += regressed
+        greedy_row = prompt.record.temperature == 0
+        greedy += greedy_row
+        same = ours == theirs
+        equal += greedy_row and same
+        if (greedy_row and not same) or regressed:
+            first = next(
+                (i for i, (a, b) in enumerate(zip(ours, theirs, strict=False)) if a != b),
+                min(len(ours), len(theirs)),
+            )
+            divergences.append(
+                {
+                    "prompt_id": prompt.record.id,
+                    "task": prompt.record.task,
+                    "prompt": prompt.record.prompt,
+                    "baseline_output": theirs_text,
+                    "speculative_output": ours_text,
+                    "first_differing_token": first,
+                    "greedy": greedy_row,
+                    "quality_regression": regressed,
+                }
+            )
+    return {
+        "greedy_prompts": greedy,
+        "greedy_exact_matches": equal,
+        "checked_prompts": checked,
+        "baseline_check_passes": base_pass,
+        "speculative_check_passes": cell_pass,
+        "quality_regressions": regressions,
+        "divergences": divergences,
+    }
+
+
+def guardrail_verdict(guardrails: Guardrails, cell: dict, baseline: dict, splits: dict) -> dict:
+    """Would each task's route policy (the default policy for the cell overall) let this cell
+    speculate? Lists the bounds each would break."""
+    verdicts = {}
+    routes = {"all": (guardrails.default, cell, None)}
+    for task, figures in splits.get("task", {}).items():
+        routes[task] = (guardrails.policy(task), figures, task)
+    for route, (policy, figures, task) in routes.items():
+        broken = []
+        rate = figures.get("acceptance_rate")
+        if rate is not None and rate < policy.min_acceptance_rate:
+            broken.append(f"acceptance {rate:.3f} < {policy.min_acceptance_rate}")
+        if task is None:
+            base_p95, p95 = baseline["tpot_s"]["p95"], cell["tpot_s"]["p95"]
+            if base_p95 and p95 and p95 / base_p95 - 1 > policy.max_tpot_p95_regression:
+                broken.append(f"TPOT p95 {p95 / base_p95 - 1:+.1%}")
+            if cell["error_rate"] > policy.max_error_rate:
+                broken.append(f"error rate {cell['error_rate']:.3f}")
+            if cell["quality_regressions"] > policy.max_quality_regression_cases:
+                broken.append(f"{cell['quality_regressions']} quality regressions")
+        verdicts[route] = {"speculate": not broken, "broken": broken}
+    return verdicts
+
+
+def run_sweep(
+    model,
+    tokenizer,
+    records: list[PromptRecord],
+    config: BenchConfig,
+    make_drafter: Callable[[DrafterSpec, int], Drafter | None] | None = None,
+    progress: bool = True,
+) -> dict:
+    """Run the whole sweep and return the report as a JSON-ready dict (see `harness.report`).
+
+    make_drafter(spec, size): builds a drafter for the target (default: `spec.build`)."""
+    make_drafter = make_drafter or (lambda spec, size: spec.build(model, size))
+    prompts = encode_prompts(records, tokenizer, config.max_new_tokens)
+    cells = config.cells()
+    total = len(config.batches) * (1 + len(cells))
+    repeats = config.repeats
+    bar = Progress(total, desc="bench cells", min_interval_s=0.0 if progress else 1e9)
+    cost_model = None
+    if any(adaptive for *_, adaptive in cells):
+        largest = max(size for _, _, size, adaptive in cells if adaptive)
+        budgets = [b for b in BUDGETS if b < largest] + [largest]
+        cost_model = CostModel().calibrate(model, config.batches, [b + 1 for b in budgets])
+
+    def warm(drafter: Drafter | None, batch: int) -> None:
+        if config.warmup:
+            short = [replace_tokens(p, 8) for p in prompts[:batch]]
+            decode_paired(model, short, batch, [drafter], 0)
+
+    baseline_metrics: dict[int, dict] = {}
+    noise: dict[int, float] = {}
+    adaptive_drafters: dict[str, AdaptiveDrafter] = {}
+    report_cells = []
+    for batch in config.batches:
+        warm(None, batch)
+        # Plain against plain, paired like every cell: how far from 1.0 a ratio strays by
+        # chance is the noise that every speed-up at this batch size is judged against.
+        baseline, again = decode_paired(model, prompts, batch, [None, None], config.seed, repeats)
+        bar.update(1, cell=f"baseline b={batch}")
+        rates = [baseline.stats.tokens_per_second or 0.0, again.stats.tokens_per_second or 0.0]
+        noise[batch] = max(config.noise_floor, abs(1.0 - min(rates) / max(max(rates), 1e-9)))
+        metrics = cell_metrics(baseline, len(prompts), config.price_per_hour)
+        metrics["plain_vs_plain_tokens_per_second"] = rates
+        baseline_metrics[batch] = metrics
+        for name, spec, size, adaptive in cells:
+            if adaptive:
+                # One adaptive drafter serves the whole concurrency sweep, as one would serve a
+                # service's traffic: what it learned at one batch size carries over.
+                if name not in adaptive_drafters:
+                    adaptive_drafters[name] = AdaptiveDrafter(make_drafter(spec, size), cost_model)
+                drafter = adaptive_drafters[name]
+            else:
+                drafter = make_drafter(spec, size)
+            warm(drafter, batch)
+            warm_steps = len(drafter.chosen) if adaptive else 0
+            reference, run = decode_paired(
+                model, prompts, batch, [None, drafter], config.seed, repeats
+            )
+            if adaptive:
+                run.budgets = drafter.chosen[warm_steps:]
+            bar.update(1, cell=f"{name} b={batch}")
+            report_cells.append(
+                _cell_record(
+                    name, spec, size, adaptive, batch, prompts, run, tokenizer, config, reference
+                )
+            )
+    bar.close()
+    return {
+        "config": {
+            "drafters": config.drafters,
+            "sizes": config.sizes,
+            "trees": config.trees,
+            "batches": config.batches,
+            "adaptive": config.adaptive,
+            "max_new_tokens": config.max_new_tokens,
+            "price_per_hour": config.price_per_hour,
+            "repeats": config.repeats,
+            "noise_floor": config.noise_floor,
+            "seed": config.seed,
+        },
+        "prompts": [p.record.to_dict() | {"prompt_tokens": len(p.ids)} for p in prompts],
+        "noise": {str(b): n for b, n in noise.items()},
+        "baseline": {str(b): m for b, m in baseline_metrics.items()},
+        "cost_model": cost_model.to_dict() if cost_model is not None else None,
+        "cells": report_cells,
+        "guardrails": _policies(config.guardrails) if config.guardrails else None,
+    }
+
+
+def _policies(guardrails: Guardrails) -> dict:
+    return {
+        "default": asdict(guardrails.default),
+        "routes": {name: asdict(policy) for name, policy in guardrails.policies.items()},
+    }
+
+
+def replace_tokens(prompt: Encoded, max_new_tokens: int) -> Encoded:
+    return Encoded(prompt.record, prompt.index, prompt.ids, max_new_tokens)
+
+
+def _cell_record(
+    name, spec, size, adaptive, batch, prompts, run, tokenizer, config, baseline
+) -> dict:
+    """The report entry of one cell; `baseline`: its paired plain run."""
+    metrics = cell_metrics(run, len(prompts), config.price_per_hour)
+    base_metrics = cell_metrics(baseline, len(prompts), config.price_per_hour)
+    q = quality(prompts, run, baseline, tokenizer)
+    metrics["quality_regressions"] = q["quality_regressions"]
+    splits = split_metrics(prompts, run, baseline)
+    base_rate = base_metrics["tokens_per_second"]
+    base_tpot, tpot = base_metrics["tpot_s"]["p50"], metrics["tpot_s"]["p50"]
+    record = {
+        "name": name,
+        "drafter": str(spec),
+        "size": size,
+        "batch": batch,
+        "adaptive": adaptive,
+        "metrics": metrics,
+        "speedup": metrics["tokens_per_second"] / base_rate
+        if base_rate and metrics["tokens_per_second"]
+        else None,
+        "speedup_tpot_p50": base_tpot / tpot if base_tpot and tpot else None,
+        "paired_baseline_tokens_per_second": base_rate,
+        "splits": splits,
+        "quality": q,
+        "errors": {str(i): e for i, e in run.errors.items()},
+    }
+    if adaptive:
+        chosen = run.budgets
+        record["adaptive_budgets"] = {
+            "steps": len(chosen),
+            "plain_steps": sum(1 for b in chosen if b == 0),
+            "mean_budget": _mean([float(b) for b in chosen]),
+        }
+    if config.guardrails is not None:
+        record["guardrails"] = guardrail_verdict(config.guardrails, metrics, base_metrics, splits)
+    if run.errors:
+        print(f"bench: {name} b={batch}: {len(run.errors)} failed requests", file=sys.stderr)
+    return record

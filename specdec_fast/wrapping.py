@@ -1,0 +1,132 @@
+"""Drafter wrappers: a drafter that delegates to an inner one, and proposal trimming.
+
+A wrapper may verify less than the inner drafter proposed: the first `n` draft nodes of a tree in
+node order (a topological order, so the prefix is itself a tree), or the root alone, which is
+exactly one step of plain decoding. The inner drafter is then told about the step as if its whole
+proposal had been verified: the accepted path only uses kept nodes, so padding the result with
+"not accepted" describes a valid verification of the full tree, and drafters with their own
+caches (draft models) stay in step.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from specdec_fast.drafters.base import Drafter, DraftState, Proposal, StepOutcome
+
+
+def root_only(state: DraftState) -> Proposal:
+    """The one-node tree of every row: verifying it is one step of plain decoding."""
+    roots = torch.tensor([row[-1] for row in state.tokens], dtype=torch.int64)
+    parents = torch.full((len(state.tokens), 1), -1, dtype=torch.int64)
+    return Proposal(tokens=roots[:, None].to(state.device), parents=parents.to(state.device))
+
+
+def trim_proposal(proposal: Proposal, budget: int) -> Proposal:
+    """The first `budget` draft nodes of each tree (root kept): tokens/parents [B, budget + 1]."""
+    width = min(budget + 1, proposal.num_nodes)
+    probs = proposal.draft_probs
+    return Proposal(
+        tokens=proposal.tokens[:, :width],
+        parents=proposal.parents[:, :width],
+        draft_probs=None if probs is None else probs[:, :width],
+    )
+
+
+def _pad_nodes(tensor: torch.Tensor, width: int, value: float) -> torch.Tensor:
+    """Pad dim 1 of tensor [B, n, ...] to `width` with `value`."""
+    missing = width - tensor.shape[1]
+    if missing <= 0:
+        return tensor
+    pad = tensor.new_full((tensor.shape[0], missing, *tensor.shape[2:]), value)
+    return torch.cat([tensor, pad], dim=1)
+
+
+def widen_outcome(outcome: StepOutcome, full: Proposal) -> StepOutcome:
+    """The outcome of a trimmed proposal, restated for the `full` proposal it was cut from.
+
+    accepted_nodes int32 [B, n] -> [B, N] padded with -1; hidden {layer: [B, n, H]} -> [B, N, H]
+    padded with zeros (no accepted node reads them)."""
+    width = full.num_nodes
+    return StepOutcome(
+        proposal=full,
+        accepted_nodes=_pad_nodes(outcome.accepted_nodes, width, -1),
+        num_accepted=outcome.num_accepted,
+        next_tokens=outcome.next_tokens,
+        emitted=outcome.emitted,
+        hidden={layer: _pad_nodes(h, width, 0.0) for layer, h in outcome.hidden.items()},
+    )
+
+
+class WrappedDrafter(Drafter):
+    """Delegates every protocol member to `inner`; subclasses override what they change."""
+
+    def __init__(self, inner: Drafter):
+        self.inner = inner
+
+    @property
+    def max_nodes(self) -> int:
+        return self.inner.max_nodes
+
+    @property
+    def max_depth(self) -> int:
+        return self.inner.max_depth
+
+    @property
+    def hidden_layers(self) -> tuple[int, ...]:
+        return tuple(getattr(self.inner, "hidden_layers", ()))
+
+    def attach(self, target, max_cache_len: int) -> None:
+        self.inner.attach(target, max_cache_len)
+
+    def begin(self, state: DraftState) -> None:
+        self.inner.begin(state)
+
+    def propose(self, state: DraftState) -> Proposal:
+        return self.inner.propose(state)
+
+    def update(self, state: DraftState, outcome: StepOutcome) -> None:
+        self.inner.update(state, outcome)
+
+    def keep(self, rows: torch.Tensor) -> None:
+        self.inner.keep(rows)
+
+    def end(self) -> None:
+        self.inner.end()
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.inner!r})"
+
+
+class TrimmedDrafter(WrappedDrafter):
+    """Caps the inner drafter's trees at `budget` draft nodes (for drafters without a size knob)."""
+
+    def __init__(self, inner: Drafter, budget: int):
+        super().__init__(inner)
+        if budget < 1:
+            raise ValueError(f"budget must be >= 1, got {budget}")
+        self.budget = budget
+        self._full: Proposal | None = None
+
+    @property
+    def max_nodes(self) -> int:
+        return min(self.budget, self.inner.max_nodes)
+
+    @property
+    def max_depth(self) -> int:
+        return min(self.max_nodes, self.inner.max_depth)
+
+    def attach(self, target, max_cache_len: int) -> None:
+        # The engine sized its cache for the cut tree; the inner drafter's own cache (a draft
+        # model's) must still hold its whole tree.
+        self.inner.attach(target, max_cache_len + self.inner.max_nodes - self.max_nodes)
+
+    def propose(self, state: DraftState) -> Proposal:
+        self._full = self.inner.propose(state)
+        return trim_proposal(self._full, self.budget)
+
+    def update(self, state: DraftState, outcome: StepOutcome) -> None:
+        self.inner.update(state, widen_outcome(outcome, self._full))
+
+    def __repr__(self) -> str:
+        return f"TrimmedDrafter({self.inner!r}, budget={self.budget})"

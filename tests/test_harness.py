@@ -1,0 +1,252 @@
+"""The benchmark harness: prompt files, quality checks, the sweep and its report, the CLI, and
+the whole `specdec-fast bench` on the bundled models."""
+
+import json
+
+import pytest
+import torch
+from tiny_models import tiny_llama
+
+from specdec_fast import NGramDrafter, bundled
+from specdec_fast.cli import main
+from specdec_fast.guardrails import GuardrailPolicy, Guardrails
+from specdec_fast.harness import PromptRecord, default_prompts, load_prompts, run_sweep
+from specdec_fast.harness.checks import passes, validate_check
+from specdec_fast.harness.prompts import TASKS
+from specdec_fast.harness.report import write_report
+from specdec_fast.harness.sweep import BenchConfig, CellRun, Encoded, quality
+from specdec_fast.loading import HEAD_DRAFTERS, DrafterSpec
+from specdec_fast.stats import SpecStats
+
+VOCAB = 96
+
+
+class CharTokenizer:
+    """Characters to ids modulo the tiny models' vocabulary (decoding is lossy, which is fine)."""
+
+    bos_token_id = None
+
+    def encode(self, text, add_special_tokens=False):
+        return [ord(c) % VOCAB for c in text]
+
+    def decode(self, tokens):
+        return "".join(chr(32 + t) for t in tokens)
+
+
+def test_load_prompts_validates_each_line(tmp_path):
+    path = tmp_path / "p.jsonl"
+    path.write_text(
+        '{"prompt": "a", "task": "qa", "max_new_tokens": 5, "temperature": 0.5, "check": "json"}\n'
+        "\n"
+        '{"prompt": "b"}\n'
+    )
+    records = load_prompts(path)
+    assert [r.prompt for r in records] == ["a", "b"]
+    assert records[0].max_new_tokens == 5 and records[0].check == "json"
+    assert records[1].task == "other" and records[1].temperature == 0.0
+    for line, message in [
+        ("{bad json", r"p\.jsonl:1: invalid JSON"),
+        ('{"task": "qa"}', r"p\.jsonl:1\.prompt: expected a non-empty string"),
+        ('{"prompt": "a", "check": "(unclosed"}', r"p\.jsonl:1\.check: expected one of"),
+        ('{"prompt": "a", "max_new_tokens": 0}', r"max_new_tokens: expected a positive integer"),
+        ('{"prompt": "a", "temperature": -1}', r"temperature: expected a number >= 0"),
+        ('{"prompt": "a", "colour": 1}', r"unknown fields \['colour'\]"),
+    ]:
+        path.write_text(line + "\n")
+        with pytest.raises(ValueError, match=message):
+            load_prompts(path)
+
+
+def test_default_prompt_set_spans_every_task_type():
+    records = default_prompts()
+    assert {r.task for r in records} == set(TASKS)
+    for record in records:
+        if record.check is not None:
+            validate_check(record.check)
+    assert any(r.temperature > 0 for r in records)  # the temperature split has two sides
+    assert len(default_prompts(1)) == len(TASKS)
+
+
+@pytest.mark.parametrize(
+    ("check", "text", "expected"),
+    [
+        ("json", 'here: {"a": [1, 2]} and more', True),
+        ("json", '{"a": [1, 2', False),
+        ("json", "no json", False),
+        ("python", "    x = 1\n    if x:\n", True),  # an open block gets a body
+        ("python", "x = (1,\n", False),
+        ("python", "x = 1\ny = 2 + ", True),  # the last partial line is not judged
+        (r"(?i)\bselect\b", "SELECT a FROM t", True),
+        (r"^\w+ =", "  key = 1", False),
+    ],
+)
+def test_checks(check, text, expected):
+    assert passes(check, text) is expected
+
+
+def test_exact_check_compares_with_the_baseline():
+    assert passes("exact", "abc", "abc") and not passes("exact", "abd", "abc")
+
+
+def run_of(outputs):
+    return CellRun(SpecStats(), outputs, {}, {}, 1.0)
+
+
+def test_quality_reports_every_divergence_with_its_first_position():
+    prompts = [
+        Encoded(PromptRecord("p0", "qa", check="json", id="a"), 0, [1], 4),
+        Encoded(PromptRecord("p1", "code", id="b"), 1, [1], 4),
+        Encoded(PromptRecord("p2", "qa", temperature=0.7, check="json", id="c"), 2, [1], 4),
+    ]
+    tokenizer = CharTokenizer()
+    brace = [ord("{") - 32, ord("}") - 32]  # decodes to "{}"
+    baseline = run_of({0: brace, 1: [5, 6, 7], 2: brace})
+    cell = run_of({0: brace, 1: [5, 6, 8], 2: [5, 5]})
+    q = quality(prompts, cell, baseline, tokenizer)
+    assert q["greedy_prompts"] == 2 and q["greedy_exact_matches"] == 1
+    assert q["baseline_check_passes"] == 2 and q["speculative_check_passes"] == 1
+    assert q["quality_regressions"] == 1
+    by_id = {d["prompt_id"]: d for d in q["divergences"]}
+    assert set(by_id) == {"b", "c"}
+    assert by_id["b"]["first_differing_token"] == 2 and by_id["b"]["greedy"]
+    assert by_id["c"]["quality_regression"] and not by_id["c"]["greedy"]
+    assert by_id["c"]["baseline_output"] == "{}" and by_id["c"]["prompt"] == "p2"
+
+
+class FailingDrafter(NGramDrafter):
+    def propose(self, state):
+        raise RuntimeError("boom")
+
+
+def test_sweep_end_to_end_on_a_tiny_model(tmp_path):
+    model = tiny_llama(vocab_size=VOCAB)
+    records = [
+        PromptRecord("abcabcabcabc", "code", 12, check="python", id="p0"),
+        PromptRecord("xyzxyzxyz", "structured", 12, check="json", id="p1"),
+        PromptRecord("hello hello hello", "qa", 8, temperature=0.8, check=r"\w", id="p2"),
+    ]
+    strict = GuardrailPolicy(min_acceptance_rate=0.99)
+    config = BenchConfig(
+        drafters=["ngram", "suffix:3"],
+        sizes=[2],
+        batches=[1, 2],
+        price_per_hour=3.6,
+        guardrails=Guardrails(routes={"code": strict}),
+    )
+    calls = []
+
+    def make(spec, size):
+        calls.append((spec.kind, size))
+        return spec.build(model, size)
+
+    with torch.no_grad():
+        report = run_sweep(model, CharTokenizer(), records, config, make, progress=False)
+    names = [(c["name"], c["batch"]) for c in report["cells"]]
+    cells = ("ngram:2", "adaptive(ngram:2)", "suffix:3", "adaptive(suffix:3)")
+    assert names == [(n, b) for b in (1, 2) for n in cells]
+    assert report["cost_model"]["verify_s"]  # calibrated for the adaptive cells
+    for cell in report["cells"]:
+        m = cell["metrics"]
+        assert m["sequences"] == 3 and m["error_rate"] == 0.0
+        assert cell["speedup"] > 0 and m["requests_per_second"] > 0
+        # $3.6/h is $0.001/s: the cost of 1K tokens is the seconds per 1K tokens / 1000.
+        assert m["cost_per_1k_output_tokens"] == pytest.approx(
+            m["wall_time_s"] / m["new_tokens"], rel=1e-6
+        )
+        assert cell["quality"]["greedy_exact_matches"] == cell["quality"]["greedy_prompts"] == 2
+        assert cell["quality"]["divergences"] == []
+        assert set(cell["splits"]) == {"task", "output_length", "temperature", "prompt_length"}
+        assert set(cell["splits"]["temperature"]) == {"greedy", "t=0.8"}
+        verdicts = cell["guardrails"]
+        assert set(verdicts) == {"all", "code", "structured", "qa"}
+        if cell["splits"]["task"]["code"]["acceptance_rate"] is not None:
+            assert not verdicts["code"]["speculate"]  # no random drafter reaches 99%
+            assert "acceptance" in verdicts["code"]["broken"][0]
+    adaptive = [c for c in report["cells"] if c["adaptive"]]
+    assert all(c["adaptive_budgets"]["steps"] > 0 for c in adaptive)
+    for batch in ("1", "2"):
+        base = report["baseline"][batch]
+        assert base["tokens_per_second"] > 0 and len(base["ttft_s"]) == 3
+        assert report["noise"][batch] >= config.noise_floor
+
+    files = write_report(report, tmp_path)
+    saved = json.loads((tmp_path / "report.json").read_text())
+    assert len(saved["cells"]) == 2 * len(cells) and len(saved["adaptive_vs_baseline"]) == 4
+    assert set(saved["best_by_task_and_batch"]) == {"code", "structured", "qa"}
+    text = (tmp_path / "report.md").read_text()
+    sections = [
+        "## Baseline", "## Cells", "## Best configuration per task type",
+        "## Where speculation loses", "## Adaptive speculation against the baseline",
+        "## Quality equivalence", "### by temperature", "## Guardrail verdicts",
+    ]  # fmt: skip
+    assert all(section in text for section in sections)
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        assert "matplotlib is not installed" in text
+    else:
+        assert len(saved["plots"]) == 4
+    assert files["markdown"].endswith("report.md")
+
+
+def test_failing_requests_count_as_errors_and_the_sweep_goes_on():
+    model = tiny_llama(vocab_size=VOCAB)
+    records = [PromptRecord("abcabc", "qa", 6), PromptRecord("defdef", "qa", 6)]
+    config = BenchConfig(drafters=["ngram"], sizes=[2], batches=[1], adaptive=False)
+    with torch.no_grad():
+        report = run_sweep(
+            model, CharTokenizer(), records, config, lambda s, k: FailingDrafter(k), False
+        )
+    (cell,) = report["cells"]
+    assert cell["metrics"]["error_rate"] == 1.0
+    assert set(cell["errors"].values()) == {"RuntimeError: boom"}
+    assert report["baseline"]["1"]["error_rate"] == 0.0
+
+
+def test_head_drafter_specs(monkeypatch):
+    for kind, (module, _) in HEAD_DRAFTERS.items():
+        spec = DrafterSpec.parse(f"{kind}:some-path:8")
+        assert (spec.kind, spec.path, spec.size) == (kind, "some-path", 8)
+        monkeypatch.setitem(HEAD_DRAFTERS, kind, (module + "_missing", None))
+        with pytest.raises(ValueError, match="not available in this version"):
+            DrafterSpec.parse(f"{kind}:some-path")
+
+
+def test_bench_help_and_bad_grid(capsys):
+    with pytest.raises(SystemExit) as done:
+        main(["bench", "--help"])
+    assert done.value.code == 0
+    assert "--drafter" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        main(["bench", "--k", "0,2", "--out", "x"])
+    assert "expected positive integers" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(
+    "tiny-code" not in bundled.available(),
+    reason="the bundled target tiny-code is not in this install yet (it is being trained)",
+)
+def test_bench_cli_on_the_bundled_models(tmp_path):
+    # A tiny prompt set: one default prompt per task type, at the command line's token limit.
+    prompts = tmp_path / "prompts.jsonl"
+    records = [r.to_dict() for r in default_prompts(1)]
+    prompts.write_text("".join(json.dumps(r | {"max_new_tokens": 8}) + "\n" for r in records))
+    code = main(
+        ["bench", "--model", "tiny-code", "--drafter", "ngram", "--drafter",
+         "draft:tiny-code-draft", "--k", "2", "--batch", "3", "--prompts", str(prompts),
+         "--out", str(tmp_path / "report"), "--device", "cpu"]
+    )  # fmt: skip
+    assert code == 0
+    report = json.loads((tmp_path / "report" / "report.json").read_text())
+    assert len(report["prompts"]) == len(TASKS)
+    assert {c["name"] for c in report["cells"]} == {
+        "ngram:2", "adaptive(ngram:2)", "draft:tiny-code-draft:2",
+        "adaptive(draft:tiny-code-draft:2)",
+    }  # fmt: skip
+    for cell in report["cells"]:
+        assert cell["metrics"]["error_rate"] == 0.0
+        q = cell["quality"]
+        assert q["greedy_exact_matches"] == q["greedy_prompts"] and q["quality_regressions"] == 0
+    drafted = [c for c in report["cells"] if c["name"] == "draft:tiny-code-draft:2"]
+    assert drafted[0]["metrics"]["accepted_tokens"] > 0  # the trained pair agrees sometimes
+    assert (tmp_path / "report" / "report.md").is_file()
