@@ -46,7 +46,7 @@ def demo_drafters(target, device) -> dict[str, Callable[[], Drafter | None]]:
         drafters["draft model, chain k=4"] = lambda: DraftModelDrafter(draft, num_tokens=4)
         drafters["draft model, tree 16"] = lambda: DraftModelDrafter(draft, tree=default_tree(16))
     # Medusa and EAGLE heads trained for the target, those that are installed.
-    drafters.update(bundled_head_drafters(target, budgets=(16,)))
+    drafters.update(bundled_head_drafters(target, budgets=(8,)))
     return drafters
 
 
@@ -79,6 +79,10 @@ def main(num_prompts: int = 4, max_new_tokens: int = 64, device: str | None = No
         )
         return 2
     device = pick_device(device)
+    if device.type == "cpu":
+        # The bundled models are tiny: one intra-op thread beats several, whose synchronization
+        # costs more than these matmuls (and stalls badly when the machine is shared).
+        torch.set_num_threads(1)
     torch.manual_seed(0)
     target = load_model("tiny-code", device)
     tokenizer = load_tokenizer("tiny-code")
