@@ -32,6 +32,7 @@ from specdec_fast.requests import (
 )
 from specdec_fast.runner import ModelRunner
 from specdec_fast.stats import SequenceStats, SpecStats
+from specdec_fast.tree_mask import ancestor_mask, node_depths
 
 TokenCallback = Callable[[int, list[int]], None]
 
@@ -64,18 +65,6 @@ def _root_only(state: DraftState) -> Proposal:
 def _default_eos(model: PreTrainedModel):
     config = getattr(model, "generation_config", None)
     return getattr(config, "eos_token_id", None)
-
-
-def _tree_depths(parents: torch.Tensor) -> list[int]:
-    """Per row, (number of real draft nodes, deepest level), from host-side parents [B, N]."""
-    out = []
-    for row in parents.tolist():
-        depth = [0] * len(row)
-        for node in range(1, len(row)):
-            if row[node] >= 0:
-                depth[node] = depth[row[node]] + 1
-        out.append(max(depth))
-    return out
 
 
 def generate(
@@ -185,24 +174,32 @@ def generate(
                 result.accepted_nodes, result.num_accepted, validate=model.device.type != "cuda"
             )
             path = proposal.tokens.gather(1, result.accepted_nodes.clamp(min=0).long())
-            # The only device-to-host read of a step: the path, the next token, the path length.
+            drafted = (proposal.parents >= 0).sum(dim=1)
+            offered_depth = node_depths(ancestor_mask(proposal.parents)).max(dim=1).values
+            # The only device-to-host read of a step: the path, the next token, the path length
+            # and the tree's size and depth (for the statistics).
             host = torch.cat(
-                [path, result.next_tokens[:, None], result.num_accepted[:, None].long()], dim=1
+                [
+                    path,
+                    result.next_tokens[:, None],
+                    result.num_accepted[:, None].long(),
+                    drafted[:, None],
+                    offered_depth[:, None],
+                ],
+                dim=1,
             ).cpu()
             now = time.perf_counter()
-            depths = _tree_depths(proposal.parents.cpu())
-            drafted = (proposal.parents >= 0).sum(dim=1).cpu().tolist()
             emitted, finished = [], []
             for r, row in enumerate(rows):
-                accepted = int(host[r, -1])
-                candidates = host[r, 1 : accepted + 1].tolist() + [int(host[r, -2])]
+                next_token, accepted, num_drafted, depth = host[r, -4:].tolist()
+                candidates = host[r, 1 : accepted + 1].tolist() + [next_token]
                 taken, reason = rule.take(generated[row], candidates)
                 lengths[r] += accepted + 1
                 if reason is None and lengths[r] + num_nodes > capacity:
                     reason = "cache"
                 emitted.append(taken)
                 seq_stats = stats.sequences[row]
-                seq_stats.record_step(depths[r], drafted[r], accepted)
+                seq_stats.record_step(depth, num_drafted, accepted)
                 seq_stats.record_emission(len(taken), now, start)
                 state.tokens[r].extend(taken)
                 if on_tokens is not None:
