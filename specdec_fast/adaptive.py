@@ -32,9 +32,9 @@ from collections.abc import Callable, Iterable
 
 import torch
 
-from specdec_fast.drafters.base import Drafter, DraftState, Proposal, StepOutcome
+from specdec_fast.drafters.base import Drafter, DraftState, Proposal, StepOutcome, root_only
 from specdec_fast.engine import generate
-from specdec_fast.wrapping import WrappedDrafter, root_only, trim_proposal, widen_outcome
+from specdec_fast.wrapping import WrappedDrafter, trim_proposal, widen_outcome
 
 # Budgets the wrapper chooses among: few distinct tree widths keep the number of captured CUDA
 # graphs (one per (B, N)) small.

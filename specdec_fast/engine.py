@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 from transformers import PreTrainedModel
 
-from specdec_fast.drafters.base import Drafter, DraftState, Proposal, StepOutcome
+from specdec_fast.drafters.base import Drafter, DraftState, StepOutcome, root_only
 from specdec_fast.kernels.verify import verify
 from specdec_fast.requests import (
     Sampling,
@@ -32,7 +32,6 @@ from specdec_fast.requests import (
 )
 from specdec_fast.runner import ModelRunner
 from specdec_fast.stats import SequenceStats, SpecStats
-from specdec_fast.tree_mask import ancestor_mask, node_depths
 
 TokenCallback = Callable[[int, list[int]], None]
 
@@ -54,12 +53,6 @@ def _pad_prompts(prompts: list[list[int]], device) -> tuple[torch.Tensor, torch.
         ids[row, : len(prompt)] = torch.as_tensor(prompt)
         mask[row, : len(prompt)] = 1
     return ids.to(device), mask.to(device)
-
-
-def _root_only(state: DraftState) -> Proposal:
-    roots = torch.tensor([row[-1] for row in state.tokens], dtype=torch.int64)
-    parents = torch.full((len(state.tokens), 1), -1, dtype=torch.int64)
-    return Proposal(tokens=roots[:, None].to(state.device), parents=parents.to(state.device))
 
 
 def _default_eos(model: PreTrainedModel):
@@ -156,7 +149,7 @@ def generate(
         step = 0
         lengths = [len(p) - 1 for p in prompts]  # cached tokens per active row (host mirror)
         while rows:
-            proposal = drafter.propose(state) if drafter is not None else _root_only(state)
+            proposal = drafter.propose(state) if drafter is not None else root_only(state)
             out = runner.verify(proposal.tokens, proposal.parents)
             host_sampling = sampling.select(rows)
             result = verify(
@@ -175,7 +168,7 @@ def generate(
             )
             path = proposal.tokens.gather(1, result.accepted_nodes.clamp(min=0).long())
             drafted = (proposal.parents >= 0).sum(dim=1)
-            offered_depth = node_depths(ancestor_mask(proposal.parents)).max(dim=1).values
+            offered_depth = out.depths.max(dim=1).values
             # The only device-to-host read of a step: the path, the next token, the path length
             # and the tree's size and depth (for the statistics).
             host = torch.cat(

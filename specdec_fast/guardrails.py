@@ -39,9 +39,9 @@ from pathlib import Path
 
 import torch
 
-from specdec_fast.drafters.base import Drafter, DraftState, Proposal, StepOutcome
+from specdec_fast.drafters.base import Drafter, DraftState, Proposal, StepOutcome, root_only
 from specdec_fast.stats import percentile
-from specdec_fast.wrapping import WrappedDrafter, root_only
+from specdec_fast.wrapping import WrappedDrafter
 
 SECTION = "speculative_decoding_guardrails"
 FALLBACK_ACTIONS = ("plain_decoding", "log_only")

@@ -87,10 +87,12 @@ class VerifyOutput:
     Attributes:
         logits: fp32 `[B, N, V]`; row i is the distribution of node i's child.
         hidden_states: `{layer: [B, N, H]}` for the captured layers, in the model's dtype.
+        depths: int64 `[B, N]`, each node's depth in its tree (root and padded nodes 0).
     """
 
     logits: torch.Tensor
     hidden_states: dict[int, torch.Tensor]
+    depths: torch.Tensor
 
 
 @dataclass
@@ -314,7 +316,7 @@ class ModelRunner:
         self.cache.ensure_room(tokens.shape[1])
         if self.use_cuda_graphs:
             return self._replay(tokens, parents, q_lens)
-        return VerifyOutput(*self._verify_step(tokens, parents, q_lens))
+        return self._verify_step(tokens, parents, q_lens)
 
     def keep(self, rows: torch.Tensor) -> None:
         """Keep only the sequences `rows` (int64 `[B']`, indices into the batch), in that order:
@@ -356,14 +358,16 @@ class ModelRunner:
 
     def _verify_step(
         self, tokens: torch.Tensor, parents: torch.Tensor, q_lens: torch.Tensor | None
-    ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+    ) -> VerifyOutput:
         """Tree mask and positions from `parents`, then the forward (device ops only)."""
         ancestors = ancestor_mask(parents)
-        positions = self.cache.cache_lens[:, None].long() + node_depths(ancestors)
+        depths = node_depths(ancestors)
+        positions = self.cache.cache_lens[:, None].long() + depths
         # A single node sees only itself, which is what the causal default gives.
         tree_mask = None if tokens.shape[1] == 1 else pack_tree_mask(ancestors)
         q_lens = None if q_lens is None else q_lens.to(torch.int32)
-        return self._forward(tokens, positions, tree_mask, q_lens, logits_to_keep=0)
+        logits, hidden = self._forward(tokens, positions, tree_mask, q_lens, logits_to_keep=0)
+        return VerifyOutput(logits, hidden, depths)
 
     def _forward(
         self,
@@ -425,7 +429,5 @@ class ModelRunner:
         torch.cuda.current_stream(self.device).wait_stream(side_stream)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._graph_pool):
-            logits, hidden = self._verify_step(static_tokens, static_parents, static_q_lens)
-        return _VerifyGraph(
-            graph, static_tokens, static_parents, static_q_lens, VerifyOutput(logits, hidden)
-        )
+            output = self._verify_step(static_tokens, static_parents, static_q_lens)
+        return _VerifyGraph(graph, static_tokens, static_parents, static_q_lens, output)

@@ -15,13 +15,6 @@ import torch
 from specdec_fast.drafters.base import Drafter, DraftState, Proposal, StepOutcome
 
 
-def root_only(state: DraftState) -> Proposal:
-    """The one-node tree of every row: verifying it is one step of plain decoding."""
-    roots = torch.tensor([row[-1] for row in state.tokens], dtype=torch.int64)
-    parents = torch.full((len(state.tokens), 1), -1, dtype=torch.int64)
-    return Proposal(tokens=roots[:, None].to(state.device), parents=parents.to(state.device))
-
-
 def trim_proposal(proposal: Proposal, budget: int) -> Proposal:
     """The first `budget` draft nodes of each tree (root kept): tokens/parents [B, budget + 1]."""
     width = min(budget + 1, proposal.num_nodes)

@@ -148,6 +148,13 @@ class Drafter:
         return f"{type(self).__name__}(max_nodes={self.max_nodes}, max_depth={self.max_depth})"
 
 
+def root_only(state: DraftState) -> Proposal:
+    """The one-node tree of every row: verifying it is one step of plain decoding."""
+    roots = torch.tensor([row[-1] for row in state.tokens], dtype=torch.int64)
+    parents = torch.full((len(state.tokens), 1), -1, dtype=torch.int64)
+    return Proposal(tokens=roots[:, None].to(state.device), parents=parents.to(state.device))
+
+
 def pack_trees(
     roots: Sequence[int],
     trees: Sequence[tuple[Sequence[int], Sequence[int]]],

@@ -8,7 +8,7 @@ import torch
 from transformers import PreTrainedModel
 
 from specdec_fast.runner import ModelRunner
-from specdec_fast.trees import StaticTree
+from specdec_fast.trees import StaticTree, parse_tree
 
 from .base import Drafter, DraftState, Proposal, StepOutcome
 
@@ -86,12 +86,8 @@ class DraftModelDrafter(Drafter):
         draft_tokenizer=None,
         target_tokenizer=None,
     ):
-        if tree is not None and not isinstance(tree, StaticTree):
-            tree = (
-                StaticTree.from_token_tree_string(tree)
-                if isinstance(tree, str)
-                else StaticTree.from_choices(tree)
-            )
+        if tree is not None:
+            tree = parse_tree(tree)
         self.tree = tree
         if tree is None:
             super().__init__(num_tokens, num_tokens)

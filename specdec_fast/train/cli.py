@@ -39,7 +39,7 @@ def _run_lm(args) -> int:
     from . import corpus
     from .data import token_stream
     from .export import export_checkpoint
-    from .lm import TrainSettings, model_config, train_lm
+    from .lm import model_config, train_lm
     from .tokenizer import load_tokenizer
 
     tokenizer = load_tokenizer(args.tokenizer)
@@ -50,15 +50,7 @@ def _run_lm(args) -> int:
         tokenizer.eos_token_id,
         tokenizer.pad_token_id,
     )
-    settings = TrainSettings(
-        steps=args.steps,
-        batch_size=args.batch_size,
-        seq_len=args.seq_len,
-        lr=args.lr,
-        warmup_steps=args.warmup_steps,
-        seed=args.seed,
-        checkpoint_minutes=args.checkpoint_minutes,
-    )
+    settings = run_settings(args)
     stream = token_stream("train", args.tokenizer, args.data_dir)
     model, steps_done = train_lm(
         config, settings, stream, args.run_dir, resume=args.resume, stop_at=args.stop_at
@@ -86,8 +78,10 @@ def add_run_arguments(
     lr: float,
     warmup_steps: int,
     checkpoint_minutes: float,
+    log_every: int = 10,
 ) -> None:
-    """The options every training command shares: folders, schedule, seed, resume."""
+    """The options every training command shares: folders, schedule, seed, resume (read back
+    with `run_settings`)."""
     parser.add_argument("--run-dir", required=True, help="checkpoint and log folder")
     parser.add_argument("--out", help="export the finished model to this folder")
     parser.add_argument("--data-dir", default="runs/data", help="token stream cache")
@@ -97,9 +91,26 @@ def add_run_arguments(
     parser.add_argument("--lr", type=float, default=lr)
     parser.add_argument("--warmup-steps", type=int, default=warmup_steps)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--log-every", type=int, default=log_every)
     parser.add_argument("--checkpoint-minutes", type=float, default=checkpoint_minutes)
     parser.add_argument("--resume", action="store_true", help="continue from run-dir's checkpoint")
     parser.add_argument("--stop-at", type=int, help="stop (checkpointed) at this step")
+
+
+def run_settings(args: argparse.Namespace):
+    """The `TrainSettings` of options added by `add_run_arguments`."""
+    from .lm import TrainSettings
+
+    return TrainSettings(
+        steps=args.steps,
+        batch_size=args.batch_size,
+        seq_len=args.seq_len,
+        lr=args.lr,
+        warmup_steps=args.warmup_steps,
+        seed=args.seed,
+        log_every=args.log_every,
+        checkpoint_minutes=args.checkpoint_minutes,
+    )
 
 
 def register_lm(sub) -> None:

@@ -369,7 +369,7 @@ DESCRIPTIONS = {
 def _run_heads(args) -> int:
     from specdec_fast.loading import load_model, resolve_path
 
-    from .cli import _command_line
+    from .cli import _command_line, run_settings
     from .data import token_stream
     from .evaluate import _windows
 
@@ -381,16 +381,7 @@ def _run_heads(args) -> int:
         unroll=args.unroll,
         draft_vocab=args.draft_vocab,
     )
-    settings = TrainSettings(
-        steps=args.steps,
-        batch_size=args.batch_size,
-        seq_len=args.seq_len,
-        lr=args.lr,
-        warmup_steps=args.warmup_steps,
-        seed=args.seed,
-        log_every=args.log_every,
-        checkpoint_minutes=args.checkpoint_minutes,
-    )
+    settings = run_settings(args)
     target_dir = resolve_path(args.target)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     target = load_model(args.target, device, torch.float32)
@@ -427,6 +418,8 @@ def _run_heads(args) -> int:
 
 def register_head_commands(sub) -> None:
     """Add the `medusa`, `eagle` and `eagle3` commands to the training CLI."""
+    from .cli import add_run_arguments
+
     helps = {
         "medusa": "self-distill Medusa heads for a target",
         "eagle": "self-distill an EAGLE-1/2 head for a target",
@@ -435,19 +428,15 @@ def register_head_commands(sub) -> None:
     for kind in KINDS:
         parser = sub.add_parser(kind, help=helps[kind])
         parser.add_argument("--target", default="tiny-code", help="folder or bundled name")
-        parser.add_argument("--run-dir", required=True, help="checkpoint and log folder")
-        parser.add_argument("--out", help="export the finished head to this folder")
-        parser.add_argument("--data-dir", default="runs/data", help="token stream cache")
-        parser.add_argument("--steps", type=int, required=True)
-        parser.add_argument("--batch-size", type=int, default=4)
-        parser.add_argument("--seq-len", type=int, default=256)
-        parser.add_argument("--lr", type=float, default=2e-3)
-        parser.add_argument("--warmup-steps", type=int, default=10)
-        parser.add_argument("--seed", type=int, default=0)
-        parser.add_argument("--log-every", type=int, default=5)
-        parser.add_argument("--checkpoint-minutes", type=float, default=3.0)
-        parser.add_argument("--resume", action="store_true", help="continue from the checkpoint")
-        parser.add_argument("--stop-at", type=int, help="stop (checkpointed) at this step")
+        add_run_arguments(
+            parser,
+            batch_size=4,
+            seq_len=256,
+            lr=2e-3,
+            warmup_steps=10,
+            checkpoint_minutes=3.0,
+            log_every=5,
+        )
         parser.add_argument("--eval-windows", type=int, default=8, help="held-out windows")
         defaults = HeadOptions(kind)
         if kind == "medusa":
