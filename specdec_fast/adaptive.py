@@ -16,8 +16,11 @@ predicted speed and proposes the inner tree cut to it. When no budget beats plai
 `margin`, the request continues plainly without calling the inner drafter again (a drafter's
 state cannot skip steps and resume), so plain decoding does not pay for drafting; every request
 starts with a fresh decision, and one predicted to lose does not start the drafter at all.
-Full-budget exploration steps, backed off exponentially while they keep losing, refresh the
-acceptance estimates.
+Estimates are refreshed by exploring requests (the full tree at every step of a whole request,
+an unbiased sample of acceptance), whose losses are paid from a credit that grows with the time
+decoded plainly: exploration costs at most `explore_share` of it, whatever the drafter's start-up
+cost. Within speculating requests, a full-tree step every `explore_every` steps keeps the larger
+budgets' estimates fresh.
 
 `CostModel.calibrate` times verify steps of the target over a grid of (B, N); the wrapper refines
 the table with the steps it measures online.
@@ -51,12 +54,27 @@ def _interpolate(x: float, points: list[tuple[float, float]]) -> float:
     raise AssertionError("unreachable")
 
 
+def _nondecreasing(points: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """The closest non-decreasing fit (least squares, pool adjacent violators) to sorted (x, y):
+    more nodes or rows never cost less, so a dip is measurement noise, averaged away."""
+    blocks: list[list[float]] = []  # [sum of y, count]
+    for _, y in points:
+        blocks.append([y, 1.0])
+        while len(blocks) > 1 and blocks[-2][0] / blocks[-2][1] > blocks[-1][0] / blocks[-1][1]:
+            total, count = blocks.pop()
+            blocks[-1][0] += total
+            blocks[-1][1] += count
+    fitted = [total / count for total, count in blocks for _ in range(int(count))]
+    return [(x, y) for (x, _), y in zip(points, fitted, strict=True)]
+
+
 class CostModel:
     """Seconds per verify step V(B, N) and per drafting step D(B), measured and interpolated.
 
     Each (B, N) keeps the median of its last `samples` measurements, which ignores the odd step
-    slowed by something else on the machine; unmeasured points are interpolated linearly in N
-    along each measured batch size, then linearly in B.
+    slowed by something else on the machine. Predictions fit the medians with curves that never
+    decrease in N (along each measured batch size), then in B, and interpolate linearly between
+    the points.
     """
 
     def __init__(self, samples: int = 9):
@@ -66,11 +84,13 @@ class CostModel:
         self.verify_s: dict[tuple[int, int], float] = {}
         self.draft_s: dict[int, float] = {}
         self._recent: dict[tuple, deque[float]] = {}
+        self._fitted: list[tuple[int, list[tuple[float, float]]]] | None = None
 
     def _record(self, table: dict, key, seconds: float) -> None:
         recent = self._recent.setdefault((id(table), key), deque(maxlen=self.samples))
         recent.append(seconds)
         table[key] = statistics.median(recent)
+        self._fitted = None
 
     def observe_verify(self, batch: int, nodes: int, seconds: float) -> None:
         self._record(self.verify_s, (batch, nodes), seconds)
@@ -78,20 +98,26 @@ class CostModel:
     def observe_draft(self, batch: int, seconds: float) -> None:
         self._record(self.draft_s, batch, seconds)
 
+    def _curves(self) -> list[tuple[int, list[tuple[float, float]]]]:
+        """Per batch size, the non-decreasing fit of its verify costs in N (cached until the
+        next measurement)."""
+        if self._fitted is None:
+            curves: dict[int, list[tuple[float, float]]] = {}
+            for (b, n), seconds in sorted(self.verify_s.items()):
+                curves.setdefault(b, []).append((n, seconds))
+            # A batch size measured at one width says nothing about the slope in N.
+            shaped = {b: c for b, c in curves.items() if len(c) > 1}
+            curves = shaped or curves
+            self._fitted = [(b, _nondecreasing(c)) for b, c in sorted(curves.items())]
+        return self._fitted
+
     def verify_cost(self, batch: int, nodes: int) -> float | None:
         """Predicted seconds of a verify step with `nodes` nodes per row (root included)."""
-        if (batch, nodes) in self.verify_s:
-            return self.verify_s[(batch, nodes)]
-        curves: dict[int, list[tuple[float, float]]] = {}
-        for (b, n), seconds in sorted(self.verify_s.items()):
-            curves.setdefault(b, []).append((n, seconds))
-        # A batch size measured at one width says nothing about the slope in N.
-        shaped = {b: c for b, c in curves.items() if len(c) > 1}
-        curves = shaped or curves
+        curves = self._curves()
         if not curves:
             return None
-        at_batch = [(b, _interpolate(nodes, c)) for b, c in sorted(curves.items())]
-        return max(_interpolate(batch, at_batch), 0.0)
+        at_batch = [(b, _interpolate(nodes, curve)) for b, curve in curves]
+        return max(_interpolate(batch, _nondecreasing(at_batch)), 0.0)
 
     def draft_cost(self, batch: int) -> float:
         if not self.draft_s:
@@ -189,9 +215,10 @@ class AdaptiveDrafter(WrappedDrafter):
     cost_model: the target's verify costs, shareable between drafters of one target (e.g.
         calibrated once); drafting costs are measured per wrapper (`draft_costs`).
     margin: a budget must beat plain decoding by this predicted fraction to be used.
-    explore_every: steps between full-budget exploration steps; doubled after each exploration
-        that finds speculation losing (up to `max_explore_every`), reset when it wins.
-    probe_steps: full-budget steps at the start of an exploring request (see `begin`).
+    explore_every: within a request that speculates, every this many steps one step verifies the
+        full tree, so that the estimates of larger budgets stay fresh.
+    explore_share: the most that exploring requests may cost, as a share of the time spent
+        decoding plainly by decision (see `begin`).
     window: row-steps of acceptance history.
     """
 
@@ -201,27 +228,35 @@ class AdaptiveDrafter(WrappedDrafter):
         cost_model: CostModel | None = None,
         margin: float = 0.05,
         explore_every: int = 32,
-        max_explore_every: int = 1024,
-        probe_steps: int = 4,
+        explore_share: float = 0.03,
         window: int = 512,
         clock: Callable[[], float] = time.perf_counter,
     ):
         super().__init__(inner)
+        if explore_every < 1:
+            raise ValueError(f"explore_every must be >= 1, got {explore_every}")
+        if not 0.0 <= explore_share < 1.0:
+            raise ValueError(f"explore_share must be in [0, 1), got {explore_share}")
         # Verify costs are the target's and may be shared; drafting costs are this drafter's.
         self.cost_model = cost_model or CostModel()
         self.draft_costs = CostModel()
         self.acceptance = AcceptanceWindow(window)
         self.margin = margin
-        self.base_explore_every = explore_every
         self.explore_every = explore_every
-        self.max_explore_every = max_explore_every
-        self.probe_steps = probe_steps
-        self._probe_left = 0
+        self.explore_share = explore_share
         self.clock = clock
         self.budgets = [b for b in BUDGETS if b < inner.max_nodes] + [inner.max_nodes]
         self.chosen: list[int] = []  # budget of every step (0 = plain), for reports
+        # Exploration accounting, in seconds: `credit` grows by `explore_share` of every step
+        # decoded plainly by decision and shrinks by what each exploring request cost beyond
+        # plain decoding of the same tokens (`exploration_cost` is the last such cost).
+        self.credit = 0.0
+        self.exploration_cost = 0.0
+        self.explorations = 0
         self._attached = False
         self._active = False
+        self._exploring = False
+        self._extra = 0.0
         self._since_explore = 0
         self._full: Proposal | None = None
         self._budget = 0
@@ -234,21 +269,34 @@ class AdaptiveDrafter(WrappedDrafter):
         self._attached = True
 
     def begin(self, state: DraftState) -> None:
-        # A request predicted to lose starts plain (no drafter work) unless an exploration is
-        # due; an exploring request, like one before anything is known, probes the full tree for
-        # `probe_steps` steps, so that the estimate sees more than a request's first steps
-        # (whose acceptance is often lower: less context to draft from).
-        best, known = self._best(state.batch_size)
-        plain = self.cost_model.verify_cost(state.batch_size, 1)
-        losing = known and best == 0 and plain is not None
-        explore = losing and self._since_explore >= self.explore_every
-        self._active = not losing or explore
-        self._probe_left = self.probe_steps if explore or not known else 0
-        if explore:
-            self._since_explore = 0
-            self.explore_every = min(2 * self.explore_every, self.max_explore_every)
+        """Decide how this request starts.
+
+        - Plain decoding's cost at this batch size unknown: plain, measuring it.
+        - Some budget's prediction unknown (nothing learned yet): explore.
+        - Some budget predicted to win: speculate, choosing the budget step by step.
+        - Every budget predicted to lose: plain, without starting the drafter, unless the
+          exploration credit covers another exploring request.
+
+        An exploring request verifies the full tree at every step to its end: acceptance early
+        in a request (little context to draft from) is often lower than later, so only whole
+        requests estimate it without bias. The credit rule keeps the exploring requests' losses
+        within `explore_share` of the plain time, however costly the drafter's start (a draft
+        model's prefill) and however short the requests.
+        """
+        batch = state.batch_size
+        if self.cost_model.verify_cost(batch, 1) is None:
+            self._active = self._exploring = False
+            return
+        best, known = self._best(batch)
+        losing = known and best == 0
+        affordable = self.credit > 0.0 and self.credit >= self.exploration_cost
+        self._exploring = not known or (losing and affordable)
+        self._active = not losing or self._exploring
+        self._extra = 0.0
         if self._active:
+            start = self.clock()
             self.inner.begin(state)
+            self._extra += self.clock() - start
 
     def predicted_speedup(self, batch: int, budget: int) -> float | None:
         """Predicted tokens/s with `budget` draft nodes over plain tokens/s; None if unknown."""
@@ -273,20 +321,15 @@ class AdaptiveDrafter(WrappedDrafter):
 
     def choose_budget(self, batch: int) -> int:
         """The budget for the next step at batch size `batch` (0 = plain decoding)."""
-        if self.cost_model.verify_cost(batch, 1) is None:
-            return 0  # measure plain decoding first
-        if self._probe_left > 0:
-            self._probe_left -= 1
+        if self._exploring:
             return self.budgets[-1]
+        if self.cost_model.verify_cost(batch, 1) is None:
+            return 0
         best, known = self._best(batch)
         if best == 0 and not known:
             return self.budgets[-1]  # nothing known beats plain yet: look at the full tree
-        if best > 0:
-            self.explore_every = self.base_explore_every
-        if self._since_explore >= self.explore_every:
+        if best > 0 and self._since_explore >= self.explore_every:
             self._since_explore = 0
-            if best == 0:  # back off while explorations keep finding a loss
-                self.explore_every = min(2 * self.explore_every, self.max_explore_every)
             return self.budgets[-1]
         return best
 
@@ -294,7 +337,7 @@ class AdaptiveDrafter(WrappedDrafter):
         self._since_explore += 1
         self._budget = self.choose_budget(state.batch_size) if self._active else 0
         if self._budget == 0:
-            # Predicted loss: the rest of the request decodes plainly, without drafting.
+            # Plain by decision: the rest of the request decodes plainly, without drafting.
             self._active = False
             proposal = root_only(state)
         else:
@@ -310,19 +353,30 @@ class AdaptiveDrafter(WrappedDrafter):
     def update(self, state: DraftState, outcome: StepOutcome) -> None:
         now = self.clock()
         batch = len(outcome.emitted)
-        self.cost_model.observe_verify(batch, self._nodes, now - self._verify_start)
+        verify_s = now - self._verify_start
+        self.cost_model.observe_verify(batch, self._nodes, verify_s)
         if self._budget == 0:
+            self.credit += self.explore_share * verify_s
             return
         self.acceptance.add(self._budget, outcome.accepted_nodes.cpu().tolist())
         self.inner.update(state, widen_outcome(outcome, self._full))
-        self.draft_costs.observe_draft(batch, self._draft_s + self.clock() - now)
+        draft_s = self._draft_s + self.clock() - now
+        self.draft_costs.observe_draft(batch, draft_s)
+        if self._exploring:
+            emitted = sum(len(tokens) for tokens in outcome.emitted) / batch
+            plain = self.cost_model.verify_cost(batch, 1) or 0.0
+            self._extra += draft_s + verify_s - emitted * plain
 
     def keep(self, rows: torch.Tensor) -> None:
         if self._active:
             self.inner.keep(rows)
 
     def end(self) -> None:
-        self._active = False
+        if self._exploring:
+            self.explorations += 1
+            self.credit -= self._extra
+            self.exploration_cost = max(self._extra, 0.0)
+        self._active = self._exploring = False
         if self._attached:
             self._attached = False
             self.inner.end()

@@ -7,7 +7,7 @@ from tiny_models import repetitive_prompts, tiny_llama
 
 from specdec_fast import DraftModelDrafter, NGramDrafter, SuffixDrafter, generate
 from specdec_fast.adaptive import AcceptanceWindow, AdaptiveDrafter, CostModel
-from specdec_fast.drafters.base import DraftState, Proposal, StepOutcome
+from specdec_fast.drafters.base import Drafter, DraftState, Proposal, StepOutcome
 from specdec_fast.trees import default_tree
 from specdec_fast.wrapping import TrimmedDrafter, trim_proposal, widen_outcome
 
@@ -96,7 +96,7 @@ def steep_cost_model(batches=(1, 64)):
     model = CostModel()
     for nodes in (1, 2, 3, 4, 5, 9):
         model.observe_verify(1, nodes, 1.0 + 0.01 * nodes)
-        model.observe_verify(64, nodes, 1.0 * nodes)
+        model.observe_verify(64, nodes, 0.01 + 1.0 * nodes)
     return model
 
 
@@ -133,7 +133,7 @@ def test_predicted_loss_means_no_drafting_at_all(target, prompts, plain):
         for nodes in range(1, 10):
             costly.observe_verify(batch, nodes, float(nodes) * 100)
     inner = CountingNGram(max_nodes=8)
-    adaptive = AdaptiveDrafter(inner, costly, explore_every=10_000)
+    adaptive = AdaptiveDrafter(inner, costly, explore_share=0.0)
     adaptive.acceptance.add(8, [[0, 1, -1, -1, -1, -1, -1, -1, -1]] * 10)
     with torch.no_grad():
         out = generate(target, prompts, drafter=adaptive, max_new_tokens=NEW_TOKENS)
@@ -160,10 +160,10 @@ def test_greedy_output_is_exact_whatever_the_budgets(target, draft, prompts, pla
     for batch in (1, 2, 3):
         for nodes in range(1, 11):
             cheap.observe_verify(batch, nodes, 1.0)
-    adaptive = AdaptiveDrafter(
-        make(draft), cheap, explore_every=2, max_explore_every=2, probe_steps=0
-    )
-    adaptive.acceptance.add(3, [[0, 1, 2, 3]] * 4)  # budgets 1-3 look best until explored
+    inner = make(draft)
+    adaptive = AdaptiveDrafter(inner, cheap, explore_every=2)
+    # Every budget known, 3 looking best until the full-tree steps every other step say more.
+    adaptive.acceptance.add(inner.max_nodes, [[0, 1, 2, 3] + [-1] * (inner.max_nodes - 3)] * 4)
     with torch.no_grad():
         out = generate(target, prompts, drafter=adaptive, max_new_tokens=NEW_TOKENS)
     assert [s.tolist() for s in out.sequences] == plain
@@ -185,17 +185,18 @@ def test_calibration_measures_every_cell(target):
     assert all(seconds > 0 for seconds in model.verify_s.values())
 
 
-def test_exploration_probes_the_full_tree_then_backs_off():
-    adaptive = AdaptiveDrafter(
-        NGramDrafter(max_nodes=4),
-        steep_cost_model(),
-        explore_every=4,
-        max_explore_every=16,
-        probe_steps=2,
-    )
-    adaptive.acceptance.add(4, [[0, 1, -1, -1, -1]] * 10)  # 2 tokens per step: a loss at 64
-    batch = 64
-    state = DraftState(
+class _Chain(Drafter):
+    """A fixed chain of draft tokens; learns nothing."""
+
+    def propose(self, state: DraftState) -> Proposal:
+        batch, width = state.batch_size, self.max_nodes + 1
+        tokens = torch.ones(batch, width, dtype=torch.int64)
+        parents = torch.arange(-1, width - 1).expand(batch, -1).contiguous()
+        return Proposal(tokens, parents)
+
+
+def _state(batch: int) -> DraftState:
+    return DraftState(
         tokens=[[1, 2, 3, 1, 2]] * batch,
         temperature=torch.zeros(batch),
         top_k=torch.zeros(batch, dtype=torch.int64),
@@ -203,12 +204,94 @@ def test_exploration_probes_the_full_tree_then_backs_off():
         seed=torch.zeros(batch, dtype=torch.int64),
         device=torch.device("cpu"),
     )
-    adaptive.begin(state)  # predicted loss, no exploration due: plain, the drafter not started
-    assert [adaptive.propose(state).num_nodes for _ in range(4)] == [1, 1, 1, 1]
-    adaptive.begin(state)  # 4 steps later an exploration is due: probe the full tree twice
-    assert adaptive.explore_every == 8
-    assert [adaptive.choose_budget(batch) for _ in range(3)] == [4, 4, 0]
-    for expected in (16, 16):  # each exploration that finds a loss doubles the interval
-        adaptive._since_explore = adaptive.explore_every
-        adaptive.begin(state)
-        assert adaptive.explore_every == expected
+
+
+def _run_request(adaptive: AdaptiveDrafter, clock: list[float], steps: int, step_s: float):
+    """Drive one request of `steps` steps through the wrapper by hand; each step takes
+    `step_s` seconds of the fake clock and every row accepts the first draft node."""
+    batch = 64
+    state = _state(batch)
+    adaptive.begin(state)
+    for _ in range(steps):
+        proposal = adaptive.propose(state)
+        clock[0] += step_s
+        accepted = torch.full((batch, proposal.num_nodes), -1, dtype=torch.int32)
+        accepted[:, 0] = 0
+        if proposal.num_nodes > 1:
+            accepted[:, 1] = 1
+        emitted = [[1] * int((accepted[0] >= 0).sum())] * batch
+        adaptive.update(
+            state,
+            StepOutcome(
+                proposal=proposal,
+                accepted_nodes=accepted,
+                num_accepted=(accepted >= 0).sum(dim=1).int() - 1,
+                next_tokens=torch.ones(batch, dtype=torch.int64),
+                emitted=emitted,
+                hidden={},
+            ),
+        )
+    adaptive.end()
+
+
+def test_exploration_costs_at_most_its_share_of_the_plain_time():
+    clock = [0.0]
+    adaptive = AdaptiveDrafter(
+        _Chain(max_nodes=4), steep_cost_model(), explore_share=0.1, clock=lambda: clock[0]
+    )
+    # Nothing learned yet: the first request explores the full tree at every step.
+    _run_request(adaptive, clock, steps=3, step_s=10.0)
+    assert adaptive.chosen == [4, 4, 4]
+    assert adaptive.explorations == 1
+    # 2 tokens per row-step: a loss at batch 64. Each step cost 10 s for 2 tokens that plain
+    # decoding makes in 2 x 1.01 s: 7.98 s lost per step, 23.94 s in all, owed from the credit.
+    assert adaptive.acceptance.expected_tokens(4) == 2.0
+    assert adaptive.choose_budget(64) == 0
+    assert adaptive.exploration_cost == pytest.approx(23.94)
+    assert adaptive.credit == pytest.approx(-23.94)
+    # Plain requests repay 10% of their time: the next exploration is due once the credit
+    # covers another 23.94 s, after 474 s of plain decoding (1.01 s steps, 10 per request).
+    for _ in range(47):
+        _run_request(adaptive, clock, steps=10, step_s=1.01)
+        assert adaptive.explorations == 1
+    assert set(adaptive.chosen[3:]) == {0}
+    _run_request(adaptive, clock, steps=10, step_s=1.01)  # due at the next request
+    assert adaptive.credit == pytest.approx(-23.94 + 48 * 10 * 0.101)
+    _run_request(adaptive, clock, steps=3, step_s=10.0)
+    assert adaptive.explorations == 2
+    assert adaptive.chosen[-3:] == [4, 4, 4]
+    assert adaptive.credit == pytest.approx(-2 * 23.94 + 48 * 10 * 0.101)
+    # The budgeted exploration's loss stays within 10% of the plain time.
+    plain_time = 1.01 * sum(1 for budget in adaptive.chosen if budget == 0)
+    assert adaptive.exploration_cost <= 0.1 * plain_time
+
+
+def test_no_exploration_without_credit():
+    adaptive = AdaptiveDrafter(_Chain(max_nodes=4), steep_cost_model(), explore_share=0.0)
+    adaptive.acceptance.add(4, [[0, 1, -1, -1, -1]] * 10)  # 2 tokens per step: a loss at 64
+    for _ in range(3):
+        adaptive.begin(_state(64))
+        assert [adaptive.propose(_state(64)).num_nodes for _ in range(2)] == [1, 1]
+        adaptive.end()
+    assert adaptive.explorations == 0
+
+
+def test_verify_costs_never_decrease_in_nodes_or_batch():
+    model = CostModel()
+    for nodes, seconds in [(1, 1.0), (2, 1.4), (3, 1.0), (5, 1.6)]:  # a noisy dip at N=3
+        model.observe_verify(1, nodes, seconds)
+    assert model.verify_cost(1, 2) == pytest.approx(1.2)  # the dip pooled with its neighbour
+    assert model.verify_cost(1, 3) == pytest.approx(1.2)
+    assert model.verify_cost(1, 4) == pytest.approx(1.4)
+    assert model.verify_cost(1, 5) == pytest.approx(1.6)
+    # A larger batch measured cheaper than batch 1: noise again, both pooled to their mean.
+    for nodes, seconds in [(1, 0.8), (2, 1.0), (3, 1.0), (5, 1.2)]:
+        model.observe_verify(4, nodes, seconds)
+    for nodes, pooled in [(1, 0.9), (3, 1.1), (5, 1.4)]:
+        assert model.verify_cost(1, nodes) == pytest.approx(pooled)
+        assert model.verify_cost(4, nodes) == pytest.approx(pooled)
+    model.observe_verify(8, 1, 5.0)  # a costlier batch size
+    model.observe_verify(8, 2, 6.0)
+    costs = [[model.verify_cost(b, n) for n in range(1, 6)] for b in (1, 2, 4, 6, 8)]
+    assert all(row == sorted(row) for row in costs)
+    assert all(list(col) == sorted(col) for col in zip(*costs, strict=True))

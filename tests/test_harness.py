@@ -2,6 +2,8 @@
 the whole `specdec-fast bench` on the bundled models."""
 
 import json
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -118,7 +120,7 @@ class FailingDrafter(NGramDrafter):
         raise RuntimeError("boom")
 
 
-def test_sweep_end_to_end_on_a_tiny_model(tmp_path):
+def test_sweep_end_to_end_on_a_tiny_model(tmp_path, monkeypatch):
     model = tiny_llama(vocab_size=VOCAB)
     records = [
         PromptRecord("abcabcabcabc", "code", 12, check="python", id="p0"),
@@ -164,6 +166,7 @@ def test_sweep_end_to_end_on_a_tiny_model(tmp_path):
             assert "acceptance" in verdicts["code"]["broken"][0]
     adaptive = [c for c in report["cells"] if c["adaptive"]]
     assert all(c["adaptive_budgets"]["steps"] > 0 for c in adaptive)
+    assert all(c["adaptive_budgets"]["explorations"] >= 0 for c in adaptive)
     for batch in ("1", "2"):
         base = report["baseline"][batch]
         assert base["tokens_per_second"] > 0 and len(base["ttft_s"]) == 3
@@ -180,13 +183,20 @@ def test_sweep_end_to_end_on_a_tiny_model(tmp_path):
         "## Quality equivalence", "### by temperature", "## Guardrail verdicts",
     ]  # fmt: skip
     assert all(section in text for section in sections)
-    try:
-        import matplotlib  # noqa: F401
-    except ImportError:
-        assert "matplotlib is not installed" in text
-    else:
-        assert len(saved["plots"]) == 4
+    # matplotlib is a test dependency: the four plots are real PNGs, linked from the summary.
+    assert [Path(p).name for p in saved["plots"]] == [
+        "acceptance_by_position.png", "speedup_vs_k.png", "speedup_vs_concurrency.png",
+        "latency_percentiles.png",
+    ]  # fmt: skip
+    for path in saved["plots"]:
+        assert Path(path).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+        assert f"({Path(path).name})" in text
     assert files["markdown"].endswith("report.md")
+    # Without matplotlib the report says how to get the plots instead.
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    write_report(report, tmp_path / "no-plots")
+    assert "matplotlib is not installed" in (tmp_path / "no-plots" / "report.md").read_text()
+    assert not list((tmp_path / "no-plots").glob("*.png"))
 
 
 def test_failing_requests_count_as_errors_and_the_sweep_goes_on():

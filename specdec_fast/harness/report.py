@@ -69,6 +69,7 @@ def adaptive_rows(report: dict) -> list[dict]:
                 "noise": noise,
                 "plain_step_share": cell["adaptive_budgets"]["plain_steps"]
                 / max(cell["adaptive_budgets"]["steps"], 1),
+                "explorations": cell["adaptive_budgets"]["explorations"],
                 "within_noise_or_faster": ratio is not None and ratio >= 1.0 - noise,
             }
         )
@@ -160,14 +161,16 @@ def markdown(report: dict) -> str:
     rows = report["adaptive_vs_baseline"]
     if rows:
         lines += [
-            "| cell | batch | ratio to baseline | noise | plain steps | verdict |",
-            "|---|---|---|---|---|---|",
+            "| cell | batch | ratio to baseline | noise | plain steps | exploring requests "
+            "| verdict |",
+            "|---|---|---|---|---|---|---|",
         ]
         for r in rows:
             verdict = "ok" if r["within_noise_or_faster"] else "SLOWER beyond noise"
             lines.append(
                 f"| {r['cell']} | {r['batch']} | {_f(r['ratio_to_baseline'])}x "
-                f"| {r['noise']:.1%} | {r['plain_step_share']:.0%} | {verdict} |"
+                f"| {r['noise']:.1%} | {r['plain_step_share']:.0%} | {r['explorations']} "
+                f"| {verdict} |"
             )
         slower = [r for r in rows if not r["within_noise_or_faster"]]
         lines.append("")
@@ -293,7 +296,8 @@ def plot(report: dict, out_dir: Path) -> list[str]:
         points = sorted(
             (c["batch"], c["speedup"] or 0) for c in report["cells"] if c["name"] == name
         )
-        ax.plot(*zip(*points, strict=True), marker="o", label=name)
+        adaptive = name.startswith("adaptive(")
+        ax.plot(*zip(*points, strict=True), marker="o", ls=":" if adaptive else "-", label=name)
     ax.axhline(1.0, color="grey", linestyle="--")
     ax.set(
         xscale="log",

@@ -101,7 +101,8 @@ class CellRun:
     sequences: dict[int, SequenceStats]
     errors: dict[int, str]
     wall_s: float
-    budgets: list[int] = field(default_factory=list)
+    budgets: list[int] = field(default_factory=list)  # adaptive cells: every step's budget
+    explorations: int = 0  # adaptive cells: requests that explored
 
 
 def encode_prompts(records: list[PromptRecord], tokenizer, max_new_tokens: int) -> list[Encoded]:
@@ -405,11 +406,13 @@ def run_sweep(
                 drafter = make_drafter(spec, size)
             warm(drafter, batch)
             warm_steps = len(drafter.chosen) if adaptive else 0
+            warm_explorations = drafter.explorations if adaptive else 0
             reference, run = decode_paired(
                 model, prompts, batch, [None, drafter], config.seed, repeats
             )
             if adaptive:
                 run.budgets = drafter.chosen[warm_steps:]
+                run.explorations = drafter.explorations - warm_explorations
             bar.update(1, cell=f"{name} b={batch}")
             report_cells.append(
                 _cell_record(
@@ -483,6 +486,7 @@ def _cell_record(
             "steps": len(chosen),
             "plain_steps": sum(1 for b in chosen if b == 0),
             "mean_budget": _mean([float(b) for b in chosen]),
+            "explorations": run.explorations,
         }
     if config.guardrails is not None:
         record["guardrails"] = guardrail_verdict(config.guardrails, metrics, base_metrics, splits)
