@@ -13,13 +13,12 @@ Run as `python bench/bench_e2e_tiny.py [--quick]`, or `pytest bench/bench_e2e_ti
 from __future__ import annotations
 
 import argparse
-import json
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import torch
-from common import RESULTS_DIR, bench_device, environment
+from common import RESULTS_DIR, bench_device, environment, write_results
 from e2e import E2ERecord, compare, format_table, run_hf, run_ours
 
 from specdec_fast import DraftModelDrafter, NGramDrafter, SuffixDrafter, bundled
@@ -126,16 +125,15 @@ def main() -> None:
     )
     print(markdown)
     stem = args.out or RESULTS_DIR / f"e2e_tiny-{env['device']}"
-    stem.parent.mkdir(parents=True, exist_ok=True)
-    payload = {
-        "benchmark": "bench_e2e_tiny",
-        "environment": env,
-        "setup": setup,
-        "results": [r.to_dict() for r in records],
-    }
-    stem.with_suffix(".json").write_text(json.dumps(payload, indent=2) + "\n")
+    write_results(
+        stem.with_suffix(".json"),
+        "bench_e2e_tiny",
+        env,
+        [r.to_dict() for r in records],
+        setup=setup,
+    )
     stem.with_suffix(".md").write_text(markdown)
-    print(f"wrote {stem.with_suffix('.json')} and {stem.with_suffix('.md')}")
+    print(f"wrote {stem.with_suffix('.md')}")
 
 
 if __name__ == "__main__":

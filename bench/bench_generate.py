@@ -13,14 +13,13 @@ Run as `python bench/bench_generate.py [--quick] [--json PATH]`, or under pytest
 from __future__ import annotations
 
 import argparse
-import json
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 import torch
-from common import RESULTS_DIR, bench_device, environment
+from common import RESULTS_DIR, bench_device, environment, write_results
 from e2e import E2ERecord, compare, format_table, run_hf, run_ours
 
 from specdec_fast import DraftModelDrafter, NGramDrafter, SuffixDrafter, bundled
@@ -185,18 +184,15 @@ def main() -> None:
         f"{setup.max_new_tokens} new tokens, greedy, on {env['gpu'] or 'CPU'} ({env['date']})"
     )
     print(format_table(records))
-    path = args.json or RESULTS_DIR / "bench_generate.json"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    payload = {
-        "benchmark": "bench_generate",
-        "setup": setup.label,
-        "environment": env,
-        "prompts": len(setup.prompts),
-        "max_new_tokens": setup.max_new_tokens,
-        "results": [r.to_dict() for r in records],
-    }
-    path.write_text(json.dumps(payload, indent=2) + "\n")
-    print(f"wrote {path}")
+    write_results(
+        args.json or RESULTS_DIR / "bench_generate.json",
+        "bench_generate",
+        env,
+        [r.to_dict() for r in records],
+        setup=setup.label,
+        prompts=len(setup.prompts),
+        max_new_tokens=setup.max_new_tokens,
+    )
 
 
 if __name__ == "__main__":

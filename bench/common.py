@@ -59,16 +59,35 @@ def bench_device() -> torch.device:
 
 
 class Timer:
-    """Prepares `fn` for repeated timing (warm-up, and on CUDA a captured graph)."""
+    """Prepares `fn` for repeated timing (warm-up, and on CUDA a captured graph).
 
-    def __init__(self, fn: Callable[[], object], device: torch.device, warmup: int = 3):
+    `capture=False` times each eager call with CUDA events instead, for callables that cannot be
+    captured (they replay graphs of their own, e.g. a compiled model or the model runner); launch
+    overhead is then included wherever the host does not stay ahead of the device. `reset`, for
+    eager timing only, runs before every call, untimed: it restores state a call changes (a cache
+    length), so that repeated calls do the same work.
+    """
+
+    def __init__(
+        self,
+        fn: Callable[[], object],
+        device: torch.device,
+        warmup: int = 3,
+        *,
+        capture: bool = True,
+        reset: Callable[[], object] | None = None,
+    ):
         self.device = device
         self.fn = fn
+        self.reset = reset
         self.graph = None
-        if device.type != "cuda":
+        if device.type != "cuda" or not capture:
             for _ in range(warmup):
-                fn()
+                self._call()
+            self._sync()
             return
+        if reset is not None:
+            raise ValueError("reset needs capture=False on CUDA: a captured graph would time it")
         # Warm up on a side stream (compilation, autotuning, allocator), as graph capture requires.
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
@@ -82,13 +101,22 @@ class Timer:
                 fn()
         self.run()
 
+    def _call(self) -> None:
+        if self.reset is not None:
+            self.reset()
+        self.fn()
+
+    def _sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
     def run(self) -> None:
         """One timed unit, finished: a graph replay (CALLS_PER_REPLAY calls) or one eager call."""
         if self.graph is None:
-            self.fn()
-            return
-        self.graph.replay()
-        torch.cuda.synchronize(self.device)
+            self._call()
+        else:
+            self.graph.replay()
+        self._sync()
 
     @property
     def calls_per_run(self) -> int:
@@ -96,23 +124,30 @@ class Timer:
 
     def measure(self, reps: int) -> tuple[float, float, float]:
         """(median, min, max) microseconds per call over `reps` timed units."""
-        if self.graph is None:
+        if self.device.type != "cuda":
             samples = []
             for _ in range(reps):
+                if self.reset is not None:
+                    self.reset()
                 start = time.perf_counter()
                 self.fn()
                 samples.append((time.perf_counter() - start) * 1e6)
-        else:
-            events = [
-                (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-                for _ in range(reps)
-            ]
-            for start, end in events:
-                start.record()
+            return statistics.median(samples), min(samples), max(samples)
+        events = [
+            (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+            for _ in range(reps)
+        ]
+        for start, end in events:
+            if self.graph is None and self.reset is not None:
+                self.reset()
+            start.record()
+            if self.graph is None:
+                self.fn()
+            else:
                 self.graph.replay()
-                end.record()
-            torch.cuda.synchronize(self.device)
-            samples = [start.elapsed_time(end) * 1e3 / CALLS_PER_REPLAY for start, end in events]
+            end.record()
+        self._sync()
+        samples = [start.elapsed_time(end) * 1e3 / self.calls_per_run for start, end in events]
         return statistics.median(samples), min(samples), max(samples)
 
 
@@ -125,6 +160,21 @@ def copy_bandwidth(device_str: str) -> float:
     target = torch.empty_like(source)
     median_us, _, _ = Timer(lambda: target.copy_(source), device).measure(reps=10)
     return 2 * nbytes / (median_us * 1e-6)
+
+
+@cache
+def matmul_rate(device_str: str) -> float:
+    """Matrix-product rate in FLOP/s, measured now on random data: bf16 8192^3 on CUDA (the
+    machine's arithmetic ceiling), fp32 512^3 elsewhere."""
+    device = torch.device(device_str)
+    size, dtype = (8192, torch.bfloat16) if device.type == "cuda" else (512, torch.float32)
+    generator = torch.Generator(device).manual_seed(0)
+    a, b = (
+        torch.randn(size, size, dtype=dtype, device=device, generator=generator) for _ in range(2)
+    )
+    out = torch.empty_like(a)
+    median_us, _, _ = Timer(lambda: torch.mm(a, b, out=out), device).measure(reps=10)
+    return 2 * size**3 / (median_us * 1e-6)
 
 
 def floor_us(nbytes: int, device: torch.device) -> float:
@@ -158,7 +208,15 @@ def environment(device: torch.device) -> dict:
     }
     if copy_bandwidth.cache_info().currsize:
         info["copy_bandwidth_GBps"] = round(copy_bandwidth(str(device)) / 1e9, 1)
+    if matmul_rate.cache_info().currsize:
+        info["matmul_TFLOPs"] = round(matmul_rate(str(device)) / 1e12, 3)
     return info
+
+
+def describe_error(error: BaseException) -> str:
+    """`Type: first line of the message`, how a failing peer is recorded."""
+    first_line = str(error).splitlines()[0] if str(error) else ""
+    return f"{type(error).__name__}: {first_line}"
 
 
 def _time_case(case: Case, device: torch.device, reps: int) -> tuple[Record, Timer | None]:
@@ -167,8 +225,7 @@ def _time_case(case: Case, device: torch.device, reps: int) -> tuple[Record, Tim
     try:
         timer = Timer(case.build(), device)
     except Exception as error:  # a failing peer is a result (e.g. a compile error), not a crash
-        first_line = str(error).splitlines()[0] if str(error) else ""
-        record.error = f"{type(error).__name__}: {first_line}"
+        record.error = describe_error(error)
         return record, None
     record.median_us, record.min_us, record.max_us = timer.measure(reps)
     return record, timer
@@ -236,9 +293,15 @@ def main(name: str, description: str, cases_for: Callable[[torch.device, bool], 
     print(f"torch {env['torch']}, triton {env['triton']}, transformers {env['transformers']}")
     print(f"floor: bytes at the measured copy bandwidth of {env['copy_bandwidth_GBps']} GB/s")
     print(format_peer_table(records))
-    path = args.json or RESULTS_DIR / f"{name}.json"
+    write_results(
+        args.json or RESULTS_DIR / f"{name}.json", name, env, [asdict(r) for r in records]
+    )
+    return records
+
+
+def write_results(path: Path, benchmark: str, env: dict, results: list, **extra) -> None:
+    """Write a benchmark's JSON record (name, environment, anything in `extra`, results)."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    payload = {"benchmark": name, "environment": env, "results": [asdict(r) for r in records]}
+    payload = {"benchmark": benchmark, "environment": env, **extra, "results": results}
     path.write_text(json.dumps(payload, indent=2) + "\n")
     print(f"wrote {path}")
-    return records
