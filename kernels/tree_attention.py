@@ -47,8 +47,27 @@ def pack_tree_mask(mask_bool: torch.Tensor) -> torch.Tensor:
     return words.to(torch.int32)
 
 
-def _validate(q, k_cache, v_cache, cache_lens, tree_mask, q_lens, scale):
-    """Check every argument of `tree_attention`; return the mask packed (or None) and the scale."""
+def _check_softcap_and_window(softcap, window):
+    """Check the scalar feature switches of `tree_attention`; return softcap as a float."""
+    if softcap is not None:
+        if (
+            isinstance(softcap, bool)
+            or not isinstance(softcap, (int, float))
+            or not math.isfinite(softcap)
+            or softcap <= 0
+        ):
+            raise ValueError(f"softcap: expected None or a finite float > 0, got {softcap!r}")
+        softcap = float(softcap)
+    if window is not None and (
+        isinstance(window, bool) or not isinstance(window, int) or window < 1
+    ):
+        raise ValueError(f"window: expected None or an int >= 1, got {window!r}")
+    return softcap
+
+
+def _validate(q, k_cache, v_cache, cache_lens, tree_mask, q_lens, scale, softcap, window, q_depths):
+    """Check every argument of `tree_attention`; return the mask packed (or None), the scale and
+    the softcap (a float or None)."""
     check_tensor("q", q, shape=(-1, -1, -1, -1), dims="[B, Hq, N, D]", dtypes=SUPPORTED_DTYPES)
     batch, num_q_heads, num_new, head_dim = q.shape
     device = q.device
@@ -112,16 +131,36 @@ def _validate(q, k_cache, v_cache, cache_lens, tree_mask, q_lens, scale):
                 dtypes=(torch.int32,),
                 device=device,
             )
+    if q_depths is not None:
+        if tree_mask is None:
+            raise ValueError(
+                "q_depths: only trees take depths (tree_mask given); causal rows sit at depth i"
+            )
+        check_tensor(
+            "q_depths",
+            q_depths,
+            shape=(batch, num_new),
+            dims="[B, N]",
+            dtypes=(torch.int32,),
+            device=device,
+        )
+    elif window is not None and tree_mask is not None:
+        raise ValueError(
+            "q_depths: a sliding window over a tree needs each node's depth, int32 [B, N]"
+        )
     if scale is None:
         scale = head_dim**-0.5
     if not isinstance(scale, (int, float)) or not math.isfinite(scale):
         raise ValueError(f"scale: expected a finite float, got {scale!r}")
+    softcap = _check_softcap_and_window(softcap, window)
     if values_checkable(cache_lens):
         bounds = [("cache_lens", cache_lens, 0, capacity - num_new)]
         if q_lens is not None:
             bounds.append(("q_lens", q_lens, 0, num_new))
+        if q_depths is not None:
+            bounds.append(("q_depths.flatten()", q_depths.flatten(), 0, num_new - 1))
         check_ranges(bounds)
-    return tree_mask, float(scale)
+    return tree_mask, float(scale), softcap
 
 
 @dataclass(frozen=True)
@@ -133,33 +172,37 @@ class KernelConfig:
     num_stages: int
 
 
-def kernel_config(head_dim: int, group: int, num_new: int, dtype: torch.dtype) -> KernelConfig:
+def kernel_config(
+    head_dim: int, group: int, num_new: int, dtype: torch.dtype, windowed_or_capped: bool = False
+) -> KernelConfig:
     """Tile sizes and launch shape: up to 128 query rows (GROUP * N) per program.
 
     Chosen so that nothing spills on sm_90 (checked by compiling ahead of time): wide heads take
     fewer rows and narrower K/V tiles; fp32 (exact dots on CUDA cores, a correctness path) takes
-    16-row tiles.
+    16-row tiles. The sliding-window and soft-cap variants (`windowed_or_capped`) keep more
+    per-row state live, so they take half-width K/V tiles, or half the rows at D = 256.
     """
     block_d = max(16, triton.next_power_of_2(head_dim))
     rows = max(16, triton.next_power_of_2(group * num_new))
     if dtype == torch.float32:
         narrow = block_d <= 64
-        return KernelConfig(
-            16, 32 if narrow else 16, block_d, 4 if narrow else 8, 2 if narrow else 1
-        )
+        block_n = 32 if narrow and not windowed_or_capped else 16
+        return KernelConfig(16, block_n, block_d, 4 if narrow else 8, 2 if narrow else 1)
     if block_d <= 128:
         block_m = min(128, rows)
         num_warps = 8 if block_m == 128 or block_d == 128 else 4
-        return KernelConfig(block_m, 64, block_d, num_warps, num_stages=3)
-    return KernelConfig(min(64, rows), 16, block_d, num_warps=8, num_stages=2)
+        return KernelConfig(block_m, 32 if windowed_or_capped else 64, block_d, num_warps, 3)
+    block_m = min(32 if windowed_or_capped else 64, rows)
+    return KernelConfig(block_m, 16, block_d, num_warps=8, num_stages=2)
 
 
 def choose_num_splits(programs: int, max_prefix: int, block_n: int, sm_count: int) -> int:
     """How many ways to split the prefix so that `programs` (B * Hkv * row blocks) fill the GPU.
 
     Splits multiply the programs up to one full wave; each split keeps at least
-    MIN_TILES_PER_SPLIT tiles of the longest possible prefix (`max_prefix`, known on the host
-    without reading the lengths). Shorter prefixes are divided on the device, in the kernel.
+    MIN_TILES_PER_SPLIT tiles of the longest possible visible prefix (`max_prefix`, known on the
+    host without reading the lengths: the capacity, or the window). Shorter prefixes are divided
+    on the device, in the kernel.
     """
     by_occupancy = sm_count // max(programs, 1)
     by_length = triton.cdiv(max_prefix, block_n) // MIN_TILES_PER_SPLIT
@@ -183,6 +226,10 @@ def launch_tree_attention(
     q_lens: torch.Tensor | None,
     scale: float,
     num_splits: int | None = None,
+    *,
+    softcap: float | None = None,
+    window: int | None = None,
+    q_depths: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Run the Triton kernels on arguments that `tree_attention` has validated.
 
@@ -192,15 +239,22 @@ def launch_tree_attention(
     batch, num_q_heads, num_new, head_dim = q.shape
     num_kv_heads, capacity = k_cache.shape[1], k_cache.shape[2]
     group = num_q_heads // num_kv_heads
+    # Positions stay below the capacity, so a window at least that wide hides nothing: such
+    # calls run the plain kernel.
+    if window is not None and window >= capacity:
+        window = None
+    tree_depths = q_depths if window is not None and packed_mask is not None else None
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
     if out.numel() == 0:
         return out
-    config = kernel_config(head_dim, group, num_new, q.dtype)
+    config = kernel_config(
+        head_dim, group, num_new, q.dtype, window is not None or softcap is not None
+    )
     row_blocks = triton.cdiv(group * num_new, config.block_m)
     if num_splits is None:
         num_splits = choose_num_splits(
             batch * num_kv_heads * row_blocks,
-            capacity - num_new,
+            capacity - num_new if window is None else min(capacity - num_new, window),
             config.block_n,
             _sm_count(q.device),
         )
@@ -222,6 +276,7 @@ def launch_tree_attention(
         cache_lens,
         cache_lens if q_lens is None else q_lens,
         mask,
+        cache_lens if tree_depths is None else tree_depths,  # unread unless a windowed tree
         part_out,
         part_lse,
         *q.stride()[:3],
@@ -229,12 +284,15 @@ def launch_tree_attention(
         *v_cache.stride()[:3],
         *out.stride()[:3],
         *(packed_mask.stride() if packed_mask is not None else (0, 0, 0)),
+        *(tree_depths.stride() if tree_depths is not None else (0, 0)),
         batch,
         num_kv_heads,
         num_new,
         capacity,
         num_splits,
         scale * LOG2_E,
+        (softcap or 1.0) * LOG2_E,
+        window or 0,
         HEAD_DIM=head_dim,
         GROUP=group,
         BLOCK_M=config.block_m,
@@ -243,6 +301,8 @@ def launch_tree_attention(
         IS_TREE=packed_mask is not None,
         MASK_WORDS=triton.cdiv(num_new, 32) if packed_mask is not None else 0,
         HAS_Q_LENS=q_lens is not None,
+        HAS_SOFTCAP=softcap is not None,
+        HAS_WINDOW=window is not None,
         WRITE_PARTIAL=num_splits > 1,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         DOT_UPCAST=q.device.type == "cpu" and q.dtype == torch.bfloat16,
@@ -275,6 +335,10 @@ def tree_attention(
     tree_mask: torch.Tensor | None = None,
     q_lens: torch.Tensor | None = None,
     scale: float | None = None,
+    *,
+    softcap: float | None = None,
+    window: int | None = None,
+    q_depths: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of N new tokens per sequence over a KV cache that already holds their K/V.
 
@@ -290,18 +354,38 @@ def tree_attention(
         q_lens: optional int32 `[B]` in [0, N]: rows `i >= q_lens[b]` are padding (zeros out) and
             new tokens `j >= q_lens[b]` are never read as keys.
         scale: softmax scale, `D ** -0.5` by default.
+        softcap: None, or c > 0: the scaled scores s become `c * tanh(s / c)` before the mask
+            and the softmax (Gemma2's attention logit soft-capping, in HF's eager order).
+        window: None, or a sliding window w >= 1 as in HF: a query at position p sees only keys
+            at positions k with `p - w < k <= p` (on top of the causal or tree mask). Positions:
+            prefix slot k holds position k; new token i sits at `cache_lens[b] + depth_i`, with
+            depth_i = i when causal and `q_depths[b, i]` in a tree, for queries and keys alike,
+            so the window is exact among tree nodes too. Tiles below a row block's earliest
+            visible key are never read (a 512-token window over a 16k prefix reads ~512 keys).
+        q_depths: int32 `[B, N]` in [0, N), each node's depth in its tree (the root's is 0);
+            required with a window and a tree_mask, accepted with a tree_mask alone (unused
+            then), refused without a tree_mask.
 
     Returns:
-        `[B, Hq, N, D]` in the dtype of q (softmax in fp32). Every live row sees the whole prefix
-        `[0, cache_lens[b])`; a row that sees no key at all (empty prefix and empty mask row)
-        gives zeros.
+        `[B, Hq, N, D]` in the dtype of q (softmax in fp32). Without a window every live row
+        sees the whole prefix `[0, cache_lens[b])`; a row that sees no key at all (empty prefix
+        and empty mask row) gives zeros.
 
     Raises:
-        ValueError: on shapes, dtypes, devices or strides that disagree, or lengths out of range.
-        Length values are checked on the CPU, and on CUDA outside graph capture at the cost of one
-        host read; under capture they are not, and the kernel clamps them to stay inside the cache.
+        ValueError: on shapes, dtypes, devices or strides that disagree, lengths or depths out of
+        range, a softcap that is not a finite float > 0, a window that is not an int >= 1, or a
+        windowed tree without q_depths. Length and depth values are checked on the CPU, and on
+        CUDA outside graph capture at the cost of one host read; under capture they are not, and
+        the kernel clamps lengths to stay inside the cache (bad depths move only the window).
     """
-    packed_mask, scale = _validate(q, k_cache, v_cache, cache_lens, tree_mask, q_lens, scale)
+    packed_mask, scale, softcap = _validate(
+        q, k_cache, v_cache, cache_lens, tree_mask, q_lens, scale, softcap, window, q_depths
+    )
+    features = dict(softcap=softcap, window=window, q_depths=q_depths)
     if use_triton(q.device):
-        return launch_tree_attention(q, k_cache, v_cache, cache_lens, packed_mask, q_lens, scale)
-    return tree_attention_reference(q, k_cache, v_cache, cache_lens, packed_mask, q_lens, scale)
+        return launch_tree_attention(
+            q, k_cache, v_cache, cache_lens, packed_mask, q_lens, scale, **features
+        )
+    return tree_attention_reference(
+        q, k_cache, v_cache, cache_lens, packed_mask, q_lens, scale, **features
+    )

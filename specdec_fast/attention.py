@@ -5,6 +5,9 @@
 all masking (committed prefix, tree, padding rows) happens in the kernel. A model switched to
 `ATTENTION_NAME` gets the per-step `StepMetadata` through the forward kwarg `METADATA_KWARG`, which
 HF passes down to the attention function unchanged.
+
+Sliding windows and attention logit soft-capping are applied as the model's own eager attention
+applies them (see `layer_window` and `tree_attention_forward`); attention sinks are refused.
 """
 
 from dataclasses import dataclass
@@ -28,10 +31,16 @@ class StepMetadata:
         cache_lens: int32 `[B]`, committed tokens before the new ones.
         tree_mask: None (causal among the new tokens) or packed int32 `[B, N, ceil(N/32)]`.
         q_lens: None or int32 `[B]`; rows `i >= q_lens[b]` are padding.
-        max_cache_len: the cache capacity, to decide whether a sliding window can matter.
+        max_cache_len: the cache capacity: a sliding window at least this wide never hides a
+            key (every position is below it), so it is dropped.
         key_bound: None, or a host-side upper bound of `cache_lens[b] + N`: slots at or past it
             are never visible, so the attention reads only the first `key_bound` slots (eager
             runs; a captured graph must not depend on it and passes None).
+        q_depths: None (causal), or int32 `[B, N]`, each tree node's depth (its position is
+            `cache_lens[b] + depth`); sliding windows over a tree need it.
+        layer_windows: None, or each decoder layer's sliding window (None for full attention)
+            as the config's layer types give it, for layers whose attention call does not pass
+            `sliding_window` (see `layer_window`).
     """
 
     cache_lens: torch.Tensor
@@ -39,34 +48,32 @@ class StepMetadata:
     q_lens: torch.Tensor | None
     max_cache_len: int
     key_bound: int | None = None
+    q_depths: torch.Tensor | None = None
+    layer_windows: tuple[int | None, ...] | None = None
 
 
-def check_attention_features(
-    model_type: str,
-    max_cache_len: int,
-    *,
-    sliding_window: int | None = None,
-    softcap: float | None = None,
-    sinks: torch.Tensor | None = None,
-) -> None:
-    """Raise ValueError, naming the model type, for attention variants `tree_attention` lacks.
-
-    A sliding window at least as wide as the cache never hides a key (HF lets position p see keys
-    p - window < k <= p, and every position is below `max_cache_len`), so it is plain attention.
-    """
-    if softcap is not None:
-        raise ValueError(
-            f"{model_type}: attention logit soft-capping (attn_logit_softcapping = {softcap}) is "
-            "not supported by tree_attention"
-        )
-    if sliding_window is not None and sliding_window < max_cache_len:
-        raise ValueError(
-            f"{model_type}: sliding-window attention with window {sliding_window} < max_cache_len "
-            f"= {max_cache_len} is not supported by tree_attention; use max_cache_len <= "
-            f"{sliding_window}"
-        )
+def check_attention_features(model_type: str, *, sinks: torch.Tensor | None = None) -> None:
+    """Raise ValueError, naming the model type, for attention variants `tree_attention` lacks."""
     if sinks is not None:
         raise ValueError(f"{model_type}: attention sinks are not supported by tree_attention")
+
+
+def layer_window(module: nn.Module, metadata: StepMetadata, kwargs: dict) -> int | None:
+    """The sliding window of `module`'s layer, or None where the window cannot hide a key.
+
+    Most families pass `sliding_window` to the attention function (the window of that layer's
+    mask, which is what eager attention applies); a few (Qwen2-MoE, PhiMoE, Doge) leave it to the
+    mask alone, built from the config's layer types: `metadata.layer_windows` by layer index.
+    """
+    if "sliding_window" in kwargs:
+        window = kwargs["sliding_window"]
+    elif metadata.layer_windows is not None:
+        window = metadata.layer_windows[module.layer_idx]
+    else:
+        window = None
+    if window is None or window >= metadata.max_cache_len:
+        return None
+    return window
 
 
 def tree_attention_forward(
@@ -86,6 +93,8 @@ def tree_attention_forward(
         key, value: `[B, Hkv, Lmax, D]`, the layer's cache views returned by `SpecKVCache.update`
             (the new tokens already written at slots `cache_lens[b] + i`).
         attention_mask: ignored (our mask function builds none).
+        kwargs: `METADATA_KWARG` (the `StepMetadata`), and what the model's layer passes:
+            `sliding_window`, `softcap` (applied) and `s_aux` (attention sinks: refused).
 
     Returns:
         `[B, N, Hq, D]` (HF's layout after attention) and no attention weights.
@@ -97,13 +106,8 @@ def tree_attention_forward(
             f"{model_type}: attention is switched to {ATTENTION_NAME!r} by an open ModelRunner; "
             "run the model through the runner, or close the runner to get the original attention"
         )
-    check_attention_features(
-        model_type,
-        metadata.max_cache_len,
-        sliding_window=kwargs.get("sliding_window"),
-        softcap=kwargs.get("softcap"),
-        sinks=kwargs.get("s_aux"),
-    )
+    check_attention_features(model_type, sinks=kwargs.get("s_aux"))
+    window = layer_window(module, metadata, kwargs)
     if metadata.key_bound is not None:
         # Views, not copies: the kernel only needs unit stride on D.
         key, value = key[:, :, : metadata.key_bound], value[:, :, : metadata.key_bound]
@@ -115,6 +119,11 @@ def tree_attention_forward(
         tree_mask=metadata.tree_mask,
         q_lens=metadata.q_lens,
         scale=scaling,
+        # Eager attention soft-caps exactly when it is handed `softcap` (Gemma2 is; Gemma3's
+        # config value is never passed, so its eager attention does not cap).
+        softcap=kwargs.get("softcap"),
+        window=window,
+        q_depths=None if window is None else metadata.q_depths,
     )
     return output.transpose(1, 2), None
 

@@ -49,7 +49,6 @@ from specdec_fast.attention import (
     ATTENTION_NAME,
     METADATA_KWARG,
     StepMetadata,
-    check_attention_features,
     register_attention,
 )
 from specdec_fast.cache import SpecKVCache, attention_windows
@@ -123,7 +122,8 @@ class ModelRunner:
 
     Args:
         model: an HF `PreTrainedModel` for causal LM whose attention goes through
-            `AttentionInterface` (Llama, Mistral, Qwen2/3, Gemma, ...). The cache takes its dtype.
+            `AttentionInterface` (Llama, Mistral, Qwen2/3, Gemma 1-3, ...), sliding windows and
+            attention logit soft-capping included. The cache takes its dtype.
         max_cache_len: cache capacity per sequence (prompt and generated tokens, plus the N nodes
             of a verify step).
         use_cuda_graphs: capture and replay `verify` as CUDA graphs; default True on CUDA. Turn it
@@ -138,13 +138,8 @@ class ModelRunner:
     ):
         config = model.config.get_text_config(decoder=True)
         model_type = config.model_type
-        for window in set(attention_windows(config)):
-            check_attention_features(
-                model_type,
-                max_cache_len,
-                sliding_window=window,
-                softcap=getattr(config, "attn_logit_softcapping", None),
-            )
+        # Also refuses, before the attention is switched, layer kinds the cache cannot hold.
+        self._layer_windows = tuple(attention_windows(config))
         self.model = model
         self.max_cache_len = max_cache_len
         self.device = model.device
@@ -365,8 +360,12 @@ class ModelRunner:
         positions = self.cache.cache_lens[:, None].long() + depths
         # A single node sees only itself, which is what the causal default gives.
         tree_mask = None if tokens.shape[1] == 1 else pack_tree_mask(ancestors)
+        # Sliding windows measure distances between positions, which depths give in a tree.
+        q_depths = None if tree_mask is None else depths.to(torch.int32)
         q_lens = None if q_lens is None else q_lens.to(torch.int32)
-        logits, hidden = self._forward(tokens, positions, tree_mask, q_lens, logits_to_keep=0)
+        logits, hidden = self._forward(
+            tokens, positions, tree_mask, q_lens, logits_to_keep=0, q_depths=q_depths
+        )
         return VerifyOutput(logits, hidden, depths)
 
     def _forward(
@@ -376,11 +375,18 @@ class ModelRunner:
         tree_mask: torch.Tensor | None,
         q_lens: torch.Tensor | None,
         logits_to_keep: int,
+        q_depths: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
         self.cache.prepare_write(tokens.shape[1])
         key_bound = None if self.use_cuda_graphs else self.cache.length_bound
         metadata = StepMetadata(
-            self.cache.cache_lens, tree_mask, q_lens, self.max_cache_len, key_bound
+            self.cache.cache_lens,
+            tree_mask,
+            q_lens,
+            self.max_cache_len,
+            key_bound,
+            q_depths=q_depths,
+            layer_windows=self._layer_windows,
         )
         self._captured.clear()
         with torch.no_grad():

@@ -16,10 +16,14 @@ from transformers import (
     Gemma3TextConfig,
     GemmaConfig,
     GemmaForCausalLM,
+    GptOssConfig,
+    GptOssForCausalLM,
     LlamaConfig,
     LlamaForCausalLM,
     MistralConfig,
     MistralForCausalLM,
+    PhimoeConfig,
+    PhimoeForCausalLM,
     Qwen2Config,
     Qwen2ForCausalLM,
     Qwen3Config,
@@ -48,8 +52,8 @@ TINY = {
     "max_position_embeddings": 256,
     "initializer_range": 0.2,
 }
-# Each family as shipped in transformers, shrunk; windows stay wider than the cache (narrower ones
-# are refused, see test_unsupported_attention_is_refused).
+# Each family as shipped in transformers, shrunk (windows wider than the cache: plain attention;
+# narrow windows and soft-capping: NARROW below).
 FAMILIES = {
     "llama": (LlamaConfig, LlamaForCausalLM, {}),
     "mistral": (MistralConfig, MistralForCausalLM, {"sliding_window": 4096}),
@@ -65,6 +69,12 @@ FAMILIES = {
         Gemma3TextConfig,
         Gemma3ForCausalLM,
         {"layer_types": ["sliding_attention", "full_attention"], "sliding_window": 512},
+    ),
+    # Its attention call gets no `sliding_window`: the window comes from the config alone.
+    "phimoe": (
+        PhimoeConfig,
+        PhimoeForCausalLM,
+        {"num_local_experts": 2, "num_experts_per_tok": 1, "sliding_window": 4096},
     ),
 }
 
@@ -151,14 +161,21 @@ def assert_matches_plain_forward(model, records):
             torch.testing.assert_close(logits, expected, **TOLERANCE)
 
 
+def check_steps_against_plain_forward(
+    model, lengths, seed, *, capacity=CAPACITY, num_nodes=6, steps=3
+):
+    """Left-padded random prompts of `lengths`, `steps` random trees of `num_nodes`: every node's
+    logits must match the plain forward."""
+    generator = torch.Generator().manual_seed(seed)
+    input_ids, attention_mask = padded_prompts(lengths, "left", generator)
+    with ModelRunner(model, capacity) as runner:
+        records = run_and_record(runner, input_ids, attention_mask, num_nodes, steps, generator)
+    assert_matches_plain_forward(model, records)
+
+
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_logits_match_plain_forward(family):
-    model = tiny_model(family)
-    generator = torch.Generator().manual_seed(1)
-    input_ids, attention_mask = padded_prompts([5, 9, 2], "left", generator)
-    with ModelRunner(model, CAPACITY) as runner:
-        records = run_and_record(runner, input_ids, attention_mask, 6, 3, generator)
-    assert_matches_plain_forward(model, records)
+    check_steps_against_plain_forward(tiny_model(family), [5, 9, 2], seed=1)
 
 
 @pytest.mark.parametrize("side", ["left", "right"])
@@ -285,32 +302,67 @@ def test_the_original_attention_is_restored():
         runner.prefill(prompt)
 
 
+# Windows far narrower than the contexts (prompts of up to 20 tokens, three tree steps after) and
+# attention logit soft-capping, against the models' eager attention (HF's SDPA path ignores
+# soft-capping). A cap of 1 bends these tiny models' scores; 50 is Gemma2's own value.
+NARROW = {
+    "mistral-window4": ("mistral", {"sliding_window": 4}),
+    "gemma3-window4": ("gemma3", {"sliding_window": 4}),
+    "gemma2-window4-cap1": ("gemma2", {"sliding_window": 4, "attn_logit_softcapping": 1.0}),
+    "gemma2-cap50": ("gemma2", {"attn_logit_softcapping": 50.0}),
+    "phimoe-window4": ("phimoe", {"sliding_window": 4}),
+}
+
+
+def eager_model(name: str) -> torch.nn.Module:
+    family, overrides = NARROW[name]
+    model = tiny_model(family, **overrides)
+    model.set_attn_implementation("eager")
+    return model
+
+
+@pytest.mark.parametrize("name", list(NARROW))
+def test_narrow_windows_and_softcap_match_eager_forward(name):
+    check_steps_against_plain_forward(eager_model(name), [20, 13, 2], seed=11)
+
+
 @pytest.mark.parametrize(
-    ("make_model", "message"),
+    ("name", "without"),
     [
-        (lambda: tiny_model("gemma2", attn_logit_softcapping=50.0), "gemma2: attention logit soft"),
-        (lambda: tiny_model("mistral", sliding_window=16), "mistral: sliding-window .* window 16"),
-        (
-            lambda: tiny_model(
-                "gemma3", layer_types=["sliding_attention", "full_attention"], sliding_window=8
-            ),
-            "gemma3_text: sliding-window",
-        ),
-        (
-            lambda: Qwen3NextForCausalLM(
-                Qwen3NextConfig(**{**TINY, "num_experts": 2, "layer_types": None})
-            ),
-            r"qwen3_next: layer types \['linear_attention'\]",
-        ),
+        ("mistral-window4", {"sliding_window": 4096}),
+        ("gemma3-window4", {"sliding_window": 4096}),
+        ("gemma2-window4-cap1", {"attn_logit_softcapping": None}),
+        ("phimoe-window4", {"sliding_window": 4096}),
     ],
-    ids=["softcap", "mistral-window", "gemma3-window", "linear-attention"],
 )
-def test_unsupported_attention_is_refused(make_model, message):
-    model = make_model()
+def test_windows_and_softcap_change_the_logits(name, without):
+    """The comparisons above can fail: each feature moves the logits far beyond the tolerance."""
+    family, overrides = NARROW[name]
+    context = torch.randint(VOCAB, (1, 24), generator=torch.Generator().manual_seed(12))
+    with torch.no_grad():
+        with_feature = eager_model(name)(context).logits[0, -1]
+        plain = tiny_model(family, **{**overrides, **without})
+        plain.set_attn_implementation("eager")
+        without_feature = plain(context).logits[0, -1]
+    assert (with_feature - without_feature).abs().max() > 100 * TOLERANCE["atol"]
+
+
+def test_linear_attention_is_refused():
+    model = Qwen3NextForCausalLM(Qwen3NextConfig(**{**TINY, "num_experts": 2, "layer_types": None}))
     original = model.config._attn_implementation
-    with pytest.raises(ValueError, match=message):
+    with pytest.raises(ValueError, match=r"qwen3_next: layer types \['linear_attention'\]"):
         ModelRunner(model, CAPACITY)
     assert model.config._attn_implementation == original
+
+
+def test_attention_sinks_are_refused():
+    config = GptOssConfig(**{**TINY, "num_local_experts": 2, "num_experts_per_tok": 1})
+    model = GptOssForCausalLM(config).eval()
+    with (
+        ModelRunner(model, CAPACITY) as runner,
+        pytest.raises(ValueError, match="gpt_oss: .*sinks"),
+    ):
+        runner.prefill(torch.randint(VOCAB, (1, 5)))
 
 
 def test_cuda_graphs_need_cuda():
@@ -326,6 +378,13 @@ def test_triton_kernels_end_to_end(triton_backend):
     with ModelRunner(model, 16) as runner:
         records = run_and_record(runner, input_ids, attention_mask, 4, 2, generator)
     assert_matches_plain_forward(model, records)
+
+
+def test_triton_kernels_end_to_end_windowed_and_capped(triton_backend):
+    """Gemma2 with a narrow window and a cap through the Triton kernels, kept small."""
+    check_steps_against_plain_forward(
+        eager_model("gemma2-window4-cap1"), [9, 4], seed=13, capacity=24, num_nodes=5, steps=2
+    )
 
 
 GRAPH_TOLERANCE = {

@@ -95,16 +95,20 @@ def make_cache(batch, num_kv_heads, capacity, head_dim, dtype, layout, generator
     return kv[1, 0], kv[1, 1]
 
 
-def dense_attention(q, k_cache, v_cache, allowed, scale, compute_dtype):
+def dense_attention(q, k_cache, v_cache, allowed, scale, compute_dtype, softcap=None):
     """Independent computation: explicit math over a dense `[B, N, Lmax]` mask in `compute_dtype`.
 
-    Low-precision dtypes mimic plain torch (matmuls in the dtype, softmax in fp32 then rounded).
+    Low-precision dtypes mimic plain torch (matmuls in the dtype, softmax in fp32 then rounded);
+    fp64 stays fp64 throughout. `softcap` c maps scaled scores s to `c * tanh(s / c)`.
     """
     group = q.shape[1] // k_cache.shape[1]
     slot_read = allowed.any(dim=1)[:, None, :, None]
     keys = torch.where(slot_read, k_cache, 0).to(compute_dtype).repeat_interleave(group, dim=1)
     values = torch.where(slot_read, v_cache, 0).to(compute_dtype).repeat_interleave(group, dim=1)
-    scores = (q.to(compute_dtype) @ keys.transpose(-1, -2)).float() * scale
+    softmax_dtype = torch.promote_types(compute_dtype, torch.float32)
+    scores = (q.to(compute_dtype) @ keys.transpose(-1, -2)).to(softmax_dtype) * scale
+    if softcap is not None:
+        scores = softcap * torch.tanh(scores / softcap)
     scores = scores.masked_fill(~allowed[:, None], float("-inf"))
     probs = torch.softmax(scores, dim=-1).nan_to_num(0.0).to(compute_dtype)
     return probs @ values
@@ -171,21 +175,29 @@ def run_case(
                 q, k_cache, v_cache, cache_lens, packed_mask, q_lens, scale, num_splits
             )
     reference = tree_attention_reference(q, k_cache, v_cache, cache_lens, tree_mask, q_lens)
+    allowed = dense_mask(tree, cache_lens, q_lens, num_new, capacity)
+    check_results(out, reference, q, k_cache, v_cache, allowed, live, scale)
+    return out
 
+
+def check_results(out, reference, q, k_cache, v_cache, allowed, live, scale, softcap=None):
+    """Kernel output `out` and `reference` for `q`: shape and dtype, no NaN, zero padding rows
+    (rows `i >= live[b]`), close to each other, and both within the flash-attention rule of the
+    fp64 truth over the dense mask `allowed`: at most twice plain torch's error, plus ATOL."""
+    dtype = q.dtype
     assert out.shape == q.shape and out.dtype == dtype
     assert not out.isnan().any()
-    for b in range(batch):
-        assert (out[b, :, live[b] :] == 0).all(), "padding rows must be zeros"
+    for b, rows in enumerate(live):
+        assert (out[b, :, rows:] == 0).all(), "padding rows must be zeros"
     rtol, atol = REFERENCE_TOL[dtype]
     torch.testing.assert_close(out, reference, rtol=rtol, atol=atol)
 
-    allowed = dense_mask(tree, cache_lens, q_lens, num_new, capacity)
-    truth = dense_attention(q, k_cache, v_cache, allowed, scale, torch.float64)
-    plain = dense_attention(q, k_cache, v_cache, allowed, scale, dtype)
-    kernel_error = (out.double() - truth).abs().max().item()
+    truth = dense_attention(q, k_cache, v_cache, allowed, scale, torch.float64, softcap)
+    plain = dense_attention(q, k_cache, v_cache, allowed, scale, dtype, softcap)
     plain_error = (plain.double() - truth).abs().max().item()
-    assert kernel_error <= 2 * plain_error + ATOL[dtype], (kernel_error, plain_error)
-    return out
+    for name, result in (("kernel", out), ("reference", reference)):
+        error = (result.double() - truth).abs().max().item()
+        assert error <= 2 * plain_error + ATOL[dtype], (name, error, plain_error)
 
 
 # name: (N, D, group, Hkv, prefixes of a ragged batch, dtype, mask, padded rows, cache layout)
@@ -337,9 +349,10 @@ def test_num_splits_heuristic():
 
 @pytest.mark.parametrize("head_dim", [32, 64, 80, 96, 128, 256])
 @pytest.mark.parametrize("dtype", [FP32, BF16])
-def test_kernel_config_tiles_are_dot_shaped(head_dim, dtype):
+@pytest.mark.parametrize("windowed_or_capped", [False, True])
+def test_kernel_config_tiles_are_dot_shaped(head_dim, dtype, windowed_or_capped):
     for group, num_new in [(1, 1), (3, 17), (8, 128)]:
-        config = kernel_config(head_dim, group, num_new, dtype)
+        config = kernel_config(head_dim, group, num_new, dtype, windowed_or_capped)
         for block in (config.block_m, config.block_n, config.block_d):
             assert block >= 16 and block & (block - 1) == 0
         assert config.block_d >= head_dim and config.block_m * config.block_d <= 128 * 128
@@ -350,6 +363,15 @@ def valid_args():
     k_cache, v_cache = torch.randn(2, 2, 2, 10, 16)
     cache_lens = torch.tensor([4, 7], dtype=torch.int32)
     return dict(q=q, k_cache=k_cache, v_cache=v_cache, cache_lens=cache_lens)
+
+
+def tree_args():
+    return valid_args() | dict(tree_mask=torch.ones(2, 3, 3, dtype=torch.bool).tril())
+
+
+def node_depths(values, dtype=torch.int32):
+    """`q_depths` for `tree_args`: int32 `[B, N]` unless told otherwise."""
+    return torch.tensor(values, dtype=dtype)
 
 
 BAD_ARGS = {
@@ -399,6 +421,40 @@ BAD_ARGS = {
     "mask dtype": (dict(tree_mask=torch.ones(2, 3, 1)), "tree_mask: expected dtype"),
     "scale nan": (dict(scale=float("nan")), "scale: expected a finite float"),
     "scale tensor": (dict(scale=torch.tensor(0.5)), "scale: expected a finite float"),
+    "softcap zero": (dict(softcap=0.0), "softcap: expected None or a finite float > 0"),
+    "softcap negative": (dict(softcap=-5.0), "softcap: expected None or a finite float > 0"),
+    "softcap inf": (dict(softcap=float("inf")), "softcap: expected None or a finite float"),
+    "softcap nan": (dict(softcap=float("nan")), "softcap: expected None or a finite float"),
+    "softcap bool": (dict(softcap=True), "softcap: expected None or a finite float"),
+    "softcap tensor": (dict(softcap=torch.tensor(5.0)), "softcap: expected None or a finite"),
+    "window zero": (dict(window=0), "window: expected None or an int >= 1, got 0"),
+    "window negative": (dict(window=-3), "window: expected None or an int >= 1"),
+    "window float": (dict(window=2.5), "window: expected None or an int >= 1"),
+    "window bool": (dict(window=True), "window: expected None or an int >= 1"),
+    "depths missing": (
+        dict(tree_args(), window=2),
+        r"q_depths: a sliding window over a tree needs each node's depth, int32 \[B, N\]",
+    ),
+    "depths without a tree": (
+        dict(window=2, q_depths=node_depths([[0, 1, 2]] * 2)),
+        "q_depths: only trees take depths",
+    ),
+    "depths shape": (
+        dict(tree_args(), window=2, q_depths=node_depths([[0, 1, 2, 3]] * 2)),
+        r"q_depths: expected shape \[B, N\] = \(2, 3\), got \(2, 4\)",
+    ),
+    "depths dtype": (
+        dict(tree_args(), window=2, q_depths=node_depths([[0, 1, 2]] * 2, torch.int64)),
+        "q_depths: expected dtype in \\(int32\\), got torch.int64",
+    ),
+    "depths too deep": (
+        dict(tree_args(), window=2, q_depths=node_depths([[0, 1, 2], [0, 1, 3]])),
+        r"q_depths.flatten\(\)\[5\] = 3 is out of range: expected 0 <= .* <= 2",
+    ),
+    "depths negative": (
+        dict(tree_args(), q_depths=node_depths([[0, -1, 1], [0, 1, 2]])),
+        r"q_depths.flatten\(\)\[1\] = -1 is out of range",
+    ),
 }
 
 
@@ -435,6 +491,9 @@ def test_device_mismatch_is_a_clear_error():
     args = valid_args()
     args["cache_lens"] = args["cache_lens"].to("meta")
     with pytest.raises(ValueError, match="cache_lens: expected a tensor on cpu"):
+        tree_attention(**args)
+    args = tree_args() | dict(window=2, q_depths=node_depths([[0, 1, 2]] * 2).to("meta"))
+    with pytest.raises(ValueError, match="q_depths: expected a tensor on cpu"):
         tree_attention(**args)
 
 
@@ -501,11 +560,13 @@ ELEMENT = {"bf16": torch.bfloat16, "fp32": torch.float32}
 def arg_type(name, element):
     if name in ("q_ptr", "k_ptr", "v_ptr", "out_ptr"):
         return "*" + element
-    if name in ("cache_lens_ptr", "q_lens_ptr", "mask_ptr"):
+    if name in ("cache_lens_ptr", "q_lens_ptr", "mask_ptr", "depths_ptr"):
         return "*i32"
     if name in ("part_out_ptr", "part_lse_ptr"):
         return "*fp32"
-    return "constexpr" if name.isupper() else "fp32" if name == "qk_scale" else "i32"
+    if name in ("qk_scale", "softcap_log2"):
+        return "fp32"
+    return "constexpr" if name.isupper() else "i32"
 
 def compile_kernel(fn, element, constexprs, **options):
     signature = {name: arg_type(name, element) for name in fn.arg_names}
@@ -518,13 +579,14 @@ def compile_kernel(fn, element, constexprs, **options):
     return int(re.search(r"STACK:(\\d+)", usage).group(1))
 
 for spec in sys.argv[1:]:
-    element, head_dim, group, num_new, tree = spec.split(",")
+    element, head_dim, group, num_new, tree, *features = spec.split(",")
     head_dim, group, num_new, tree = int(head_dim), int(group), int(num_new), tree == "tree"
-    config = kernel_config(head_dim, group, num_new, ELEMENT[element])
+    config = kernel_config(head_dim, group, num_new, ELEMENT[element], bool(features))
     constexprs = dict(
         HEAD_DIM=head_dim, GROUP=group, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
         BLOCK_D=config.block_d, IS_TREE=tree, MASK_WORDS=-(-num_new // 32) if tree else 0,
-        HAS_Q_LENS=True, WRITE_PARTIAL=True,
+        HAS_Q_LENS=True, HAS_SOFTCAP="softcap" in features, HAS_WINDOW="window" in features,
+        WRITE_PARTIAL=True,
         DOT_PRECISION="ieee" if element == "fp32" else "tf32", DOT_UPCAST=False,
     )
     stack = compile_kernel(tree_attention_kernel, element, constexprs,
@@ -540,7 +602,13 @@ def test_kernels_compile_for_sm90_without_spilling_the_anchor_shape():
     ptxas = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
     if not ptxas.exists():
         pytest.skip("this Triton build ships no ptxas")
-    specs = ["bf16,128,4,64,tree", "bf16,256,3,17,causal", "fp32,80,6,3,tree"]
+    # Windowed / soft-capped variants: Mistral-7B's verify, Gemma2-9B's verify, Gemma3-1B's prefill.
+    windowed = [
+        "bf16,128,4,64,tree,window",
+        "bf16,256,2,64,tree,window,softcap",
+        "bf16,256,4,128,causal,window",
+    ]
+    specs = ["bf16,128,4,64,tree", "bf16,256,3,17,causal", "fp32,80,6,3,tree", *windowed]
     env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
     result = subprocess.run(
         [sys.executable, "-c", COMPILE_SCRIPT, *specs],
@@ -554,3 +622,5 @@ def test_kernels_compile_for_sm90_without_spilling_the_anchor_shape():
     assert set(stacks) == set(specs)
     # Llama-3-8B's verify shape (bf16, D=128, GQA 4, 64 nodes) must keep everything in registers.
     assert stacks["bf16,128,4,64,tree"] == ["0", "0"]
+    for spec in windowed:
+        assert stacks[spec] == ["0", "0"], spec

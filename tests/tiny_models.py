@@ -3,7 +3,13 @@
 from collections.abc import Callable
 
 import torch
-from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
+from transformers import (
+    GenerationConfig,
+    LlamaConfig,
+    LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
+)
 
 from specdec_fast.drafters.base import Drafter, pack_trees
 
@@ -17,7 +23,46 @@ def tiny_llama(
     eos_token_id: int | None = None,
 ) -> LlamaForCausalLM:
     """An fp32 Llama with GQA; a wide initializer gives peaked logits, so few greedy near-ties."""
-    config = LlamaConfig(
+    return _tiny_causal_lm(
+        LlamaConfig,
+        LlamaForCausalLM,
+        vocab_size=vocab_size,
+        hidden_size=hidden_size,
+        layers=layers,
+        seed=seed,
+        initializer_range=initializer_range,
+        eos_token_id=eos_token_id,
+    )
+
+
+def tiny_mistral(sliding_window: int, vocab_size: int = 96, seed: int = 0) -> MistralForCausalLM:
+    """`tiny_llama`'s shape as a Mistral whose every layer slides a window of `sliding_window`."""
+    return _tiny_causal_lm(
+        MistralConfig,
+        MistralForCausalLM,
+        vocab_size=vocab_size,
+        hidden_size=48,
+        layers=2,
+        seed=seed,
+        initializer_range=0.3,
+        eos_token_id=None,
+        sliding_window=sliding_window,
+    )
+
+
+def _tiny_causal_lm(
+    config_class,
+    model_class,
+    *,
+    vocab_size: int,
+    hidden_size: int,
+    layers: int,
+    seed: int,
+    initializer_range: float,
+    eos_token_id: int | None,
+    **config_extra,
+):
+    config = config_class(
         vocab_size=vocab_size,
         hidden_size=hidden_size,
         intermediate_size=2 * hidden_size,
@@ -30,9 +75,10 @@ def tiny_llama(
         bos_token_id=None,
         eos_token_id=eos_token_id,
         pad_token_id=None,
+        **config_extra,
     )
     torch.manual_seed(seed)
-    model = LlamaForCausalLM(config).eval()
+    model = model_class(config).eval()
     model.generation_config = GenerationConfig(
         bos_token_id=None, eos_token_id=eos_token_id, pad_token_id=None
     )

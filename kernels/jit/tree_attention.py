@@ -3,6 +3,11 @@
 Rows of a program are the query heads of one GQA group times the new tokens, token-major
 (row r is token `r // GROUP`, query head `kv_head * GROUP + r % GROUP`), so each K/V tile is read
 once for the whole group. The scores live in the log2 domain (`qk_scale` includes log2(e)).
+
+Positions (for the sliding window): query row of new token i sits at `cache_len + depth_i`
+(depth_i = i when causal); prefix slot k holds position k; new slot `cache_len + j` holds position
+`cache_len + depth_j`. Since depth_j <= j, a key's position never exceeds its slot, so no slot below
+the earliest visible position is ever needed: the kernel starts its tile loops there.
 """
 
 import triton
@@ -11,6 +16,33 @@ import triton.language as tl
 # Finite start for the running max: a row that has seen only masked keys keeps l == 0 without
 # producing inf - inf = NaN in the rescale factor.
 NEG_BIG = tl.constexpr(-1.0e30)
+LOG2_E = tl.constexpr(1.4426950408889634)
+# Below this |x|, tanh's Taylor series (through x^11) beats the exp form, which cancels near 0.
+TANH_SERIES_BOUND = tl.constexpr(0.4)
+
+
+@triton.jit
+def _tanh(x):
+    """tanh of fp32 `x` to about 3 ulp, from a polynomial and exp2 only.
+
+    libdevice's tanh is an extern call that the Triton interpreter cannot run, and not every
+    Triton has `tl.tanh`; this form runs the same compiled and interpreted.
+    """
+    magnitude = tl.abs(x)
+    # Horner form of t - t^3/3 + 2t^5/15 - 17t^7/315 + 62t^9/2835 - 1382t^11/155925, on |x|
+    # clamped to the series' range: beyond it the series is unused and must not overflow.
+    t = tl.minimum(magnitude, TANH_SERIES_BOUND)
+    t2 = t * t
+    series = 0.021869488536155203 - 0.008863235529902197 * t2
+    series = -0.05396825396825397 + series * t2
+    series = 0.13333333333333333 + series * t2
+    series = -0.3333333333333333 + series * t2
+    series = t + t * t2 * series
+    # (1 - e^{-2|x|}) / (1 + e^{-2|x|}): the exponent is never positive, so nothing overflows.
+    decay = tl.exp2(-2.0 * LOG2_E * magnitude)
+    away = (1.0 - decay) / (1.0 + decay)
+    value = tl.where(magnitude < TANH_SERIES_BOUND, series, away)
+    return tl.where(x < 0.0, -value, value)
 
 
 @triton.jit
@@ -24,11 +56,17 @@ def _attend_tile(
     load_mask,
     visible,
     qk_scale,
+    softcap_log2,
     APPLY_MASK: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     DOT_UPCAST: tl.constexpr,
 ):
-    """Online-softmax update of (acc, m_i, l_i) by one K/V tile; `visible`: [BLOCK_M, BLOCK_N]."""
+    """Online-softmax update of (acc, m_i, l_i) by one K/V tile; `visible`: [BLOCK_M, BLOCK_N].
+
+    With HAS_SOFTCAP the scaled scores s become `c * tanh(s / c)` before the mask, as in HF's
+    Gemma2 eager attention; `softcap_log2` is c * log2(e), c carried into the log2 domain.
+    """
     if load_mask is None:
         k = tl.load(k_tile_ptrs)
         v = tl.load(v_tile_ptrs)
@@ -38,6 +76,8 @@ def _attend_tile(
     if DOT_UPCAST:
         k = k.to(tl.float32)
     scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+    if HAS_SOFTCAP:
+        scores = softcap_log2 * _tanh(scores * (1.0 / softcap_log2))
     if APPLY_MASK:
         scores = tl.where(visible, scores, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(scores, 1))
@@ -62,6 +102,7 @@ def tree_attention_kernel(
     cache_lens_ptr,
     q_lens_ptr,
     mask_ptr,
+    depths_ptr,
     part_out_ptr,
     part_lse_ptr,
     stride_qb,
@@ -79,12 +120,16 @@ def tree_attention_kernel(
     stride_mb,
     stride_mi,
     stride_mw,
+    stride_db,
+    stride_dn,
     batch,
     num_kv_heads,
     num_new,
     capacity,
     num_splits,
     qk_scale,
+    softcap_log2,
+    window,
     HEAD_DIM: tl.constexpr,
     GROUP: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -93,6 +138,8 @@ def tree_attention_kernel(
     IS_TREE: tl.constexpr,
     MASK_WORDS: tl.constexpr,
     HAS_Q_LENS: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
     WRITE_PARTIAL: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     DOT_UPCAST: tl.constexpr,
@@ -103,6 +150,10 @@ def tree_attention_kernel(
     attends to the partial tile and the new tokens under the causal or tree mask. With one split
     the result goes straight to `out`; otherwise the normalized partial output and its
     log2-sum-exp go to the fp32 workspace.
+    HAS_WINDOW: row r sees positions above `q_pos_r - window`; the loops start at the block's
+    earliest visible slot (splits share only the visible tiles) and mask per row from there on.
+    Tree rows and keys take their depths from `depths_ptr` (int32 [B, N]).
+    HAS_SOFTCAP: scores are soft-capped at `softcap_log2` (see `_attend_tile`).
     DOT_UPCAST feeds the dots fp32 operands: the Triton interpreter computes bf16 dots wrongly.
     """
     # Only the batch/head offsets can outgrow int32; row blocks and splits are small counts.
@@ -140,26 +191,50 @@ def tree_attention_kernel(
     # A block made only of padding rows does no work (its rows are written as zeros below).
     block_live = row_block * BLOCK_M // GROUP < q_len
 
-    # This split's share of the prefix's whole tiles: every row sees them, no mask needed.
+    # The window: row r sees key positions above row_floor[r]; no row of the block sees a slot
+    # below first_slot (the least floor + 1 over the live rows), and none is read.
+    first_slot = 0
+    if HAS_WINDOW:
+        if IS_TREE:
+            depth = tl.load(depths_ptr + b * stride_db + token * stride_dn, mask=row_live, other=0)
+        else:
+            depth = token
+        row_floor = cache_len + depth - window
+        first_slot = tl.maximum(tl.min(tl.where(row_live, row_floor, capacity), 0) + 1, 0)
+
+    # This split's share of the prefix's whole tiles from the first visible one on: without a
+    # window every row sees them all, no mask needed.
     full_tiles = cache_len // BLOCK_N
-    tiles_per_split = tl.cdiv(full_tiles, num_splits)
-    lo = split * tiles_per_split * BLOCK_N
+    first_tile = tl.minimum(first_slot // BLOCK_N, full_tiles)
+    tiles_per_split = tl.cdiv(full_tiles - first_tile, num_splits)
+    lo = (first_tile + split * tiles_per_split) * BLOCK_N
     hi = tl.minimum(lo + tiles_per_split * BLOCK_N, full_tiles * BLOCK_N)
     hi = tl.where(block_live, tl.maximum(hi, lo), lo)
     full_tile_mask = None if BLOCK_D == HEAD_DIM else d_ok[None, :]
     for start in range(lo, hi, BLOCK_N):
         slots = start + offs_n
+        if HAS_WINDOW:
+            # The first tile may start below first_slot, on slots that may hold anything (NaN):
+            # those columns read slot first_slot instead (no row sees them), so the loads stay
+            # unmasked.
+            tile_visible = slots[None, :] > row_floor[:, None]
+            read_slots = tl.maximum(slots, first_slot)
+        else:
+            tile_visible = None
+            read_slots = slots
         acc, m_i, l_i = _attend_tile(
             acc,
             m_i,
             l_i,
             q,
-            k_base + slots[:, None] * stride_kl,
-            v_base + slots[:, None] * stride_vl,
+            k_base + read_slots[:, None] * stride_kl,
+            v_base + read_slots[:, None] * stride_vl,
             full_tile_mask,
-            None,
+            tile_visible,
             qk_scale,
-            False,
+            softcap_log2,
+            HAS_WINDOW,
+            HAS_SOFTCAP,
             DOT_PRECISION,
             DOT_UPCAST,
         )
@@ -170,6 +245,8 @@ def tree_attention_kernel(
     if not IS_TREE:
         new_hi = tl.minimum(new_hi, (row_block * BLOCK_M + BLOCK_M - 1) // GROUP + 1)
     masked_lo = full_tiles * BLOCK_N
+    if HAS_WINDOW:
+        masked_lo = tl.maximum(masked_lo, first_slot // BLOCK_N * BLOCK_N)
     masked_hi = tl.where((split == num_splits - 1) & block_live, cache_len + new_hi, masked_lo)
     if IS_TREE:
         # The rows' mask words (at most 4: N <= 128) stay in registers: gathering a
@@ -202,6 +279,19 @@ def tree_attention_kernel(
         else:
             sees_new = new_token[None, :] <= token[:, None]
         visible = (sees_new | ~is_new[None, :]) & key_ok[None, :]
+        load_ok = key_ok
+        if HAS_WINDOW:
+            if IS_TREE:
+                key_depth = tl.load(
+                    depths_ptr + b * stride_db + new_token * stride_dn,
+                    mask=is_new & key_ok,
+                    other=0,
+                )
+                key_pos = tl.where(is_new, cache_len + key_depth, slots)
+            else:
+                key_pos = slots
+            visible = visible & (key_pos[None, :] > row_floor[:, None])
+            load_ok = key_ok & (slots >= first_slot)
         acc, m_i, l_i = _attend_tile(
             acc,
             m_i,
@@ -209,10 +299,12 @@ def tree_attention_kernel(
             q,
             k_base + slots[:, None] * stride_kl,
             v_base + slots[:, None] * stride_vl,
-            key_ok[:, None] & d_ok[None, :],
+            load_ok[:, None] & d_ok[None, :],
             visible,
             qk_scale,
+            softcap_log2,
             True,
+            HAS_SOFTCAP,
             DOT_PRECISION,
             DOT_UPCAST,
         )
