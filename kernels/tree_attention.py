@@ -170,6 +170,31 @@ class KernelConfig:
     block_d: int
     num_warps: int
     num_stages: int
+    # ptxas's per-thread register limit (None: ptxas picks one, and may spill to fit more
+    # programs per SM).
+    max_registers: int | None = None
+
+
+# fp16/bf16 launch shapes per (K/V width BLOCK_D, row block BLOCK_M): ((BLOCK_N, num_warps) of
+# the plain kernel, (BLOCK_N, num_warps) of the windowed or soft-capped one). Each compiles for
+# sm_90 without spilling, as the JIT specializes it, over head dims 64-256 x GQA groups
+# {1, 2, 3, 4, 8} x N {1, 17, 64, 128} x tree/causal x q_lens x splits (compiled once in full;
+# tests/test_tree_attention_compile.py keeps a representative of each). ptxas caps registers
+# to fit more programs per SM and spilled a few bytes with 8 warps on 32 rows at D 128 (and on
+# 16-row variants of 32 keys), with 4 warps on 32 rows at D 64. The variants' per-row state
+# needs 32-key tiles on 128 rows (255 registers otherwise).
+HALF_PRECISION_TILES = {
+    (64, 16): ((64, 4), (32, 4)),
+    (64, 32): ((64, 8), (32, 4)),
+    (64, 64): ((64, 4), (32, 4)),
+    (64, 128): ((64, 8), (32, 8)),
+    (128, 16): ((64, 8), (64, 8)),
+    (128, 32): ((64, 4), (32, 4)),
+    (128, 64): ((64, 8), (32, 8)),
+    (128, 128): ((64, 8), (32, 8)),
+    (256, 16): ((16, 8), (16, 8)),
+    (256, 64): ((16, 8), (16, 8)),
+}
 
 
 def kernel_config(
@@ -177,23 +202,29 @@ def kernel_config(
 ) -> KernelConfig:
     """Tile sizes and launch shape: up to 128 query rows (GROUP * N) per program.
 
-    Chosen so that nothing spills on sm_90 (checked by compiling ahead of time): wide heads take
-    fewer rows and narrower K/V tiles; fp32 (exact dots on CUDA cores, a correctness path) takes
-    16-row tiles. The sliding-window and soft-cap variants (`windowed_or_capped`) keep more
-    per-row state live, so they take half-width K/V tiles, or half the rows at D = 256.
+    fp16/bf16 take `HALF_PRECISION_TILES`: 16 to 128 rows up to D = 128; beyond, 16 rows for a
+    decode-sized block and 64 otherwise (32-row blocks spill at D = 256; 64 rows only waste
+    tensor-core time on padding). fp32 (exact dots on CUDA cores, a correctness path) takes
+    16-row tiles; from D = 128 on, ptxas may use every register rather than spill a few bytes
+    for a second program per SM (no tile or warp count avoids it there).
     """
     block_d = max(16, triton.next_power_of_2(head_dim))
     rows = max(16, triton.next_power_of_2(group * num_new))
     if dtype == torch.float32:
         narrow = block_d <= 64
         block_n = 32 if narrow and not windowed_or_capped else 16
-        return KernelConfig(16, block_n, block_d, 4 if narrow else 8, 2 if narrow else 1)
+        if narrow:
+            return KernelConfig(16, block_n, block_d, num_warps=4, num_stages=2)
+        return KernelConfig(16, block_n, block_d, num_warps=8, num_stages=1, max_registers=255)
     if block_d <= 128:
         block_m = min(128, rows)
-        num_warps = 8 if block_m == 128 or block_d == 128 else 4
-        return KernelConfig(block_m, 32 if windowed_or_capped else 64, block_d, num_warps, 3)
-    block_m = min(32 if windowed_or_capped else 64, rows)
-    return KernelConfig(block_m, 16, block_d, num_warps=8, num_stages=2)
+        num_stages = 3
+    else:
+        block_m = 16 if rows == 16 else 64
+        num_stages = 2
+    plain, variant = HALF_PRECISION_TILES[max(block_d, 64), block_m]
+    block_n, num_warps = variant if windowed_or_capped else plain
+    return KernelConfig(block_m, block_n, block_d, num_warps, num_stages)
 
 
 def choose_num_splits(programs: int, max_prefix: int, block_n: int, sm_count: int) -> int:
@@ -308,6 +339,7 @@ def launch_tree_attention(
         DOT_UPCAST=q.device.type == "cpu" and q.dtype == torch.bfloat16,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
+        maxnreg=config.max_registers,
     )
     if num_splits > 1:
         block_t = max(1, min(triton.next_power_of_2(num_new), 4096 // config.block_d))

@@ -7,15 +7,10 @@ padding query rows) and what must be written (the output and the split workspace
 """
 
 import contextlib
-import os
-import subprocess
-import sys
-from pathlib import Path
 from unittest import mock
 
 import pytest
 import torch
-import triton
 
 from specdec_fast.kernels import pack_tree_mask, tree_attention
 from specdec_fast.kernels.reference.tree_attention import (
@@ -540,87 +535,3 @@ def test_cuda_graph_replay_follows_new_lengths():
     graph.replay()
     expected = tree_attention_reference(q, k_cache, v_cache, cache_lens)
     torch.testing.assert_close(out, expected, rtol=1.6e-2, atol=1.6e-2)
-
-
-# Compiles the kernels for sm_90 without a GPU (Triton ships ptxas), in a process where Triton is
-# not interpreting, and prints the local-memory bytes (spills) of each compiled kernel.
-COMPILE_SCRIPT = """
-import os, re, subprocess, sys, tempfile
-import torch, triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
-from specdec_fast.kernels.jit.tree_attention import (
-    tree_attention_combine_kernel, tree_attention_kernel,
-)
-from specdec_fast.kernels.tree_attention import kernel_config
-
-CUOBJDUMP = os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/cuobjdump")
-ELEMENT = {"bf16": torch.bfloat16, "fp32": torch.float32}
-
-def arg_type(name, element):
-    if name in ("q_ptr", "k_ptr", "v_ptr", "out_ptr"):
-        return "*" + element
-    if name in ("cache_lens_ptr", "q_lens_ptr", "mask_ptr", "depths_ptr"):
-        return "*i32"
-    if name in ("part_out_ptr", "part_lse_ptr"):
-        return "*fp32"
-    if name in ("qk_scale", "softcap_log2"):
-        return "fp32"
-    return "constexpr" if name.isupper() else "i32"
-
-def compile_kernel(fn, element, constexprs, **options):
-    signature = {name: arg_type(name, element) for name in fn.arg_names}
-    source = ASTSource(fn=fn, signature=signature, constexprs=constexprs)
-    kernel = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
-    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as cubin:
-        cubin.write(kernel.asm["cubin"])
-    usage = subprocess.run([CUOBJDUMP, "--dump-resource-usage", cubin.name],
-                           capture_output=True, text=True, check=True).stdout
-    return int(re.search(r"STACK:(\\d+)", usage).group(1))
-
-for spec in sys.argv[1:]:
-    element, head_dim, group, num_new, tree, *features = spec.split(",")
-    head_dim, group, num_new, tree = int(head_dim), int(group), int(num_new), tree == "tree"
-    config = kernel_config(head_dim, group, num_new, ELEMENT[element], bool(features))
-    constexprs = dict(
-        HEAD_DIM=head_dim, GROUP=group, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
-        BLOCK_D=config.block_d, IS_TREE=tree, MASK_WORDS=-(-num_new // 32) if tree else 0,
-        HAS_Q_LENS=True, HAS_SOFTCAP="softcap" in features, HAS_WINDOW="window" in features,
-        WRITE_PARTIAL=True,
-        DOT_PRECISION="ieee" if element == "fp32" else "tf32", DOT_UPCAST=False,
-    )
-    stack = compile_kernel(tree_attention_kernel, element, constexprs,
-                           num_warps=config.num_warps, num_stages=config.num_stages)
-    combine = compile_kernel(tree_attention_combine_kernel, element,
-                             dict(BLOCK_T=32, BLOCK_D=config.block_d), num_warps=4)
-    print(spec, stack, combine)
-"""
-
-
-@pytest.mark.slow
-def test_kernels_compile_for_sm90_without_spilling_the_anchor_shape():
-    ptxas = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
-    if not ptxas.exists():
-        pytest.skip("this Triton build ships no ptxas")
-    # Windowed / soft-capped variants: Mistral-7B's verify, Gemma2-9B's verify, Gemma3-1B's prefill.
-    windowed = [
-        "bf16,128,4,64,tree,window",
-        "bf16,256,2,64,tree,window,softcap",
-        "bf16,256,4,128,causal,window",
-    ]
-    specs = ["bf16,128,4,64,tree", "bf16,256,3,17,causal", "fp32,80,6,3,tree", *windowed]
-    env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
-    result = subprocess.run(
-        [sys.executable, "-c", COMPILE_SCRIPT, *specs],
-        capture_output=True,
-        text=True,
-        env=env,
-        check=False,
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    stacks = {line.split()[0]: line.split()[1:] for line in result.stdout.splitlines()}
-    assert set(stacks) == set(specs)
-    # Llama-3-8B's verify shape (bf16, D=128, GQA 4, 64 nodes) must keep everything in registers.
-    assert stacks["bf16,128,4,64,tree"] == ["0", "0"]
-    for spec in windowed:
-        assert stacks[spec] == ["0", "0"], spec
