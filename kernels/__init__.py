@@ -13,7 +13,8 @@ if interpreter_needed():
     # Must precede the first `import triton`: @triton.jit decides interpretation at decoration time.
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from .backend import requested_backend, use_triton  # noqa: E402
+from . import ops  # noqa: E402, F401  (registers the torch.library custom ops)
+from .backend import backend_for, requested_backend, use_triton  # noqa: E402
 from .kv_compact import kv_compact  # noqa: E402
 from .reference.kv_compact import kv_compact_reference  # noqa: E402
 from .reference.verify import VerifyResult, verify_reference  # noqa: E402
@@ -21,6 +22,7 @@ from .tree_attention import pack_tree_mask, tree_attention  # noqa: E402
 from .verify import verify  # noqa: E402
 
 __all__ = [
+    "backend_for",
     "kv_compact",
     "kv_compact_reference",
     "pack_tree_mask",

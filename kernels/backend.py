@@ -1,17 +1,21 @@
 """Backend choice shared by every kernel.
 
-CUDA tensors run the Triton kernels; CPU tensors run the plain-torch references, unless
-`SPECDEC_BACKEND=triton` is set, which runs the Triton kernels on the CPU through the Triton
-interpreter. `SPECDEC_BACKEND=torch` forces the references everywhere. The variable is read at
-every call so that tests can switch it; `TRITON_INTERPRET` must be decided before Triton compiles
-anything, so it is set when the package is imported (see `kernels/__init__.py`).
+`SPECDEC_BACKEND` picks the implementation, read at every call so that tests can switch it:
+- `auto` (the default): CUDA tensors run the Triton kernels, CPU tensors the fused-torch
+  implementations in `fused/` (fast, portable);
+- `triton`: the Triton kernels everywhere; CPU tensors then run through the Triton interpreter,
+  which must be switched on before Triton compiles anything, so the variable has to be set
+  before `specdec_fast` is imported (`kernels/__init__.py` sets `TRITON_INTERPRET` then);
+- `fused`: the fused-torch implementations everywhere (on CUDA they read lengths back to the
+  host, so they are for comparisons, not for speed there);
+- `torch`: the plain-torch references, the readable test oracles.
 """
 
 import os
 
 import torch
 
-BACKENDS = ("auto", "triton", "torch")
+BACKENDS = ("auto", "triton", "fused", "torch")
 
 
 def requested_backend() -> str:
@@ -22,14 +26,36 @@ def requested_backend() -> str:
     return backend
 
 
+def interpreting() -> bool:
+    """Whether this process's Triton kernels were built for the interpreter."""
+    from triton.runtime.interpreter import InterpretedFunction
+
+    from .jit.kv_compact import kv_compact_kernel
+
+    return isinstance(kv_compact_kernel, InterpretedFunction)
+
+
+def backend_for(device: torch.device) -> str:
+    """The implementation ("triton", "fused" or "torch") for a kernel call on `device`.
+
+    Raises RuntimeError when the Triton kernels are asked for on the CPU in a process whose
+    kernels were not built for the interpreter (SPECDEC_BACKEND=triton set after import).
+    """
+    backend = requested_backend()
+    if backend == "auto":
+        return "triton" if device.type == "cuda" else "fused"
+    if backend == "triton" and device.type != "cuda" and not interpreting():
+        raise RuntimeError(
+            "SPECDEC_BACKEND=triton on CPU tensors runs the Triton interpreter, which has to be on "
+            "before specdec_fast is imported: set SPECDEC_BACKEND=triton (or TRITON_INTERPRET=1) "
+            "in the environment of the process, not after the import"
+        )
+    return backend
+
+
 def use_triton(device: torch.device) -> bool:
     """True when a kernel call on tensors living on `device` should run the Triton kernel."""
-    backend = requested_backend()
-    if backend == "torch":
-        return False
-    if backend == "triton":
-        return True
-    return device.type == "cuda"
+    return backend_for(device) == "triton"
 
 
 def interpreter_needed() -> bool:

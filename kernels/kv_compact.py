@@ -10,7 +10,8 @@ from dataclasses import dataclass
 import torch
 import triton
 
-from .backend import use_triton
+from .backend import backend_for
+from .fused.kv_compact import kv_compact_fused
 from .jit.kv_compact import kv_compact_kernel
 from .reference.kv_compact import kv_compact_reference
 from .validation import check_tensor, values_checkable
@@ -215,9 +216,26 @@ def kv_compact(
     _check_shapes(kv, cache_lens, accepted_nodes, num_accepted)
     if validate and values_checkable(cache_lens):
         _check_values(kv, cache_lens, accepted_nodes, num_accepted)
+    if torch.compiler.is_compiling():
+        torch.ops.specdec_fast.kv_compact(kv, cache_lens, accepted_nodes, num_accepted)
+    else:
+        run_kv_compact(kv, cache_lens, accepted_nodes, num_accepted)
+
+
+def run_kv_compact(
+    kv: torch.Tensor,
+    cache_lens: torch.Tensor,
+    accepted_nodes: torch.Tensor,
+    num_accepted: torch.Tensor,
+) -> None:
+    """The backend's implementation (see `backend.py`) on arguments `kv_compact` validated: what
+    the custom op `specdec_fast::kv_compact` runs, and what the engine calls after `verify`."""
     if kv.shape[2] == 0:
         return
-    if use_triton(kv.device):
+    backend = backend_for(kv.device)
+    if backend == "triton":
         _launch(kv, cache_lens, accepted_nodes, num_accepted)
+    elif backend == "fused":
+        kv_compact_fused(kv, cache_lens, accepted_nodes, num_accepted)
     else:
         kv_compact_reference(kv, cache_lens, accepted_nodes, num_accepted)

@@ -11,7 +11,8 @@ import torch
 import triton
 
 from . import interpreter_compat  # noqa: F401  (interpreted kernels need it before launch)
-from .backend import use_triton
+from .backend import backend_for
+from .fused.tree_attention import tree_attention_fused
 from .jit.tree_attention import tree_attention_combine_kernel, tree_attention_kernel
 from .reference.tree_attention import tree_attention_reference
 from .validation import check_ranges, check_tensor, check_unit_stride, values_checkable
@@ -413,11 +414,35 @@ def tree_attention(
     packed_mask, scale, softcap = _validate(
         q, k_cache, v_cache, cache_lens, tree_mask, q_lens, scale, softcap, window, q_depths
     )
+    args = (q, k_cache, v_cache, cache_lens, packed_mask, q_lens, scale, softcap, window, q_depths)
+    if torch.compiler.is_compiling():
+        return torch.ops.specdec_fast.tree_attention(*args)
+    return run_tree_attention(*args)
+
+
+def run_tree_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    cache_lens: torch.Tensor,
+    packed_mask: torch.Tensor | None,
+    q_lens: torch.Tensor | None,
+    scale: float,
+    softcap: float | None,
+    window: int | None,
+    q_depths: torch.Tensor | None,
+) -> torch.Tensor:
+    """The backend's implementation (see `backend.py`) on arguments `tree_attention` validated:
+    `packed_mask` None or int32 `[B, N, ceil(N/32)]`, `scale` a float. What the custom op
+    `specdec_fast::tree_attention` runs, and what the engine calls once a step is validated."""
+    # Positions stay below the capacity, so a window at least that wide hides nothing.
+    if window is not None and window >= k_cache.shape[2]:
+        window = None
     features = dict(softcap=softcap, window=window, q_depths=q_depths)
-    if use_triton(q.device):
+    backend = backend_for(q.device)
+    if backend == "triton":
         return launch_tree_attention(
             q, k_cache, v_cache, cache_lens, packed_mask, q_lens, scale, **features
         )
-    return tree_attention_reference(
-        q, k_cache, v_cache, cache_lens, packed_mask, q_lens, scale, **features
-    )
+    implementation = tree_attention_fused if backend == "fused" else tree_attention_reference
+    return implementation(q, k_cache, v_cache, cache_lens, packed_mask, q_lens, scale, **features)

@@ -50,8 +50,11 @@ def check_unit_stride(name: str, tensor: torch.Tensor, dim: int = -1) -> None:
 
 
 def values_checkable(tensor: torch.Tensor) -> bool:
-    """Whether checks may read `tensor`'s values: always on the CPU; on CUDA only outside graph
-    capture, where the read would break the capture (the kernels stay in bounds regardless)."""
+    """Whether checks may read `tensor`'s values: never while `torch.compile` traces (a read would
+    break the graph); on the CPU otherwise always; on CUDA only outside graph capture, where the
+    read would break the capture (the kernels stay in bounds regardless)."""
+    if torch.compiler.is_compiling():
+        return False
     return tensor.device.type != "cuda" or not torch.cuda.is_current_stream_capturing()
 
 

@@ -18,7 +18,8 @@ import torch
 import triton
 
 from . import interpreter_compat  # noqa: F401  (interpreted kernels need it before launch)
-from .backend import use_triton
+from .backend import backend_for
+from .fused.verify import verify_fused
 from .jit.verify import NUM_FIELDS, verify_stats_kernel, verify_walk_kernel
 from .reference.verify import (
     VerifyResult,
@@ -420,6 +421,45 @@ def launch_verify(
     return VerifyResult(accepted_nodes, num_accepted, next_tokens)
 
 
+def flatten_params(params: SamplingParams) -> tuple:
+    """`(tensor or None, scalar)` per parameter, in the order of the custom op's schema."""
+    flat = []
+    for value, default in (
+        (params.temperature, 0.0),
+        (params.top_k, 0),
+        (params.top_p, 1.0),
+        (params.seed, 0),
+    ):
+        tensor = isinstance(value, torch.Tensor)
+        flat += [value if tensor else None, default if tensor else value]
+    return tuple(flat)
+
+
+def run_verify(
+    logits: torch.Tensor,
+    draft_tokens: torch.Tensor,
+    parents: torch.Tensor,
+    draft_probs: torch.Tensor | None,
+    params: SamplingParams,
+) -> VerifyResult:
+    """The backend's implementation (see `backend.py`) on arguments `verify` validated: what the
+    custom op `specdec_fast::verify` runs, and what the engine calls once a step is validated."""
+    backend = backend_for(logits.device)
+    if backend == "triton" and logits.shape[0] > 0:
+        return launch_verify(logits, draft_tokens, parents, draft_probs, params)
+    implementation = verify_fused if backend == "fused" else verify_reference
+    return implementation(
+        logits,
+        draft_tokens,
+        parents,
+        draft_probs,
+        params.temperature,
+        params.top_k,
+        params.top_p,
+        params.seed,
+    )
+
+
 def verify(
     logits: torch.Tensor,
     draft_tokens: torch.Tensor,
@@ -482,19 +522,14 @@ def verify(
     checking = validate and values_checkable(logits)
     if checking and batch > 0:
         _check_values(logits, draft_tokens, parents, draft_probs, params)
-    if use_triton(logits.device) and batch > 0:
-        result = launch_verify(logits, draft_tokens, parents, draft_probs, params)
-    else:
-        result = verify_reference(
-            logits,
-            draft_tokens,
-            parents,
-            draft_probs,
-            params.temperature,
-            params.top_k,
-            params.top_p,
-            params.seed,
+    if torch.compiler.is_compiling():
+        result = VerifyResult(
+            *torch.ops.specdec_fast.verify(
+                logits, draft_tokens, parents, draft_probs, *flatten_params(params)
+            )
         )
+    else:
+        result = run_verify(logits, draft_tokens, parents, draft_probs, params)
     # Unusable logits rows are found by the pass that reads them, which marks the sequence with
     # next_tokens = -1: checking the outcome costs no second read of the logits.
     if checking and bool((result.next_tokens < 0).any()):

@@ -17,7 +17,7 @@ from torch import nn
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 
-from specdec_fast.kernels import tree_attention
+from specdec_fast.kernels.tree_attention import run_tree_attention
 
 ATTENTION_NAME = "specdec_tree"
 METADATA_KWARG = "specdec_metadata"
@@ -33,9 +33,6 @@ class StepMetadata:
         q_lens: None or int32 `[B]`; rows `i >= q_lens[b]` are padding.
         max_cache_len: the cache capacity: a sliding window at least this wide never hides a
             key (every position is below it), so it is dropped.
-        key_bound: None, or a host-side upper bound of `cache_lens[b] + N`: slots at or past it
-            are never visible, so the attention reads only the first `key_bound` slots (eager
-            runs; a captured graph must not depend on it and passes None).
         q_depths: None (causal), or int32 `[B, N]`, each tree node's depth (its position is
             `cache_lens[b] + depth`); sliding windows over a tree need it.
         layer_windows: None, or each decoder layer's sliding window (None for full attention)
@@ -47,7 +44,6 @@ class StepMetadata:
     tree_mask: torch.Tensor | None
     q_lens: torch.Tensor | None
     max_cache_len: int
-    key_bound: int | None = None
     q_depths: torch.Tensor | None = None
     layer_windows: tuple[int | None, ...] | None = None
 
@@ -86,7 +82,8 @@ def tree_attention_forward(
     dropout: float = 0.0,
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
-    """The `AttentionInterface` function: `tree_attention` over the whole layer cache.
+    """The `AttentionInterface` function: `tree_attention` over the whole layer cache, on the
+    step metadata that the runner validated.
 
     Args:
         query: `[B, Hq, N, D]`, the new tokens.
@@ -108,23 +105,25 @@ def tree_attention_forward(
         )
     check_attention_features(model_type, sinks=kwargs.get("s_aux"))
     window = layer_window(module, metadata, kwargs)
-    if metadata.key_bound is not None:
-        # Views, not copies: the kernel only needs unit stride on D.
-        key, value = key[:, :, : metadata.key_bound], value[:, :, : metadata.key_bound]
-    output = tree_attention(
+    # The runner checked the step's metadata once; every layer runs the kernel unvalidated.
+    args = (
         query,
         key,
         value,
         metadata.cache_lens,
-        tree_mask=metadata.tree_mask,
-        q_lens=metadata.q_lens,
-        scale=scaling,
+        metadata.tree_mask,
+        metadata.q_lens,
+        query.shape[-1] ** -0.5 if scaling is None else float(scaling),
         # Eager attention soft-caps exactly when it is handed `softcap` (Gemma2 is; Gemma3's
         # config value is never passed, so its eager attention does not cap).
-        softcap=kwargs.get("softcap"),
-        window=window,
-        q_depths=None if window is None else metadata.q_depths,
+        None if kwargs.get("softcap") is None else float(kwargs["softcap"]),
+        window,
+        None if window is None else metadata.q_depths,
     )
+    if torch.compiler.is_compiling():
+        output = torch.ops.specdec_fast.tree_attention(*args)
+    else:
+        output = run_tree_attention(*args)
     return output.transpose(1, 2), None
 
 

@@ -11,11 +11,13 @@ attention function's job. Layer kinds that are not softmax attention over every 
 chunked attention, KV shared across layers) are refused with an error naming the model type.
 """
 
+from collections.abc import Sequence
+
 import torch
 from transformers import PreTrainedConfig
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from specdec_fast.kernels.kv_compact import kv_compact
+from specdec_fast.kernels.kv_compact import kv_compact, run_kv_compact
 
 SUPPORTED_LAYER_TYPES = ("full_attention", "sliding_attention")
 
@@ -56,11 +58,11 @@ class SpecKVLayer(CacheLayerMixin):
     def __init__(self, cache: "SpecKVCache", layer_idx: int, sliding_window: int | None):
         super().__init__()
         self.cache = cache
-        self.keys = cache.kv[layer_idx, 0]
-        self.values = cache.kv[layer_idx, 1]
+        self.keys = cache._kv_storage[layer_idx, 0]  # rebound by the cache to its live rows
+        self.values = cache._kv_storage[layer_idx, 1]
         self.is_sliding = sliding_window is not None
         self.sliding_window = sliding_window
-        self.batch_size = cache.kv.shape[2]
+        self.batch_size = cache._kv_storage.shape[2]
         self.is_initialized = True
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -108,8 +110,14 @@ class SpecKVCache(Cache):
     Hkv and D come from the config and are the same for every layer; a model whose layers disagree
     (or whose keys and values differ in width) fails at its first write, naming the model type.
 
+    The storage is allocated once for `batch_size` sequences of `max_cache_len` slots and then
+    reused: `resize` takes any smaller batch, `select` moves the kept sequences to the front in
+    place. So the tensors' addresses never change while the storage lasts, which is what lets a
+    captured CUDA graph be replayed by later calls, and a compiled step sees the same layout.
+
     Attributes:
-        kv: `[num_layers, 2, B, Hkv, Lmax, D]` in the model's dtype; layer l's K is `kv[l, 0]`.
+        kv: `[num_layers, 2, B, Hkv, Lmax, D]` in the model's dtype (a view of the storage's first
+            B sequences); layer l's K is `kv[l, 0]`.
         cache_lens: int32 `[B]`, committed tokens per sequence, on the cache's device.
         write_slots: int64 `[B, N]`, the slots the current forward writes (set by `prepare_write`).
     """
@@ -140,23 +148,47 @@ class SpecKVCache(Cache):
             )
         shape = (len(windows), 2, batch_size, num_kv_heads, max_cache_len, head_dim)
         # Zeros, not empty: unwritten slots are masked out, but NaN garbage would survive 0 * NaN.
-        self.kv = torch.zeros(shape, dtype=dtype, device=device)
-        self.cache_lens = torch.zeros(batch_size, dtype=torch.int32, device=device)
-        self.batch_index = torch.arange(batch_size, device=device)[:, None]
+        self._kv_storage = torch.zeros(shape, dtype=dtype, device=device)
+        self._lens_storage = torch.zeros(batch_size, dtype=torch.int32, device=device)
+        self._index_storage = torch.arange(batch_size, device=device)[:, None]
         self.write_slots = torch.zeros(batch_size, 0, dtype=torch.long, device=device)
         # Host-side upper bound of max(cache_lens): room checks read the device only near capacity.
         self._len_bound = 0
         super().__init__(layers=[SpecKVLayer(self, i, window) for i, window in enumerate(windows)])
+        self._bind(batch_size)
 
     @property
     def max_cache_len(self) -> int:
         return self.kv.shape[4]
 
     @property
-    def length_bound(self) -> int:
-        """A host-side upper bound of `cache_lens[b]` plus the tokens being written, never above
-        the capacity (valid after `ensure_room`)."""
-        return min(self._len_bound, self.max_cache_len)
+    def capacity(self) -> int:
+        """Sequences the storage holds (the largest batch `resize` accepts)."""
+        return self._kv_storage.shape[2]
+
+    def _bind(self, batch_size: int) -> None:
+        """Point `kv`, `cache_lens` and every layer at the storage's first `batch_size` rows."""
+        self.kv = self._kv_storage[:, :, :batch_size]
+        self.cache_lens = self._lens_storage[:batch_size]
+        self.batch_index = self._index_storage[:batch_size]
+        for index, layer in enumerate(self.layers):
+            layer.keys, layer.values = self.kv[index, 0], self.kv[index, 1]
+            layer.batch_size = batch_size
+
+    def fits(self, batch_size: int, max_cache_len: int, dtype: torch.dtype) -> bool:
+        """Whether `resize(batch_size)` can serve sequences of `max_cache_len` slots in `dtype`."""
+        return (
+            batch_size <= self.capacity
+            and max_cache_len <= self.max_cache_len
+            and dtype == self._kv_storage.dtype
+        )
+
+    def resize(self, batch_size: int) -> None:
+        """Serve `batch_size` (<= `capacity`) new sequences: every length is reset to zero."""
+        if not 1 <= batch_size <= self.capacity:
+            raise ValueError(f"batch_size: expected 1 to {self.capacity}, got {batch_size}")
+        self._bind(batch_size)
+        self.reset()
 
     def ensure_room(self, num_new: int) -> None:
         """Check that every sequence has room for `num_new` more tokens; raise ValueError if not.
@@ -192,20 +224,28 @@ class SpecKVCache(Cache):
         Args:
             accepted_nodes: int32 `[B, N]`, the accepted node indices, root first, then -1.
             num_accepted: int32 `[B]`, accepted non-root nodes.
-            validate: let `kv_compact` check the path values on the host (a device read on
-                CUDA); the engine's hot path passes False for paths that `kernels.verify` made.
+            validate: check the path values (a device read on CUDA). The engine passes False for
+                paths that `kernels.verify` made, and then skips the argument checks too.
         """
-        kv_compact(self.kv, self.cache_lens, accepted_nodes, num_accepted, validate=validate)
+        if validate:
+            kv_compact(self.kv, self.cache_lens, accepted_nodes, num_accepted)
+        else:
+            run_kv_compact(self.kv, self.cache_lens, accepted_nodes, num_accepted)
 
-    def select(self, rows: torch.Tensor) -> None:
-        """Keep only the sequences `rows` (int64 `[B']`, indices into the batch), in that order."""
-        self.kv = self.kv[:, :, rows].contiguous()
-        self.cache_lens = self.cache_lens[rows].contiguous()
-        self.batch_index = torch.arange(rows.numel(), device=self.kv.device)[:, None]
-        self.write_slots = self.write_slots[rows]
-        for index, layer in enumerate(self.layers):
-            layer.keys, layer.values = self.kv[index, 0], self.kv[index, 1]
-            layer.batch_size = rows.numel()
+    def select(self, rows: Sequence[int]) -> None:
+        """Keep only the sequences `rows` (indices into the batch, in that order), moved to the
+        front of the storage in place."""
+        rows = [int(row) for row in rows]
+        if rows != list(range(len(rows))):
+            index = torch.tensor(rows, device=self.kv.device)
+            count = len(rows)
+            # The gather copies before the assignment writes, so overlapping moves are safe.
+            self._kv_storage[:, :, :count] = self.kv[:, :, index]
+            self._lens_storage[:count] = self.cache_lens[index]
+            self.write_slots = self.write_slots[index]
+        else:
+            self.write_slots = self.write_slots[: len(rows)]
+        self._bind(len(rows))
 
     def reset(self) -> None:
         """Forget every committed token (the storage is kept as it is)."""

@@ -1,39 +1,39 @@
 """`generate`: speculative decoding of an HF causal LM, a drop-in for greedy or sampled generation.
 
-The loop (DESIGN.md, "Data flow of one step"), for the rows still running:
+One step, for the rows still running (DESIGN.md, "Data flow of one step"), is the loop body of
+`_decode`:
 
-    proposal = drafter.propose(state)            tree [B, N] rooted at each row's last token
-    out      = runner.verify(tokens, parents)    target logits [B, N, V] in one forward
-    result   = kernels.verify(out.logits, ...)   accepted path + next token, lossless
-    runner.cache.compact(...)                    the cache keeps the prefix + the accepted path
+    proposal = drafter.propose(state)             tree [B, N]; the engine writes each row's root
+    out      = runner.verify(tokens, parents)     target logits [B, N, V] in one (compiled) forward
+    result   = kernels.verify(out.logits, ...)    accepted path + next token, lossless
+    cache.compact(result)                         the cache keeps the prefix + the accepted path
+    batch.emit(read back)                         the one blocking device-to-host read of a step
     drafter.update(state, outcome)
+    batch.drop(finished)                          runner, state and drafter shrink together
 
-Only the emitted tokens are read back to the host each step. Rows that stop (EOS, a stop sequence,
-`max_new_tokens`, or a full cache) leave the batch, so they cost nothing afterwards.
+Rows that stop (EOS, a stop sequence, `max_new_tokens`, or a full cache) leave the batch, so they
+cost nothing afterwards. The runner (compiled steps, CUDA graphs, cache storage) is kept on the
+model between calls; the model's attention is switched for the call only, and restored on every
+exit path, errors and interrupts included, for the target and the draft model alike.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 from transformers import PreTrainedModel
 
-from specdec_fast.drafters.base import Drafter, DraftState, StepOutcome, root_only
-from specdec_fast.kernels.verify import verify
-from specdec_fast.requests import (
-    Sampling,
-    StopRule,
-    check_token_ids,
-    prompts_from_input,
-    step_seeds,
-)
+from specdec_fast.batch import Batch, TokenCallback
+from specdec_fast.drafters.base import Drafter, StepOutcome
+from specdec_fast.kernels.verify import run_verify
+from specdec_fast.requests import Sampling, StopRule, check_token_ids, prompts_from_input
 from specdec_fast.runner import ModelRunner
 from specdec_fast.stats import SequenceStats, SpecStats
 
-TokenCallback = Callable[[int, list[int]], None]
+CACHE_BLOCK = 256
 
 
 @dataclass
@@ -76,6 +76,7 @@ def generate(
     max_cache_len: int | None = None,
     on_tokens: TokenCallback | None = None,
     use_cuda_graphs: bool | None = None,
+    compile: bool | None = None,
 ) -> GenerateOutput:
     """Generate up to `max_new_tokens` tokens per sequence with speculative decoding.
 
@@ -97,17 +98,19 @@ def generate(
         on_tokens: called as `on_tokens(sequence_index, new_tokens)` whenever tokens are accepted
             (streaming); ITL statistics are measured at these moments.
         use_cuda_graphs: capture verify steps as CUDA graphs (default: on for CUDA models).
+        compile: run the model's forwards through `torch.compile` (default: `SPECDEC_COMPILE`,
+            on). Each new step shape compiles once per process; the compiled steps are kept on
+            the model for later calls (`ModelRunner.for_model`).
     """
     start = time.perf_counter()
     prompts = prompts_from_input(input_ids, attention_mask)
     vocab_size = model.config.get_text_config(decoder=True).vocab_size
     check_token_ids(prompts, vocab_size)
-    batch = len(prompts)
     rule = StopRule(
         _default_eos(model) if eos_token_id is None else eos_token_id, stop, max_new_tokens
     )
-    sampling = Sampling.build(batch, temperature, top_k, top_p, seed)
-    num_nodes = 1 + (drafter.max_nodes if drafter is not None else 0)
+    sampling = Sampling.build(len(prompts), temperature, top_k, top_p, seed)
+    num_nodes = drafter.max_nodes + 1 if drafter is not None else 1
     longest = max(len(p) for p in prompts)
     capacity = max_cache_len or longest + max_new_tokens + num_nodes
     if longest - 1 + num_nodes > capacity:
@@ -115,133 +118,73 @@ def generate(
             f"max_cache_len={capacity} cannot hold the longest prompt ({longest} tokens) plus a "
             f"tree of {num_nodes} nodes"
         )
-
     stats = SpecStats(
         sequences=[SequenceStats(prompt_tokens=len(p)) for p in prompts],
         drafter=repr(drafter) if drafter is not None else None,
         memory_device=model.device.type,
     )
-    generated: list[list[int]] = [[] for _ in prompts]
-    if max_new_tokens == 0:
-        stats.wall_time = time.perf_counter() - start
-        return GenerateOutput([torch.tensor(p) for p in prompts], stats)
-    if model.device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(model.device)
-
-    with ModelRunner(model, capacity, use_cuda_graphs=use_cuda_graphs) as runner:
-        if drafter is not None:
-            drafter.attach(model, capacity)
-            runner.capture_hidden(drafter.hidden_layers)
-        ids, mask = _pad_prompts(prompts, model.device)
-        prefill = runner.prefill(ids, mask)
-        rows = list(range(batch))  # original index of each active row
-        state = DraftState(
-            tokens=[list(p) for p in prompts],
-            temperature=sampling.temperature.to(model.device),
-            top_k=sampling.top_k.to(model.device),
-            top_p=sampling.top_p.to(model.device),
-            seed=sampling.seed.to(model.device),
-            device=model.device,
-            hidden=prefill.hidden_states,
+    batch = Batch(
+        prompts, sampling, rule, stats, model.device, capacity, num_nodes, start, on_tokens
+    )
+    if max_new_tokens > 0:
+        if model.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(model.device)
+        # Storage in whole blocks: calls of similar lengths then reuse one cache layout, so
+        # compiled steps and CUDA graphs carry over; the stop rule still uses `capacity`.
+        storage = -(-capacity // CACHE_BLOCK) * CACHE_BLOCK
+        runner = ModelRunner.for_model(
+            model, storage, use_cuda_graphs=use_cuda_graphs, compile=compile
         )
-        if drafter is not None:
-            drafter.begin(state)
-        step = 0
-        lengths = [len(p) - 1 for p in prompts]  # cached tokens per active row (host mirror)
-        while rows:
-            proposal = drafter.propose(state) if drafter is not None else root_only(state)
-            out = runner.verify(proposal.tokens, proposal.parents)
-            host_sampling = sampling.select(rows)
-            result = verify(
-                out.logits,
-                proposal.tokens,
-                proposal.parents,
-                draft_probs=proposal.draft_probs,
-                temperature=state.temperature,
-                top_k=state.top_k,
-                top_p=state.top_p,
-                seed=step_seeds(host_sampling.seed, rows, step).to(model.device),
-                validate=model.device.type != "cuda",
-            )
-            runner.cache.compact(
-                result.accepted_nodes, result.num_accepted, validate=model.device.type != "cuda"
-            )
-            path = proposal.tokens.gather(1, result.accepted_nodes.clamp(min=0).long())
-            drafted = (proposal.parents >= 0).sum(dim=1)
-            offered_depth = out.depths.max(dim=1).values
-            # The only device-to-host read of a step: the path, the next token, the path length
-            # and the tree's size and depth (for the statistics).
-            host = torch.cat(
-                [
-                    path,
-                    result.next_tokens[:, None],
-                    result.num_accepted[:, None].long(),
-                    drafted[:, None],
-                    offered_depth[:, None],
-                ],
-                dim=1,
-            ).cpu()
-            now = time.perf_counter()
-            emitted, finished = [], []
-            for r, row in enumerate(rows):
-                next_token, accepted, num_drafted, depth = host[r, -4:].tolist()
-                candidates = host[r, 1 : accepted + 1].tolist() + [next_token]
-                taken, reason = rule.take(generated[row], candidates)
-                lengths[r] += accepted + 1
-                if reason is None and lengths[r] + num_nodes > capacity:
-                    reason = "cache"
-                emitted.append(taken)
-                seq_stats = stats.sequences[row]
-                seq_stats.record_step(depth, num_drafted, accepted)
-                seq_stats.record_emission(len(taken), now, start)
-                state.tokens[r].extend(taken)
-                if on_tokens is not None:
-                    on_tokens(row, taken)
-                if reason is not None:
-                    seq_stats.finish_reason = reason
-                    finished.append(r)
-            if drafter is not None:
-                drafter.update(
-                    state,
-                    StepOutcome(
-                        proposal=proposal,
-                        accepted_nodes=result.accepted_nodes,
-                        num_accepted=result.num_accepted,
-                        next_tokens=result.next_tokens,
-                        emitted=emitted,
-                        hidden=out.hidden_states,
-                    ),
-                )
-            step += 1
-            if finished:
-                keep = [r for r in range(len(rows)) if r not in set(finished)]
-                rows = [rows[r] for r in keep]
-                lengths = [lengths[r] for r in keep]
-                if not rows:
-                    break
-                keep_index = torch.tensor(keep, dtype=torch.int64, device=model.device)
-                runner.keep(keep_index)
-                state = _select_state(state, keep, keep_index)
+        try:
+            _decode(runner, drafter, batch, capacity)
+        finally:
+            try:
                 if drafter is not None:
-                    drafter.keep(keep_index)
-        if drafter is not None:
-            drafter.end()
-    if model.device.type == "cuda":
-        stats.peak_memory_bytes = torch.cuda.max_memory_allocated(model.device)
+                    drafter.end()
+            finally:
+                runner.close()
+        if model.device.type == "cuda":
+            stats.peak_memory_bytes = torch.cuda.max_memory_allocated(model.device)
     stats.wall_time = time.perf_counter() - start
     sequences = [
-        torch.tensor(p + g, dtype=torch.int64) for p, g in zip(prompts, generated, strict=True)
+        torch.tensor(p + g, dtype=torch.int64)
+        for p, g in zip(prompts, batch.generated, strict=True)
     ]
     return GenerateOutput(sequences, stats)
 
 
-def _select_state(state: DraftState, keep: list[int], keep_index: torch.Tensor) -> DraftState:
-    return DraftState(
-        tokens=[state.tokens[r] for r in keep],
-        temperature=state.temperature[keep_index],
-        top_k=state.top_k[keep_index],
-        top_p=state.top_p[keep_index],
-        seed=state.seed[keep_index],
-        device=state.device,
-        hidden={},
-    )
+def _decode(runner: ModelRunner, drafter: Drafter | None, batch: Batch, capacity: int) -> None:
+    """Prefill, then speculative steps until every row of `batch` has finished."""
+    if drafter is not None:
+        drafter.attach(runner.model, capacity)
+        runner.capture_hidden(drafter.hidden_layers)
+    ids, mask = _pad_prompts(batch.state.tokens, runner.device)
+    prefill = runner.prefill(ids, mask)
+    batch.roots = prefill.root_tokens
+    if drafter is not None:
+        batch.state.hidden = prefill.hidden_states
+        drafter.begin(batch.state)
+        batch.state.hidden = {}
+    while batch:
+        if drafter is None:
+            proposal = batch.plain_proposal()
+        else:
+            proposal = batch.with_roots(drafter.propose(batch.state))
+        out = runner.verify(proposal.tokens, proposal.parents)
+        result = run_verify(
+            out.logits,
+            proposal.tokens,
+            proposal.parents,
+            proposal.draft_probs,
+            batch.sampling_params(out.positions),
+        )
+        runner.cache.compact(result.accepted_nodes, result.num_accepted, validate=False)
+        host = batch.read_back(proposal, *result, out.depths)
+        emitted, finished = batch.emit(host, time.perf_counter())
+        if drafter is not None:
+            drafter.update(
+                batch.state,
+                StepOutcome(proposal, *result, emitted=emitted, hidden=out.hidden_states),
+            )
+        batch.roots = result.next_tokens
+        batch.drop(finished, runner, drafter)

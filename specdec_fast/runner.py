@@ -30,16 +30,34 @@ Hidden states for drafters: `runner.capture_hidden([i, ...])` registers forward 
 the output of decoder layer i, and -1 is the final normed hidden state (the input of `lm_head`).
 `prefill` and `verify` return them in `hidden_states`.
 
-On CUDA, `verify` for a given (B, N) is captured as a CUDA graph on first use and replayed after;
-the returned tensors are then static buffers, overwritten by the next `verify` of the same shape.
-A replayed step reads nothing back from the device except for the capacity check, and that only
-near capacity (the eager path, `use_cuda_graphs=False`, lets the kernels check lengths on the host).
-`prefill` always runs eagerly and reads the prompt lengths once.
+Compiled steps: the model forward of `prefill` and of `verify` runs through `torch.compile`
+(fullgraph; the three kernels are custom ops inside it) unless `compile=False` or
+`SPECDEC_COMPILE=0`. Batch size, cache capacity and prompt length become dynamic dimensions after
+the first change, so a handful of graphs serve every call. On CUDA, `verify` for a given (B, N)
+is also captured as a CUDA graph on first use and replayed after; the returned tensors are then
+static buffers, overwritten by the next `verify` of the same shape. A replayed step reads nothing
+back from the device except for the capacity check, and that only near capacity. `prefill` reads
+the prompt lengths once.
+
+`ModelRunner.for_model(model, ...)` keeps one runner per model (on the model object) and reopens
+it for each `generate` call, so that the compiled steps, the CUDA graphs and the cache storage
+of one call serve the next: a second call compiles and captures nothing. Runners of one thread may
+nest on a model (a model drafting for itself); a runner opened from another thread while one
+is open (a concurrent `generate` on the same model) raises a RuntimeError instead of
+corrupting both.
+
+Step metadata (tree masks, depths, positions, lengths) is built and checked once per step here;
+the attention function of every layer then calls the kernel without validating again.
 """
 
+import os
+import threading
+import time
+import types
+import warnings
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
-from functools import partial
 
 import torch
 from torch import nn
@@ -60,6 +78,18 @@ FINAL_NORM = -1
 INDEX_DTYPES = (torch.int32, torch.int64)
 # Eager runs before capture: lazy initialisations and Triton compilation must not be captured.
 GRAPH_WARMUP_STEPS = 2
+COMPILE_ENV = "SPECDEC_COMPILE"
+RUNNER_ATTRIBUTE = "_specdec_runner"
+# Guards the check-and-switch of a model's attention when runners open and close.
+_OPEN_LOCK = threading.Lock()
+
+
+def compile_by_default() -> bool:
+    """`SPECDEC_COMPILE` (default on): whether runners compile their steps when not told."""
+    value = os.environ.get(COMPILE_ENV, "1").strip().lower()
+    if value not in ("0", "1", "false", "true", "no", "yes", "off", "on", ""):
+        raise ValueError(f"{COMPILE_ENV} must be 0 or 1, got {value!r}")
+    return value in ("1", "true", "yes", "on", "")
 
 
 @dataclass
@@ -87,11 +117,13 @@ class VerifyOutput:
         logits: fp32 `[B, N, V]`; row i is the distribution of node i's child.
         hidden_states: `{layer: [B, N, H]}` for the captured layers, in the model's dtype.
         depths: int64 `[B, N]`, each node's depth in its tree (root and padded nodes 0).
+        positions: int64 `[B, N]`, each node's position (`cache_lens[b]` + depth).
     """
 
     logits: torch.Tensor
     hidden_states: dict[int, torch.Tensor]
     depths: torch.Tensor
+    positions: torch.Tensor
 
 
 @dataclass
@@ -103,6 +135,53 @@ class _VerifyGraph:
     parents: torch.Tensor
     q_lens: torch.Tensor | None
     output: VerifyOutput
+
+
+@dataclass
+class _Switched:
+    """A model switched to our attention: by which thread, how many open runners, from what."""
+
+    thread: int
+    runners: int
+    original: str
+
+
+# Models whose attention open runners switched. Runners of one thread nest (a model drafting
+# for itself has two); a runner of another thread is refused while any is open.
+_SWITCHED: "weakref.WeakKeyDictionary[PreTrainedModel, _Switched]" = weakref.WeakKeyDictionary()
+
+
+def _switch_attention(model: PreTrainedModel, on: bool) -> None:
+    """Switch `model` to our attention (`on`) or back to its own when the last runner closes."""
+    model_type = model.config.model_type
+    with _OPEN_LOCK:
+        switched = _SWITCHED.get(model)
+        if not on:
+            switched.runners -= 1
+            if switched.runners == 0:
+                del _SWITCHED[model]
+                model.set_attn_implementation(switched.original)
+            return
+        if switched is not None:
+            if switched.thread != threading.get_ident():
+                raise RuntimeError(
+                    f"{model_type}: this model is already driven by an open specdec-fast "
+                    "ModelRunner in another thread (a concurrent generate() call on the same "
+                    "model); calls on one model must not overlap: serialize them, or give each "
+                    "thread its own model"
+                )
+            switched.runners += 1
+            return
+        original = model.config._attn_implementation
+        register_attention()
+        model.set_attn_implementation(ATTENTION_NAME)
+        if model.config._attn_implementation != ATTENTION_NAME:
+            model.set_attn_implementation(original)
+            raise ValueError(
+                f"{model_type}: the model does not route attention through transformers' "
+                f"AttentionInterface, so {ATTENTION_NAME!r} cannot be switched on"
+            )
+        _SWITCHED[model] = _Switched(threading.get_ident(), 1, original)
 
 
 def _decoder_modules(model: PreTrainedModel) -> tuple[nn.ModuleList, nn.Module | None]:
@@ -128,20 +207,27 @@ class ModelRunner:
             of a verify step).
         use_cuda_graphs: capture and replay `verify` as CUDA graphs; default True on CUDA. Turn it
             off to debug; it cannot be on for a model on the CPU.
+        compile: run the model forwards through `torch.compile`; default `SPECDEC_COMPILE`
+            (on). The first call of each new shape pays the compilation (`compile_seconds`
+            records it); later ones, in this call or a later one, do not.
 
     Raises:
         ValueError: naming the model type, for attention this runner cannot serve.
+        RuntimeError: when a runner of another thread is open on the model.
     """
 
     def __init__(
-        self, model: PreTrainedModel, max_cache_len: int, *, use_cuda_graphs: bool | None = None
+        self,
+        model: PreTrainedModel,
+        max_cache_len: int,
+        *,
+        use_cuda_graphs: bool | None = None,
+        compile: bool | None = None,
     ):
         config = model.config.get_text_config(decoder=True)
-        model_type = config.model_type
         # Also refuses, before the attention is switched, layer kinds the cache cannot hold.
         self._layer_windows = tuple(attention_windows(config))
         self.model = model
-        self.max_cache_len = max_cache_len
         self.device = model.device
         self.use_cuda_graphs = (
             self.device.type == "cuda" if use_cuda_graphs is None else use_cuda_graphs
@@ -150,6 +236,7 @@ class ModelRunner:
             raise ValueError(
                 f"use_cuda_graphs needs a model on CUDA, the model is on {self.device}"
             )
+        self.compile = compile_by_default() if compile is None else compile
         self._layers, self._final_norm = _decoder_modules(model)
         self.cache: SpecKVCache | None = None
         self._captured: dict[int, torch.Tensor] = {}
@@ -157,16 +244,50 @@ class ModelRunner:
         self._hooks: list[torch.utils.hooks.RemovableHandle] = []
         self._graphs: dict[tuple, _VerifyGraph] = {}
         self._graph_pool = None
+        self._compiled: dict[str, object] = {}
+        self._seen_shapes: set[tuple] = set()
+        self._eager_shapes: set[tuple] = set()
+        # Wall time of each step kind's first call per shape: what compilation (and capture) cost.
+        self.compile_seconds: dict[str, float] = {}
+        self._open = False
+        self.open(max_cache_len)
 
-        register_attention()
-        self._original_attention = model.config._attn_implementation
-        model.set_attn_implementation(ATTENTION_NAME)
-        if model.config._attn_implementation != ATTENTION_NAME:
-            raise ValueError(
-                f"{model_type}: the model does not route attention through transformers' "
-                f"AttentionInterface, so {ATTENTION_NAME!r} cannot be switched on"
-            )
-        self._open = True
+    @classmethod
+    def for_model(
+        cls,
+        model: PreTrainedModel,
+        max_cache_len: int,
+        *,
+        use_cuda_graphs: bool | None = None,
+        compile: bool | None = None,
+    ) -> "ModelRunner":
+        """The model's own runner, opened for `max_cache_len`: the one an earlier call left on the
+        model (its compiled steps, graphs and cache storage kept) when the options agree, else
+        a new one kept for the next call."""
+        runner = model.__dict__.get(RUNNER_ATTRIBUTE)
+        compile = compile_by_default() if compile is None else compile
+        graphs = model.device.type == "cuda" if use_cuda_graphs is None else use_cuda_graphs
+        reusable = (
+            isinstance(runner, cls)
+            and runner.model is model
+            and runner.device == model.device
+            and runner.compile == compile
+            and runner.use_cuda_graphs == graphs
+        )
+        if reusable:
+            runner.open(max_cache_len)
+            return runner
+        runner = cls(model, max_cache_len, use_cuda_graphs=graphs, compile=compile)
+        # In the instance dict, not through nn.Module.__setattr__: a runner is no submodule.
+        model.__dict__[RUNNER_ATTRIBUTE] = runner
+        return runner
+
+    def __deepcopy__(self, memo) -> None:
+        """A copied model starts without a runner (compiled steps belong to their model)."""
+        return None
+
+    def __reduce__(self):
+        return (type(None), ())
 
     def __enter__(self) -> "ModelRunner":
         return self
@@ -174,17 +295,27 @@ class ModelRunner:
     def __exit__(self, *exc_info) -> None:
         self.close()
 
+    def open(self, max_cache_len: int) -> None:
+        """Switch the model to our attention for sequences of up to `max_cache_len` tokens."""
+        if self._open:
+            raise RuntimeError("this ModelRunner is already open")
+        if max_cache_len < 1:
+            raise ValueError(f"max_cache_len must be >= 1, got {max_cache_len}")
+        _switch_attention(self.model, on=True)
+        self._open = True
+        self.max_cache_len = max_cache_len
+
     def close(self) -> None:
-        """Restore the model's original attention and remove the hooks (idempotent)."""
+        """Restore the model's original attention and remove the hooks (idempotent). Compiled
+        steps, graphs and the cache storage stay for a later `open`."""
         if not self._open:
             return
         self._open = False
         for hook in self._hooks:
             hook.remove()
         self._hooks.clear()
-        self._graphs.clear()
-        self.cache = None
-        self.model.set_attn_implementation(self._original_attention)
+        self._capture_layers = ()
+        _switch_attention(self.model, on=False)
 
     def capture_hidden(self, layers: Sequence[int]) -> None:
         """Return these layers' hidden states from now on.
@@ -204,6 +335,8 @@ class ModelRunner:
                     f"layers: expected decoder layer indices in [0, {len(self._layers)}) or -1 "
                     f"(final norm, if the decoder has `norm`), got {layer}"
                 )
+        if tuple(modules) == self._capture_layers:
+            return
         for hook in self._hooks:
             hook.remove()
         self._hooks = [
@@ -258,18 +391,20 @@ class ModelRunner:
         num_cached = max(lengths_host) - 1
 
         self._ensure_cache(batch)
-        self.cache.reset()
         self.cache.ensure_room(num_cached)
         if num_cached == 0:
             logits, hidden = self._empty_outputs(batch)
         else:
             positions = torch.arange(num_cached, device=self.device).expand(batch, -1)
-            logits, hidden = self._forward(
+            logits, hidden = self._run(
+                "prefill",
+                self._model_step,
                 packed[:, :num_cached],
                 positions,
-                tree_mask=None,
-                q_lens=cached_lens,
-                logits_to_keep=0 if return_logits else 1,
+                None,
+                cached_lens,
+                None,
+                0 if return_logits else 1,
             )
         self.cache.commit_lengths(cached_lens, num_cached)
         return PrefillOutput(
@@ -291,7 +426,8 @@ class ModelRunner:
             q_lens: optional int32 `[B]`: nodes `i >= q_lens[b]` are padding (zero attention).
 
         Returns:
-            fp32 logits `[B, N, V]` and the captured hidden states `{layer: [B, N, H]}`.
+            fp32 logits `[B, N, V]`, the captured hidden states `{layer: [B, N, H]}`, and each
+            node's depth and position.
 
         Raises:
             ValueError: on bad shapes, or if `cache_lens[b] + N` could exceed `max_cache_len`
@@ -301,43 +437,62 @@ class ModelRunner:
         if self.cache is None:
             raise RuntimeError("verify: call prefill first")
         batch = self.cache.kv.shape[2]
-        check_index = partial(check_tensor, dtypes=INDEX_DTYPES, device=self.device)
-        check_index("tokens", tokens, shape=(batch, -1), dims="[B, N]")
+        check_tensor(
+            "tokens",
+            tokens,
+            shape=(batch, -1),
+            dims="[B, N]",
+            dtypes=INDEX_DTYPES,
+            device=self.device,
+        )
         if tokens.shape[1] < 1:
             raise ValueError("tokens: expected N >= 1 nodes (the root at least), got N = 0")
-        check_index("parents", parents, shape=tokens.shape, dims="[B, N] of tokens")
+        check_tensor(
+            "parents",
+            parents,
+            shape=tokens.shape,
+            dims="[B, N] of tokens",
+            dtypes=INDEX_DTYPES,
+            device=self.device,
+        )
         if q_lens is not None:
-            check_index("q_lens", q_lens, shape=(batch,), dims="[B]")
+            check_tensor(
+                "q_lens",
+                q_lens,
+                shape=(batch,),
+                dims="[B]",
+                dtypes=INDEX_DTYPES,
+                device=self.device,
+            )
         self.cache.ensure_room(tokens.shape[1])
         if self.use_cuda_graphs:
             return self._replay(tokens, parents, q_lens)
-        return self._verify_step(tokens, parents, q_lens)
+        return VerifyOutput(*self._run("verify", self._verify_step, tokens, parents, q_lens))
 
-    def keep(self, rows: torch.Tensor) -> None:
-        """Keep only the sequences `rows` (int64 `[B']`, indices into the batch), in that order:
-        finished sequences leave the batch and stop costing work. Captured graphs of the old
-        batch size are dropped."""
+    def keep(self, rows: Sequence[int] | torch.Tensor) -> None:
+        """Keep only the sequences `rows` (indices into the batch, in that order): finished
+        sequences leave the batch and stop costing work. The kept sequences move to the front of
+        the cache storage in place, so captured graphs of each batch size stay valid."""
         self._check_open()
         if self.cache is None:
             raise RuntimeError("keep: call prefill first")
-        self.cache.select(rows.to(self.device))
-        self._graphs.clear()
+        self.cache.select(rows.tolist() if isinstance(rows, torch.Tensor) else rows)
 
     def _check_open(self) -> None:
         if not self._open:
             raise RuntimeError("this ModelRunner is closed")
 
     def _ensure_cache(self, batch: int) -> None:
-        if self.cache is not None and self.cache.kv.shape[2] == batch:
+        """A cache for `batch` sequences of `max_cache_len` slots: the current storage when it
+        fits (the compiled steps and captured graphs keep its addresses), else a new one."""
+        dtype = self.model.dtype
+        if self.cache is not None and self.cache.fits(batch, self.max_cache_len, dtype):
+            self.cache.resize(batch)
             return
         self._graphs.clear()
         self.cache = None  # free the old storage before allocating the new one
         self.cache = SpecKVCache(
-            self.model.config,
-            batch,
-            self.max_cache_len,
-            dtype=self.model.dtype,
-            device=self.device,
+            self.model.config, batch, self.max_cache_len, dtype=dtype, device=self.device
         )
 
     def _empty_outputs(self, batch: int) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
@@ -351,9 +506,56 @@ class ModelRunner:
         logits = torch.zeros(batch, 0, config.vocab_size, device=self.device)
         return logits, hidden
 
+    def _compiled_step(self, kind: str, step):
+        """The compiled version of the bound method `step`, made once per runner and kind.
+
+        Each runner compiles its own copy of the code: dynamo keeps graphs (and counts them
+        against its recompile limit) per code object, so runners of different models, or of
+        one model's prefill and verify, neither evict nor exhaust each other's graphs.
+        """
+        compiled = self._compiled.get(kind)
+        if compiled is None:
+            function = step.__func__
+            own_code = types.FunctionType(
+                function.__code__.replace(), function.__globals__, function.__name__
+            )
+            compiled = torch.compile(own_code.__get__(self), fullgraph=True)
+            self._compiled[kind] = compiled
+        return compiled
+
+    def _run(self, kind: str, step, *args):
+        """`step(*args)` with no grad, through its compiled version when compiling; the first
+        call of a (kind, shape) is timed into `compile_seconds`. Past dynamo's recompile limit
+        for this runner (a drafter feeding ever new shapes) a shape runs eagerly, with a
+        warning."""
+        shape = (kind, *args[0].shape)
+        if self.compile and shape not in self._eager_shapes:
+            compiled = self._compiled_step(kind, step)
+        else:
+            compiled = step
+        first = shape not in self._seen_shapes
+        start = time.perf_counter() if first else 0.0
+        with torch.no_grad():
+            try:
+                out = compiled(*args)
+            except torch._dynamo.exc.FailOnRecompileLimitHit:
+                warnings.warn(
+                    f"specdec-fast: the {kind} step of this {self.model.config.model_type} model "
+                    f"met torch.compile's recompile limit; shape {tuple(args[0].shape)} runs "
+                    "eagerly",
+                    stacklevel=3,
+                )
+                self._eager_shapes.add(shape)
+                out = step(*args)
+        if first:
+            self._seen_shapes.add(shape)
+            label = f"{kind} B={shape[1]} N={shape[2]}"
+            self.compile_seconds[label] = time.perf_counter() - start
+        return out
+
     def _verify_step(
         self, tokens: torch.Tensor, parents: torch.Tensor, q_lens: torch.Tensor | None
-    ) -> VerifyOutput:
+    ) -> tuple[torch.Tensor, dict[int, torch.Tensor], torch.Tensor, torch.Tensor]:
         """Tree mask and positions from `parents`, then the forward (device ops only)."""
         ancestors = ancestor_mask(parents)
         depths = node_depths(ancestors)
@@ -363,41 +565,37 @@ class ModelRunner:
         # Sliding windows measure distances between positions, which depths give in a tree.
         q_depths = None if tree_mask is None else depths.to(torch.int32)
         q_lens = None if q_lens is None else q_lens.to(torch.int32)
-        logits, hidden = self._forward(
-            tokens, positions, tree_mask, q_lens, logits_to_keep=0, q_depths=q_depths
-        )
-        return VerifyOutput(logits, hidden, depths)
+        logits, hidden = self._model_step(tokens, positions, tree_mask, q_lens, q_depths, 0)
+        return logits, hidden, depths, positions
 
-    def _forward(
+    def _model_step(
         self,
         tokens: torch.Tensor,
         positions: torch.Tensor,
         tree_mask: torch.Tensor | None,
         q_lens: torch.Tensor | None,
+        q_depths: torch.Tensor | None,
         logits_to_keep: int,
-        q_depths: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+        """One model forward writing K/V at `cache_lens[b] + i`; fp32 logits and hidden states."""
         self.cache.prepare_write(tokens.shape[1])
-        key_bound = None if self.use_cuda_graphs else self.cache.length_bound
         metadata = StepMetadata(
             self.cache.cache_lens,
             tree_mask,
             q_lens,
             self.max_cache_len,
-            key_bound,
             q_depths=q_depths,
             layer_windows=self._layer_windows,
         )
         self._captured.clear()
-        with torch.no_grad():
-            output = self.model(
-                input_ids=tokens,
-                position_ids=positions,
-                past_key_values=self.cache,
-                use_cache=True,
-                logits_to_keep=logits_to_keep,
-                **{METADATA_KWARG: metadata},
-            )
+        output = self.model(
+            input_ids=tokens,
+            position_ids=positions,
+            past_key_values=self.cache,
+            use_cache=True,
+            logits_to_keep=logits_to_keep,
+            **{METADATA_KWARG: metadata},
+        )
         hidden = {layer: self._captured[layer] for layer in self._capture_layers}
         return output.logits.float(), hidden
 
@@ -407,8 +605,10 @@ class ModelRunner:
         key = (tuple(tokens.shape), q_lens is None)
         captured = self._graphs.get(key)
         if captured is None:
+            start = time.perf_counter()
             captured = self._capture(tokens, parents, q_lens)
             self._graphs[key] = captured
+            self.compile_seconds[f"graph B={key[0][0]} N={key[0][1]}"] = time.perf_counter() - start
         captured.tokens.copy_(tokens)
         captured.parents.copy_(parents)
         if q_lens is not None:
@@ -419,7 +619,7 @@ class ModelRunner:
     def _capture(
         self, tokens: torch.Tensor, parents: torch.Tensor, q_lens: torch.Tensor | None
     ) -> _VerifyGraph:
-        """Capture `_verify_step` on static copies of the inputs.
+        """Capture the (compiled) verify step on static copies of the inputs.
 
         Warm-up and capture write K/V only at uncommitted slots, which the replay overwrites.
         """
@@ -431,9 +631,13 @@ class ModelRunner:
         side_stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(side_stream):
             for _ in range(GRAPH_WARMUP_STEPS):
-                self._verify_step(static_tokens, static_parents, static_q_lens)
+                self._run("verify", self._verify_step, static_tokens, static_parents, static_q_lens)
         torch.cuda.current_stream(self.device).wait_stream(side_stream)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._graph_pool):
-            output = self._verify_step(static_tokens, static_parents, static_q_lens)
-        return _VerifyGraph(graph, static_tokens, static_parents, static_q_lens, output)
+            output = self._run(
+                "verify", self._verify_step, static_tokens, static_parents, static_q_lens
+            )
+        return _VerifyGraph(
+            graph, static_tokens, static_parents, static_q_lens, VerifyOutput(*output)
+        )

@@ -1,4 +1,5 @@
-"""Test setup: Triton kernels run under the interpreter when no GPU is present.
+"""Test setup: Triton kernels run under the interpreter when no GPU is present; the engine runs
+eagerly unless a test asks for compiled steps.
 
 TRITON_INTERPRET must be set before Triton is first imported, hence at the top of conftest.
 Tests that exercise the Triton path call the launchers directly or set SPECDEC_BACKEND=triton
@@ -11,6 +12,9 @@ import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+# Compiling every tiny test model would cost seconds each: tests run the engine eagerly unless
+# they ask for compiled steps (`compile=True`), which tests/test_compiled_step.py does.
+os.environ.setdefault("SPECDEC_COMPILE", "0")
 
 import pytest  # noqa: E402
 
@@ -40,6 +44,20 @@ def device() -> torch.device:
 def triton_backend(monkeypatch):
     """Route kernel calls to the Triton kernels (interpreted on the CPU)."""
     monkeypatch.setenv("SPECDEC_BACKEND", "triton")
+
+
+@pytest.fixture
+def fused_backend(monkeypatch):
+    """Route kernel calls to the fused-torch implementations (the CPU default)."""
+    monkeypatch.setenv("SPECDEC_BACKEND", "fused")
+
+
+@pytest.fixture(params=["triton", "fused"])
+def kernel_backend(request, monkeypatch) -> str:
+    """Each fast implementation in turn: the Triton kernels (interpreted on the CPU) and the
+    fused-torch ones; the tests check them against the references."""
+    monkeypatch.setenv("SPECDEC_BACKEND", request.param)
+    return request.param
 
 
 @pytest.fixture

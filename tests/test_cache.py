@@ -77,7 +77,7 @@ def test_update_rejects_mismatched_states():
         cache.update(good, good.half(), 0)
 
 
-@pytest.mark.parametrize("backend", ["torch_backend", "triton_backend"])
+@pytest.mark.parametrize("backend", ["torch_backend", "triton_backend", "fused_backend"])
 def test_compact_keeps_the_accepted_path(backend, request):
     request.getfixturevalue(backend)
     lengths = [2, 5, 0]

@@ -102,7 +102,7 @@ def check_against_naive(kv, cache_lens, accepted_nodes, num_accepted, paths, op)
     torch.testing.assert_close(cache_lens, expected_lens, rtol=0, atol=0)
 
 
-@pytest.fixture(params=["triton", "torch"])
+@pytest.fixture(params=["triton", "fused", "torch"])
 def backend(request, monkeypatch) -> str:
     monkeypatch.setenv("SPECDEC_BACKEND", request.param)
     return request.param

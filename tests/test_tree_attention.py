@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from specdec_fast.kernels import pack_tree_mask, tree_attention
+from specdec_fast.kernels.fused.tree_attention import tree_attention_fused
 from specdec_fast.kernels.reference.tree_attention import (
     tree_attention_reference,
     unpack_tree_mask,
@@ -212,7 +213,7 @@ CASES = {
 
 
 @pytest.mark.parametrize("name", list(CASES))
-def test_kernel_matches_reference_and_truth(triton_backend, name):
+def test_kernel_matches_reference_and_truth(kernel_backend, name):
     num_new, head_dim, group, kv_heads, prefixes, dtype, mask_kind, padded, layout = CASES[name]
     run_case(
         num_new=num_new,
@@ -249,7 +250,7 @@ def test_split_kv_matches(num_splits, prefixes, mask_kind, dtype):
     )
 
 
-def test_bool_and_packed_masks_agree(triton_backend):
+def test_bool_and_packed_masks_agree(kernel_backend):
     common = dict(num_new=33, head_dim=32, group=2, num_kv_heads=1, prefixes=(40, 3))
     common.update(dtype=FP32, mask_kind="random", padded=False, seed=3)
     from_bool = run_case(**common, packed=False)
@@ -257,16 +258,24 @@ def test_bool_and_packed_masks_agree(triton_backend):
     torch.testing.assert_close(from_bool, from_packed, rtol=0, atol=0)
 
 
-def test_default_backend_on_cpu_is_the_reference():
+def test_default_backend_on_cpu_is_the_fused_implementation(monkeypatch):
+    monkeypatch.delenv("SPECDEC_BACKEND", raising=False)
     generator = torch.Generator().manual_seed(1)
     q = torch.randn(1, 2, 3, 16, generator=generator)
     k_cache, v_cache = torch.randn(2, 1, 1, 9, 16, generator=generator)
     cache_lens = torch.tensor([4], dtype=torch.int32)
-    with mock.patch("specdec_fast.kernels.tree_attention.launch_tree_attention") as launch:
+    target = "specdec_fast.kernels.tree_attention"
+    with (
+        mock.patch(f"{target}.launch_tree_attention") as launch,
+        mock.patch(f"{target}.tree_attention_reference") as reference,
+        mock.patch(f"{target}.tree_attention_fused", wraps=tree_attention_fused) as fused,
+    ):
         out = tree_attention(q, k_cache, v_cache, cache_lens, scale=0.3)
     launch.assert_not_called()
+    reference.assert_not_called()
+    fused.assert_called_once()
     expected = tree_attention_reference(q, k_cache, v_cache, cache_lens, scale=0.3)
-    torch.testing.assert_close(out, expected, rtol=0, atol=0)
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
 
 
 def attend_slots(q_rows, k_cache, v_cache, slots):
@@ -276,7 +285,7 @@ def attend_slots(q_rows, k_cache, v_cache, slots):
 
 
 @pytest.mark.parametrize("prefix", [0, 6])
-def test_rows_without_diagonal_follow_the_mask_literally(triton_backend, prefix):
+def test_rows_without_diagonal_follow_the_mask_literally(kernel_backend, prefix):
     """Row 1 sees only token 0; row 2 sees no new token (only the prefix, or nothing: zeros)."""
     generator = torch.Generator().manual_seed(2)
     q = torch.randn(1, 2, 3, 16, generator=generator)
@@ -295,7 +304,7 @@ def test_rows_without_diagonal_follow_the_mask_literally(triton_backend, prefix)
         torch.testing.assert_close(out[0, :, 2], row_2, rtol=1e-5, atol=1e-5)
 
 
-def test_empty_batch_and_zero_live_rows(triton_backend):
+def test_empty_batch_and_zero_live_rows(kernel_backend):
     k_cache, v_cache = torch.randn(2, 2, 1, 8, 16)
     empty = tree_attention(
         torch.randn(0, 2, 3, 16), k_cache[:0], v_cache[:0], torch.zeros(0, dtype=torch.int32)
@@ -453,7 +462,7 @@ BAD_ARGS = {
 }
 
 
-@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("backend", ["torch", "triton", "fused"])
 @pytest.mark.parametrize("name", list(BAD_ARGS))
 def test_validation_errors(monkeypatch, backend, name):
     monkeypatch.setenv("SPECDEC_BACKEND", backend)

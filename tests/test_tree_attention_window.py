@@ -64,9 +64,21 @@ def position_mask(tree, depths, cache_lens, q_lens, capacity, window):
 
 
 def run_window_case(
-    *, num_new, window, softcap, dtype, shape, padded, layout, num_splits, group, seed
+    *,
+    num_new,
+    window,
+    softcap,
+    dtype,
+    shape,
+    padded,
+    layout,
+    num_splits,
+    group,
+    seed,
+    backend="triton",
 ):
-    """Build inputs, run the kernel and the reference; check both against the fp64 truth."""
+    """Build inputs, run the kernel and the reference; check both against the fp64 truth.
+    `num_splits` forces the Triton kernel's split count (other backends have none)."""
     generator = torch.Generator().manual_seed(seed)
     batch, num_kv_heads, head_dim = len(PREFIXES), 2, 32 if seed % 2 else 80
     capacity = max(PREFIXES) + num_new + 5
@@ -95,7 +107,7 @@ def run_window_case(
     features = dict(softcap=softcap, window=window, q_depths=q_depths)
     scale = head_dim**-0.5
     with poisoned_allocations():
-        if num_splits is None:
+        if num_splits is None or backend != "triton":
             out = tree_attention(
                 q, k_cache, v_cache, cache_lens, tree_mask, q_lens if padded else None, **features
             )
@@ -138,8 +150,8 @@ def window_cases():
 
 
 @pytest.mark.parametrize("case", window_cases())
-def test_window_and_softcap_match_reference_and_truth(triton_backend, case):
-    run_window_case(**case)
+def test_window_and_softcap_match_reference_and_truth(kernel_backend, case):
+    run_window_case(**case, backend=kernel_backend)
 
 
 def test_reads_stay_inside_the_window():
@@ -195,7 +207,7 @@ def test_reads_stay_inside_the_window():
     assert sum(unwindowed_counts) >= prefix // kernel_config(32, 2, num_new, FP32).block_n
 
 
-@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("backend", ["torch", "triton", "fused"])
 def test_defaults_and_harmless_windows_change_nothing(monkeypatch, backend):
     """softcap/window None are today's call; a window as wide as the cache hides no key, and
     the kernel then runs its plain variant: the same bits."""
@@ -213,7 +225,7 @@ def test_defaults_and_harmless_windows_change_nothing(monkeypatch, backend):
             assert torch.equal(out, plain), extra
 
 
-def test_window_one_sees_only_itself(triton_backend):
+def test_window_one_sees_only_itself(kernel_backend):
     """With window 1 every row attends to its own key alone: the output is its own value."""
     generator = torch.Generator().manual_seed(4)
     q = torch.randn(2, 2, 5, 16, generator=generator)

@@ -164,7 +164,7 @@ def test_uniforms_are_uniform_and_streams_differ():
     ("batch", "num_nodes", "vocab"), [(1, 1, 1), (3, 5, 3), (17, 17, 127), (2, 128, 33)]
 )
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("backend", ("torch", "triton"))
+@pytest.mark.parametrize("backend", ("torch", "triton", "fused"))
 def test_greedy_matches_brute_force_walk(monkeypatch, backend, dtype, batch, num_nodes, vocab):
     """Random ragged trees, integer logits in [-2, 2] so that ties are everywhere (exact in every
     dtype), drafts that often hit the argmax, non-contiguous inputs."""
@@ -307,7 +307,7 @@ def test_scalar_parameters_equal_broadcast_tensors():
     )
 
 
-@pytest.mark.parametrize("backend", ("torch", "triton"))
+@pytest.mark.parametrize("backend", ("torch", "triton", "fused"))
 def test_per_sequence_seeds_do_not_depend_on_the_batch_slot(monkeypatch, backend):
     """Permuting the rows (and their seeds) permutes the results; an int seed mixes the slot in,
     so identical rows still draw independently."""
@@ -405,7 +405,7 @@ def test_kept_tokens_follow_the_tie_rule():
             assert kept[b, n].tolist() == want, (b, n)
 
 
-@pytest.mark.parametrize("backend", ("torch", "triton"))
+@pytest.mark.parametrize("backend", ("torch", "triton", "fused"))
 def test_filtered_samples_cover_exactly_the_kept_set(monkeypatch, backend):
     """Root-only trees: next_tokens are draws from the filtered root distribution. Tied logits
     in [-2, 1] and a high temperature make every kept token likely (p > 1.5%: missed in 1000
@@ -498,7 +498,7 @@ INVALID = [
 
 
 @pytest.mark.parametrize(("change", "message"), INVALID, ids=[m[:40] for _, m in INVALID])
-@pytest.mark.parametrize("backend", ("torch", "triton"))
+@pytest.mark.parametrize("backend", ("torch", "triton", "fused"))
 def test_invalid_inputs_are_clear_errors(monkeypatch, backend, change, message):
     monkeypatch.setenv("SPECDEC_BACKEND", backend)
     inputs = valid_inputs()
@@ -509,7 +509,7 @@ def test_invalid_inputs_are_clear_errors(monkeypatch, backend, change, message):
         verify(**inputs)
 
 
-@pytest.mark.parametrize("backend", ("torch", "triton"))
+@pytest.mark.parametrize("backend", ("torch", "triton", "fused"))
 def test_padded_nodes_are_never_checked_or_read(monkeypatch, backend):
     monkeypatch.setenv("SPECDEC_BACKEND", backend)
     inputs = valid_inputs(chain=True)
@@ -522,7 +522,7 @@ def test_padded_nodes_are_never_checked_or_read(monkeypatch, backend):
     assert result.accepted_nodes[1, 2:].eq(-1).all()
 
 
-@pytest.mark.parametrize("backend", ("torch", "triton"))
+@pytest.mark.parametrize("backend", ("torch", "triton", "fused"))
 def test_without_validation_an_unusable_row_gives_minus_one_never_a_token(monkeypatch, backend):
     monkeypatch.setenv("SPECDEC_BACKEND", backend)
     inputs = valid_inputs(batch=4)

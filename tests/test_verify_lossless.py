@@ -171,9 +171,11 @@ def sample_pairs(case: Case, draws: int, seed: int, backend: str, monkeypatch) -
     return emitted_pairs(case, result, tokens, generator), result
 
 
+@pytest.mark.parametrize("backend", ["torch", "fused"])
 @pytest.mark.parametrize("case", CASES, ids=[case.name for case in CASES])
-def test_reference_is_lossless(monkeypatch, case):
-    pairs, result = sample_pairs(case, case.draws, 100 + CASES.index(case), "torch", monkeypatch)
+def test_reference_and_fused_are_lossless(monkeypatch, case, backend):
+    """The reference, and the fused-torch implementation with the same number of draws."""
+    pairs, result = sample_pairs(case, case.draws, 100 + CASES.index(case), backend, monkeypatch)
     first, pair = p_values(case, pairs)
     assert first > P_VALUE_FLOOR and pair > P_VALUE_FLOOR, (first, pair)
     # The drafts do get accepted, often more than once (not a plain sampler in disguise).

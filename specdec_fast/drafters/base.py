@@ -3,8 +3,9 @@
 One speculative step, as the engine runs it (DESIGN.md, "Data flow of one step"):
 
 1. `drafter.propose(state)` returns a `Proposal`: a tree of `N` nodes per active row, node 0 being
-   the root (the last token already chosen, not yet in the target's cache), nodes in topological
-   order, siblings in the order they should be tried (most likely first).
+   the root (the last token already chosen, not yet in the target's cache; the engine writes it
+   into column 0 itself, so a drafter's own value there is ignored), nodes in topological order,
+   siblings in the order they should be tried (most likely first).
 2. The target verifies the whole tree in one forward pass; `specdec_fast.kernels.verify` picks the
    accepted path and the next token; the target's KV cache is compacted to that path.
 3. `drafter.update(state, outcome)` lets the drafter follow (its own cache, features, indexes).
@@ -86,11 +87,6 @@ class DraftState:
     def batch_size(self) -> int:
         return len(self.tokens)
 
-    @property
-    def greedy(self) -> bool:
-        """True when every row decodes greedily."""
-        return bool((self.temperature == 0).all())
-
 
 @dataclass
 class StepOutcome:
@@ -149,10 +145,11 @@ class Drafter:
 
 
 def root_only(state: DraftState) -> Proposal:
-    """The one-node tree of every row: verifying it is one step of plain decoding."""
-    roots = torch.tensor([row[-1] for row in state.tokens], dtype=torch.int64)
-    parents = torch.full((len(state.tokens), 1), -1, dtype=torch.int64)
-    return Proposal(tokens=roots[:, None].to(state.device), parents=parents.to(state.device))
+    """The one-node tree of every row: verifying it is one step of plain decoding. Built on the
+    device without reading anything: the engine writes each row's root into column 0."""
+    batch = state.batch_size
+    tokens = torch.zeros((batch, 1), dtype=torch.int64, device=state.device)
+    return Proposal(tokens=tokens, parents=torch.full_like(tokens, -1))
 
 
 def pack_trees(

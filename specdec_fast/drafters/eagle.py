@@ -120,9 +120,7 @@ class EagleDrafter(Drafter):
         cache = self._cache
         cache.ensure_room(tokens.shape[1])
         cache.prepare_write(tokens.shape[1])
-        metadata = StepMetadata(
-            cache.cache_lens, tree_mask, q_lens, cache.max_cache_len, cache.length_bound
-        )
+        metadata = StepMetadata(cache.cache_lens, tree_mask, q_lens, cache.max_cache_len)
         return self.head(
             hidden,
             self._embed(tokens),

@@ -1,0 +1,481 @@
+"""Where a step's time goes, and our engine against HF, side by side in one process.
+
+For each model (the bundled tiny-code target, and a Llama with random weights shaped like
+SmolLM2-135M: 30 layers, hidden 576, 9 query / 3 KV heads, MLP 1536, vocab 49152, tied embeddings)
+and each configuration (plain decoding and the n-gram drafter, at batch 1 and 8):
+
+1. **Step breakdown** (ms per step): wall time, model forward (`ModelRunner.verify`), sampler
+   (`verify`), compaction, drafter (`propose` + `update`) and the engine (the rest), from timers
+   wrapped around those calls in a separate, untimed-against-peers run. The engine overhead is
+   the step minus its forward, as a share of the step.
+2. **Peers**: tokens/s of our engine against HF `generate` (default dynamic cache, greedy), HF
+   prompt lookup (`prompt_lookup_num_tokens=10`) for the n-gram drafter, and HF assisted
+   generation for the draft-model chain (bundled pair), in alternating repeats (medians), at each
+   thread count. Outputs are compared token for token.
+3. **Operator counts** per decode step and per verify step: operators dispatched through the
+   dispatcher (counted by the profiler, top-level calls only), eager against compiled; the
+   compiled graphs' own fused C++ kernels are not operators and are not counted.
+
+    python bench/bench_overhead.py                 # both models, 1 and 2 threads (~20 min)
+    python bench/bench_overhead.py --quick         # fewer repeats and tokens
+    python bench/bench_overhead.py --tiny          # a 2-layer random model: the CI smoke run
+
+Results: a table on stdout and JSON in bench/results/overhead-<device>.json (or --json PATH).
+Compile times (each step shape compiles once per process) are reported, not timed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections.abc import Callable
+from contextlib import ExitStack, contextmanager
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+from bench_generate import random_prompts
+from common import RESULTS_DIR, bench_device, environment, write_results
+from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
+
+from specdec_fast import DraftModelDrafter, NGramDrafter, bundled, generate
+from specdec_fast.cache import SpecKVCache
+from specdec_fast.runner import RUNNER_ATTRIBUTE, ModelRunner
+
+HF_PROMPT_LOOKUP_TOKENS = 10
+NGRAM_NODES = 8
+DRAFT_CHAIN = 4
+
+
+@dataclass
+class Model:
+    name: str
+    model: torch.nn.Module
+    prompts: list[list[int]]
+    draft: torch.nn.Module | None = None
+
+
+def random_llama(shape: dict, seed: int, vocab: int) -> torch.nn.Module:
+    config = LlamaConfig(
+        vocab_size=vocab,
+        tie_word_embeddings=True,
+        max_position_embeddings=8192,
+        rope_theta=100000.0,
+        rms_norm_eps=1e-5,
+        bos_token_id=None,
+        eos_token_id=None,
+        pad_token_id=None,
+        **shape,
+    )
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(config).eval()
+    model.generation_config = GenerationConfig(bos_token_id=None, eos_token_id=None)
+    return model
+
+
+SMOLLM2_SHAPE = dict(
+    hidden_size=576,
+    intermediate_size=1536,
+    num_hidden_layers=30,
+    num_attention_heads=9,
+    num_key_value_heads=3,
+    head_dim=64,
+)
+TINY_SHAPE = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+)
+
+
+def models(tiny: bool, batch: int) -> list[Model]:
+    if tiny:
+        return [
+            Model("tiny random", random_llama(TINY_SHAPE, 0, 256), random_prompts(batch, 40, 256))
+        ]
+    out = []
+    if "tiny-code" in bundled.available():
+        from specdec_fast.loading import load_model, load_tokenizer
+        from specdec_fast.prompts import load_code_prompts
+
+        target = load_model("tiny-code", torch.device("cpu"))
+        tokenizer = load_tokenizer("tiny-code")
+        prompts = [
+            [tokenizer.bos_token_id, *tokenizer.encode(r["prompt"], add_special_tokens=False)]
+            for r in load_code_prompts(batch)
+        ]
+        draft = load_model("tiny-code-draft", torch.device("cpu"), target.dtype)
+        out.append(Model("tiny-code", target, prompts, draft))
+    smol = random_llama(SMOLLM2_SHAPE, 0, 49152)
+    out.append(Model("SmolLM2-135M-shaped", smol, random_prompts(batch, 200, 49152)))
+    return out
+
+
+# ---------------------------------------------------------------- peers
+
+
+def ours(setup: Model, drafter: Callable, batch: int, tokens: int) -> Callable[[], list]:
+    prompts = setup.prompts[:batch]
+
+    def run():
+        out = generate(
+            setup.model, prompts, drafter=drafter(), max_new_tokens=tokens, eos_token_id=[]
+        )
+        return [s.tolist() for s in out.sequences]
+
+    return run
+
+
+def hf(setup: Model, batch: int, tokens: int, **kwargs) -> Callable[[], list]:
+    """HF `generate`, greedy, exactly `tokens` new tokens (no EOS stop), left-padded batches."""
+    prompts = setup.prompts[:batch]
+    width = max(map(len, prompts))
+    ids = torch.zeros(len(prompts), width, dtype=torch.int64)
+    mask = torch.zeros_like(ids)
+    for row, prompt in enumerate(prompts):
+        ids[row, width - len(prompt) :] = torch.tensor(prompt)
+        mask[row, width - len(prompt) :] = 1
+    config = GenerationConfig(
+        do_sample=False,
+        max_new_tokens=tokens,
+        min_new_tokens=tokens,
+        eos_token_id=None,
+        pad_token_id=0,
+        **{k: v for k, v in kwargs.items() if k != "assistant_model"},
+    )
+    extra = {"assistant_model": kwargs["assistant_model"]} if "assistant_model" in kwargs else {}
+
+    def run():
+        with torch.no_grad():
+            out = setup.model.generate(ids, attention_mask=mask, generation_config=config, **extra)
+        return [prompt + out[row, width:].tolist() for row, prompt in enumerate(prompts)]
+
+    return run
+
+
+@dataclass
+class Comparison:
+    model: str
+    config: str
+    batch: int
+    threads: int
+    ours: str
+    peer: str
+    ours_tokens_per_s: float
+    peer_tokens_per_s: float
+    ratio: float
+    target: float
+    identical: bool
+    repeats: int
+    ours_samples_s: list[float] = field(default_factory=list)
+    peer_samples_s: list[float] = field(default_factory=list)
+
+    @property
+    def met(self) -> bool:
+        return self.ratio >= self.target
+
+
+def compare(name, config, batch, threads, ours_run, peer, peer_run, target, tokens, repeats):
+    """Alternating repeats of our run and the peer's, after one warm-up each; medians."""
+    first_ours, first_peer = ours_run(), peer_run()
+    times = {"ours": [], "peer": []}
+    for _ in range(repeats):
+        for key, run in (("ours", ours_run), ("peer", peer_run)):
+            start = time.perf_counter()
+            run()
+            times[key].append(time.perf_counter() - start)
+    new_tokens = tokens * batch
+    ours_rate = new_tokens / statistics.median(times["ours"])
+    peer_rate = new_tokens / statistics.median(times["peer"])
+    return Comparison(
+        name,
+        config,
+        batch,
+        threads,
+        "specdec-fast",
+        peer,
+        ours_rate,
+        peer_rate,
+        ours_rate / peer_rate,
+        target,
+        first_ours == first_peer,
+        repeats,
+        times["ours"],
+        times["peer"],
+    )
+
+
+# ---------------------------------------------------------------- step breakdown
+
+
+@dataclass
+class Breakdown:
+    model: str
+    config: str
+    batch: int
+    threads: int
+    steps: int
+    ms_per_step: dict[str, float]
+    overhead_share: float
+    compile_seconds: dict[str, float]
+
+
+@contextmanager
+def timed(owner, name: str, bucket: dict[str, float]):
+    """Wrap `owner.name` so that its wall time accumulates into `bucket[name]`."""
+    original = getattr(owner, name)
+
+    def wrapper(*args, **kwargs):
+        start = time.perf_counter()
+        try:
+            return original(*args, **kwargs)
+        finally:
+            bucket[name] = bucket.get(name, 0.0) + time.perf_counter() - start
+
+    setattr(owner, name, wrapper)
+    try:
+        yield
+    finally:
+        setattr(owner, name, original)
+
+
+def breakdown(setup: Model, config: str, make, batch: int, threads: int, tokens: int) -> Breakdown:
+    import specdec_fast.engine as engine
+
+    run = ours(setup, make, batch, tokens)
+    run()  # warm: compiled steps exist
+    drafter = make()
+    bucket: dict[str, float] = {}
+    prompts = setup.prompts[:batch]
+    with ExitStack() as stack:
+        for owner, name in (
+            (ModelRunner, "verify"),
+            (ModelRunner, "prefill"),
+            (engine, "run_verify"),
+            (SpecKVCache, "compact"),
+        ):
+            stack.enter_context(timed(owner, name, bucket))
+        if drafter is not None:
+            for name in ("propose", "update", "begin"):
+                stack.enter_context(timed(drafter, name, bucket))
+        start = time.perf_counter()
+        out = generate(
+            setup.model, prompts, drafter=drafter, max_new_tokens=tokens, eos_token_id=[]
+        )
+        total = time.perf_counter() - start
+    steps = out.stats.steps
+    loop = total - bucket.get("prefill", 0.0) - bucket.get("begin", 0.0)
+    parts = {
+        "step": loop,
+        "forward": bucket.get("verify", 0.0),
+        "sampler": bucket.get("run_verify", 0.0),
+        "compaction": bucket.get("compact", 0.0),
+        "drafter": bucket.get("propose", 0.0) + bucket.get("update", 0.0),
+    }
+    parts["engine"] = parts["step"] - sum(v for k, v in parts.items() if k != "step")
+    ms = {key: value / steps * 1e3 for key, value in parts.items()}
+    runner = setup.model.__dict__.get(RUNNER_ATTRIBUTE)
+    return Breakdown(
+        setup.name,
+        config,
+        batch,
+        threads,
+        steps,
+        ms,
+        (ms["step"] - ms["forward"]) / ms["step"],
+        dict(runner.compile_seconds) if runner is not None else {},
+    )
+
+
+# ---------------------------------------------------------------- operator counts
+
+
+def operator_count(fn: Callable[[], object]) -> int:
+    """Operators dispatched by one call of `fn`: profiler events of aten/specdec_fast ops that
+    no other operator called (what eager PyTorch launches one by one)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        fn()
+    count = 0
+    for event in prof.events():
+        if not event.name.startswith(("aten::", "specdec_fast::")):
+            continue
+        parent = event.cpu_parent
+        while parent is not None and not parent.name.startswith(("aten::", "specdec_fast::")):
+            parent = parent.cpu_parent
+        count += parent is None
+    return count
+
+
+def operator_counts(setup: Model, num_nodes: int) -> dict[str, dict[str, int]]:
+    """Per decode step (N = 1) and verify step (N = num_nodes), eager and compiled."""
+    model = setup.model
+    prompt = torch.tensor([setup.prompts[0]])
+    counts: dict[str, dict[str, int]] = {}
+    for compiled in (False, True):
+        runner = ModelRunner(model, prompt.shape[1] + 2 * num_nodes + 4, compile=compiled)
+        try:
+            label = "compiled" if compiled else "eager"
+            for kind, width in (("decode", 1), ("verify", num_nodes)):
+                runner.prefill(prompt)
+                tokens = prompt[:, -width:].clone()
+                parents = torch.arange(-1, width - 1)[None]
+                runner.verify(tokens, parents)  # compiles (untimed, uncounted)
+                runner.prefill(prompt)
+                counts.setdefault(kind, {})[label] = operator_count(
+                    lambda r=runner, t=tokens, p=parents: r.verify(t, p)
+                )
+        finally:
+            runner.close()
+    return counts
+
+
+# ---------------------------------------------------------------- main
+
+
+def fmt_breakdown(records: list[Breakdown]) -> str:
+    keys = ("step", "forward", "sampler", "compaction", "drafter", "engine")
+    lines = [
+        "| model | config | batch | threads | "
+        + " | ".join(f"{k} ms" for k in keys)
+        + " | overhead |",
+        "|---|---|---|---|" + "---|" * (len(keys) + 1),
+    ]
+    for r in records:
+        cells = " | ".join(f"{r.ms_per_step[k]:.3f}" for k in keys)
+        lines.append(
+            f"| {r.model} | {r.config} | {r.batch} | {r.threads} | {cells} "
+            f"| {r.overhead_share:.1%} |"
+        )
+    return "\n".join(lines)
+
+
+def fmt_comparisons(records: list[Comparison]) -> str:
+    lines = [
+        "| model | config | batch | threads | ours tok/s | peer | peer tok/s | ratio | target "
+        "| met | identical |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in records:
+        lines.append(
+            f"| {r.model} | {r.config} | {r.batch} | {r.threads} | {r.ours_tokens_per_s:.1f} "
+            f"| {r.peer} | {r.peer_tokens_per_s:.1f} | {r.ratio:.2f}x | >= {r.target:.2f}x "
+            f"| {'yes' if r.met else 'NO'} | {r.identical} |"
+        )
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="3 repeats, fewer tokens")
+    parser.add_argument("--tiny", action="store_true", help="a 2-layer random model (CI)")
+    parser.add_argument("--threads", default="1,2", help="comma-separated thread counts")
+    parser.add_argument("--repeats", type=int, default=None, help="alternating repeats (>= 5)")
+    parser.add_argument("--json", type=Path, default=None)
+    args = parser.parse_args()
+    device = bench_device()
+    if device.type != "cpu":
+        raise SystemExit("bench_overhead.py measures the CPU engine; bench_step.py the GPU one")
+    repeats = args.repeats or (2 if args.tiny else 3 if args.quick else 5)
+    tokens = 16 if args.tiny else 48 if args.quick else 96
+    batches = (1, 8)
+    setups = models(args.tiny, max(batches))
+    comparisons, breakdowns, counts = [], [], {}
+    for threads in (int(t) for t in args.threads.split(",")):
+        torch.set_num_threads(threads)
+        for setup in setups:
+            configs = [("plain", lambda: None)]
+            configs.append((f"ngram N={NGRAM_NODES}", lambda: NGramDrafter(max_nodes=NGRAM_NODES)))
+            for batch in batches:
+                for config, make in configs:
+                    record = breakdown(setup, config, make, batch, threads, tokens)
+                    breakdowns.append(record)
+                    print(fmt_breakdown([record]).splitlines()[-1], flush=True)
+                plain = ours(setup, lambda: None, batch, tokens)
+                peer = hf(setup, batch, tokens)
+                target = 1.1 if batch == 1 else 1.0
+                comparisons.append(
+                    compare(
+                        setup.name,
+                        "plain",
+                        batch,
+                        threads,
+                        plain,
+                        "HF generate",
+                        peer,
+                        target,
+                        tokens,
+                        repeats,
+                    )
+                )
+                print(fmt_comparisons(comparisons[-1:]).splitlines()[-1], flush=True)
+            ngram = ours(setup, lambda: NGramDrafter(max_nodes=NGRAM_NODES), 1, tokens)
+            lookup = hf(setup, 1, tokens, prompt_lookup_num_tokens=HF_PROMPT_LOOKUP_TOKENS)
+            comparisons.append(
+                compare(
+                    setup.name,
+                    f"ngram N={NGRAM_NODES}",
+                    1,
+                    threads,
+                    ngram,
+                    "HF prompt lookup",
+                    lookup,
+                    1.15,
+                    tokens,
+                    repeats,
+                )
+            )
+            print(fmt_comparisons(comparisons[-1:]).splitlines()[-1], flush=True)
+            if setup.draft is not None:
+                chain = ours(
+                    setup,
+                    lambda d=setup.draft: DraftModelDrafter(d, num_tokens=DRAFT_CHAIN),
+                    1,
+                    tokens,
+                )
+                assisted = hf(setup, 1, tokens, assistant_model=setup.draft)
+                comparisons.append(
+                    compare(
+                        setup.name,
+                        f"draft chain k={DRAFT_CHAIN}",
+                        1,
+                        threads,
+                        chain,
+                        "HF assisted",
+                        assisted,
+                        1.1,
+                        tokens,
+                        repeats,
+                    )
+                )
+                print(fmt_comparisons(comparisons[-1:]).splitlines()[-1], flush=True)
+    for setup in setups:
+        counts[setup.name] = operator_counts(setup, NGRAM_NODES)
+    print("\n## Step breakdown (ms per step)\n")
+    print(fmt_breakdown(breakdowns))
+    print("\n## Against HF (medians of alternating repeats)\n")
+    print(fmt_comparisons(comparisons))
+    print("\n## Operators dispatched per step\n")
+    for name, kinds in counts.items():
+        for kind, by_mode in kinds.items():
+            print(f"- {name}, {kind}: eager {by_mode['eager']}, compiled {by_mode['compiled']}")
+    env = environment(device)
+    write_results(
+        args.json or RESULTS_DIR / f"overhead-{'tiny' if args.tiny else device.type}.json",
+        "bench_overhead",
+        env,
+        [asdict(r) | {"met": r.met} for r in comparisons],
+        breakdown=[asdict(r) for r in breakdowns],
+        operator_counts=counts,
+        tokens=tokens,
+        repeats=repeats,
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,183 @@
+"""The rows of a `generate` call that are still running, and everything the loop tracks per row.
+
+`Batch` owns the per-row bookkeeping of the step loop: original row indices, the tokens of each
+row (the drafter's `DraftState`), the generated tokens and stop rules, the cached lengths (a host
+mirror of the cache's, used for the capacity stop), per-sequence statistics, each row's next root
+(on the device) and the sampling parameters as `verify` takes them. `drop()` shrinks the runner,
+the drafter and itself together when rows finish.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from specdec_fast.drafters.base import PAD_PARENT, DraftState, Proposal
+from specdec_fast.kernels.verify import SamplingParams
+from specdec_fast.requests import Sampling, StopRule
+from specdec_fast.stats import SpecStats
+
+TokenCallback = Callable[[int, list[int]], None]
+
+
+def _uniform(values: torch.Tensor):
+    """A Python scalar when every row has the same value (the kernels specialise on it)."""
+    first = values[0].item()
+    return first if bool((values == first).all()) else None
+
+
+class Batch:
+    """Active rows of one `generate` call (see the module doc).
+
+    Args:
+        prompts: the unpadded prompts, one token list per row.
+        sampling: per-row sampling parameters (host tensors).
+        rule: the stop rule shared by every row.
+        stats: the call's statistics, one `SequenceStats` per original row.
+        device: the model's device.
+        capacity: the KV capacity per sequence; a row stops with reason "cache" when the next
+            tree of `num_nodes` nodes would not fit.
+        start: `time.perf_counter()` at the start of the call (TTFT origin).
+        on_tokens: streaming callback `(row, new_tokens)`.
+    """
+
+    def __init__(
+        self,
+        prompts: list[list[int]],
+        sampling: Sampling,
+        rule: StopRule,
+        stats: SpecStats,
+        device: torch.device,
+        capacity: int,
+        num_nodes: int,
+        start: float,
+        on_tokens: TokenCallback | None = None,
+    ):
+        self.rows = list(range(len(prompts)))
+        self.lengths = [len(prompt) - 1 for prompt in prompts]
+        self.generated: list[list[int]] = [[] for _ in prompts]
+        self.rule, self.stats, self.on_tokens = rule, stats, on_tokens
+        self.capacity, self.num_nodes, self.start = capacity, num_nodes, start
+        self.device = device
+        # Uniform parameters travel as scalars: the kernels then skip per-row loads, and an
+        # all-greedy batch never draws a random number.
+        self._scalars = SamplingParams(
+            _uniform(sampling.temperature), _uniform(sampling.top_k), _uniform(sampling.top_p), 0
+        )
+        self.all_greedy = self._scalars.temperature == 0.0
+        self.state = DraftState(
+            tokens=[list(prompt) for prompt in prompts],
+            temperature=sampling.temperature.to(device),
+            top_k=sampling.top_k.to(device),
+            top_p=sampling.top_p.to(device),
+            seed=sampling.seed.to(device),
+            device=device,
+        )
+        self.roots: torch.Tensor | None = None
+        self._root_parents: dict[int, torch.Tensor] = {}
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def plain_proposal(self) -> Proposal:
+        """The one-node tree of every row (a step of plain decoding), built on the device."""
+        batch = len(self.rows)
+        parents = self._root_parents.get(batch)
+        if parents is None:
+            parents = torch.full((batch, 1), -1, dtype=torch.int64, device=self.device)
+            self._root_parents[batch] = parents
+        return Proposal(self.roots[:, None], parents)
+
+    def with_roots(self, proposal: Proposal) -> Proposal:
+        """`proposal` with column 0 set to each row's root, whatever the drafter put there, and
+        padded to the batch's `num_nodes` (a root-only proposal stays one node): every verify
+        step of a call then has one of two shapes, which the compiled step and the CUDA graphs
+        reuse."""
+        width = proposal.num_nodes
+        pieces = [self.roots[:, None], proposal.tokens[:, 1:].to(torch.int64)]
+        parents = proposal.parents.to(torch.int64)
+        if 1 < width < self.num_nodes:
+            pad = self.num_nodes - width
+            pieces.append(self.roots.new_zeros((len(self.rows), pad)))
+            parents = torch.cat([parents, parents.new_full((len(self.rows), pad), PAD_PARENT)], 1)
+        draft_probs = proposal.draft_probs
+        if draft_probs is not None and draft_probs.shape[1] < parents.shape[1]:
+            padding = draft_probs.new_zeros(
+                (len(self.rows), parents.shape[1] - draft_probs.shape[1], draft_probs.shape[2])
+            )
+            draft_probs = torch.cat([draft_probs, padding], dim=1)
+        return Proposal(torch.cat(pieces, dim=1), parents, draft_probs)
+
+    def sampling_params(self, positions: torch.Tensor) -> SamplingParams:
+        """What `verify` takes for this step. Each row's seed is offset by its root's position,
+        so every step draws fresh numbers and a row's draws depend on its own seed alone."""
+        if self.all_greedy:
+            return self._scalars
+        state = self.state
+        return SamplingParams(
+            state.temperature if self._scalars.temperature is None else self._scalars.temperature,
+            state.top_k if self._scalars.top_k is None else self._scalars.top_k,
+            state.top_p if self._scalars.top_p is None else self._scalars.top_p,
+            state.seed + positions[:, 0],
+        )
+
+    def read_back(self, proposal: Proposal, accepted_nodes, num_accepted, next_tokens, depths):
+        """The step's one device-to-host read: per row, the accepted drafts, the next token, and
+        (for drafted trees) the tree's size and depth for the statistics."""
+        if proposal.num_nodes == 1:
+            return [[token, 0, 0, 0] for token in next_tokens.tolist()]
+        path = proposal.tokens.gather(1, accepted_nodes.clamp(min=0).long())[:, 1:]
+        drafted = (proposal.parents != PAD_PARENT).sum(dim=1) - 1
+        offered_depth = depths.max(dim=1).values
+        columns = [next_tokens, num_accepted.long(), drafted, offered_depth]
+        host = torch.cat([path, torch.stack(columns, dim=1)], dim=1).tolist()
+        return [[*row[-4:], *row[: row[-3]]] for row in host]
+
+    def emit(self, host_rows: list[list[int]], now: float) -> tuple[list[list[int]], list[int]]:
+        """Append each row's accepted drafts and next token (cut at a stop); return what each
+        row emitted and the active indices of the rows that finished."""
+        emitted, finished = [], []
+        for r, (row, (next_token, accepted, drafted, depth, *drafts)) in enumerate(
+            zip(self.rows, host_rows, strict=True)
+        ):
+            taken, reason = self.rule.take(self.generated[row], [*drafts, next_token])
+            self.lengths[r] += accepted + 1
+            if reason is None and self.lengths[r] + self.num_nodes > self.capacity:
+                reason = "cache"
+            sequence = self.stats.sequences[row]
+            sequence.record_step(depth, drafted, accepted)
+            sequence.record_emission(len(taken), now, self.start)
+            self.state.tokens[r].extend(taken)
+            emitted.append(taken)
+            if self.on_tokens is not None:
+                self.on_tokens(row, taken)
+            if reason is not None:
+                sequence.finish_reason = reason
+                finished.append(r)
+        return emitted, finished
+
+    def drop(self, finished: list[int], runner, drafter) -> None:
+        """Remove the finished rows from the batch, the runner's cache and the drafter."""
+        if not finished:
+            return
+        gone = set(finished)
+        keep = [r for r in range(len(self.rows)) if r not in gone]
+        self.rows = [self.rows[r] for r in keep]
+        self.lengths = [self.lengths[r] for r in keep]
+        if not keep:
+            return
+        index = torch.tensor(keep, dtype=torch.int64).to(self.device, non_blocking=True)
+        runner.keep(keep)
+        state = self.state
+        self.state = DraftState(
+            tokens=[state.tokens[r] for r in keep],
+            temperature=state.temperature[index],
+            top_k=state.top_k[index],
+            top_p=state.top_p[index],
+            seed=state.seed[index],
+            device=state.device,
+        )
+        self.roots = self.roots[index]
+        if drafter is not None:
+            drafter.keep(index)
