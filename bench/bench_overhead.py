@@ -376,6 +376,7 @@ def main() -> None:
     parser.add_argument("--tiny", action="store_true", help="a 2-layer random model (CI)")
     parser.add_argument("--threads", default="1,2", help="comma-separated thread counts")
     parser.add_argument("--repeats", type=int, default=None, help="alternating repeats (>= 5)")
+    parser.add_argument("--models", default=None, help="comma-separated model names to keep")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
     device = bench_device()
@@ -385,6 +386,8 @@ def main() -> None:
     tokens = 16 if args.tiny else 48 if args.quick else 96
     batches = (1, 8)
     setups = models(args.tiny, max(batches))
+    if args.models:
+        setups = [setup for setup in setups if setup.name in args.models.split(",")]
     comparisons, breakdowns, counts = [], [], {}
     for threads in (int(t) for t in args.threads.split(",")):
         torch.set_num_threads(threads)

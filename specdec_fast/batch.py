@@ -10,6 +10,7 @@ the drafter and itself together when rows finish.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
@@ -19,6 +20,19 @@ from specdec_fast.requests import Sampling, StopRule
 from specdec_fast.stats import SpecStats
 
 TokenCallback = Callable[[int, list[int]], None]
+
+
+@dataclass
+class HostStep:
+    """What one step reads back, per active row: the next token, the accepted drafts (count,
+    tokens, node indices after the root), and the tree's drafted nodes and depth."""
+
+    next_tokens: list[int]
+    num_accepted: list[int]
+    drafted: list[int]
+    depths: list[int]
+    paths: list[list[int]]
+    nodes: list[list[int]]
 
 
 def _uniform(values: torch.Tensor):
@@ -89,15 +103,15 @@ class Batch:
             self._root_parents[batch] = parents
         return Proposal(self.roots[:, None], parents)
 
-    def with_roots(self, proposal: Proposal) -> Proposal:
-        """`proposal` with column 0 set to each row's root, whatever the drafter put there, and
-        padded to the batch's `num_nodes` (a root-only proposal stays one node): every verify
-        step of a call then has one of two shapes, which the compiled step and the CUDA graphs
-        reuse."""
+    def with_roots(self, proposal: Proposal, pad: bool) -> Proposal:
+        """`proposal` with column 0 set to each row's root, whatever the drafter put there; with
+        `pad`, widened to the batch's `num_nodes` with padded nodes (a root-only proposal stays
+        one node), so that every verify step has one of two shapes for the CUDA graphs. Without
+        it a tree costs only its own nodes (the compiled step takes any width)."""
         width = proposal.num_nodes
         pieces = [self.roots[:, None], proposal.tokens[:, 1:].to(torch.int64)]
         parents = proposal.parents.to(torch.int64)
-        if 1 < width < self.num_nodes:
+        if pad and 1 < width < self.num_nodes:
             pad = self.num_nodes - width
             pieces.append(self.roots.new_zeros((len(self.rows), pad)))
             parents = torch.cat([parents, parents.new_full((len(self.rows), pad), PAD_PARENT)], 1)
@@ -122,31 +136,44 @@ class Batch:
             state.seed + positions[:, 0],
         )
 
-    def read_back(self, proposal: Proposal, accepted_nodes, num_accepted, next_tokens, depths):
-        """The step's one device-to-host read: per row, the accepted drafts, the next token, and
-        (for drafted trees) the tree's size and depth for the statistics."""
+    def read_back(self, proposal: Proposal, result, depths: torch.Tensor) -> HostStep:
+        """The step's one device-to-host read: per row the next token and, for drafted trees,
+        the accepted path (node indices and tokens) and the tree's size and depth."""
+        accepted_nodes, num_accepted, next_tokens = result
         if proposal.num_nodes == 1:
-            return [[token, 0, 0, 0] for token in next_tokens.tolist()]
+            tokens = next_tokens.tolist()
+            zeros = [0] * len(tokens)
+            return HostStep(tokens, zeros, zeros, zeros, [[] for _ in tokens], [[] for _ in tokens])
         path = proposal.tokens.gather(1, accepted_nodes.clamp(min=0).long())[:, 1:]
         drafted = (proposal.parents != PAD_PARENT).sum(dim=1) - 1
         offered_depth = depths.max(dim=1).values
         columns = [next_tokens, num_accepted.long(), drafted, offered_depth]
-        host = torch.cat([path, torch.stack(columns, dim=1)], dim=1).tolist()
-        return [[*row[-4:], *row[: row[-3]]] for row in host]
+        host = torch.cat([torch.stack(columns, dim=1), path, accepted_nodes[:, 1:].long()], dim=1)
+        rows = host.tolist()
+        width = path.shape[1]
+        return HostStep(
+            next_tokens=[row[0] for row in rows],
+            num_accepted=[row[1] for row in rows],
+            drafted=[row[2] for row in rows],
+            depths=[row[3] for row in rows],
+            paths=[row[4 : 4 + row[1]] for row in rows],
+            nodes=[row[4 + width : 4 + width + row[1]] for row in rows],
+        )
 
-    def emit(self, host_rows: list[list[int]], now: float) -> tuple[list[list[int]], list[int]]:
+    def emit(self, host: HostStep, now: float) -> tuple[list[list[int]], list[int]]:
         """Append each row's accepted drafts and next token (cut at a stop); return what each
         row emitted and the active indices of the rows that finished."""
         emitted, finished = [], []
-        for r, (row, (next_token, accepted, drafted, depth, *drafts)) in enumerate(
-            zip(self.rows, host_rows, strict=True)
-        ):
-            taken, reason = self.rule.take(self.generated[row], [*drafts, next_token])
+        for r, row in enumerate(self.rows):
+            accepted = host.num_accepted[r]
+            taken, reason = self.rule.take(
+                self.generated[row], [*host.paths[r], host.next_tokens[r]]
+            )
             self.lengths[r] += accepted + 1
             if reason is None and self.lengths[r] + self.num_nodes > self.capacity:
                 reason = "cache"
             sequence = self.stats.sequences[row]
-            sequence.record_step(depth, drafted, accepted)
+            sequence.record_step(host.depths[r], host.drafted[r], accepted)
             sequence.record_emission(len(taken), now, self.start)
             self.state.tokens[r].extend(taken)
             emitted.append(taken)

@@ -174,6 +174,14 @@ class SpecKVCache(Cache):
         for index, layer in enumerate(self.layers):
             layer.keys, layer.values = self.kv[index, 0], self.kv[index, 1]
             layer.batch_size = batch_size
+        # Batch size and capacity vary between calls: compiled steps treat them as symbols.
+        for tensor, dims in (
+            (self.cache_lens, (0,)),
+            (self.batch_index, (0,)),
+            *((view, (0, 2)) for layer in self.layers for view in (layer.keys, layer.values)),
+        ):
+            for dim in dims:
+                torch._dynamo.maybe_mark_dynamic(tensor, dim)
 
     def fits(self, batch_size: int, max_cache_len: int, dtype: torch.dtype) -> bool:
         """Whether `resize(batch_size)` can serve sequences of `max_cache_len` slots in `dtype`."""

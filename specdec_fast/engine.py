@@ -169,7 +169,7 @@ def _decode(runner: ModelRunner, drafter: Drafter | None, batch: Batch, capacity
         if drafter is None:
             proposal = batch.plain_proposal()
         else:
-            proposal = batch.with_roots(drafter.propose(batch.state))
+            proposal = batch.with_roots(drafter.propose(batch.state), runner.use_cuda_graphs)
         out = runner.verify(proposal.tokens, proposal.parents)
         result = run_verify(
             out.logits,
@@ -179,12 +179,10 @@ def _decode(runner: ModelRunner, drafter: Drafter | None, batch: Batch, capacity
             batch.sampling_params(out.positions),
         )
         runner.cache.compact(result.accepted_nodes, result.num_accepted, validate=False)
-        host = batch.read_back(proposal, *result, out.depths)
+        host = batch.read_back(proposal, result, out.depths)
         emitted, finished = batch.emit(host, time.perf_counter())
         if drafter is not None:
-            drafter.update(
-                batch.state,
-                StepOutcome(proposal, *result, emitted=emitted, hidden=out.hidden_states),
-            )
+            outcome = StepOutcome(proposal, *result, emitted, out.hidden_states, host.nodes)
+            drafter.update(batch.state, outcome)
         batch.roots = result.next_tokens
         batch.drop(finished, runner, drafter)

@@ -531,6 +531,11 @@ class ModelRunner:
         shape = (kind, *args[0].shape)
         if self.compile and shape not in self._eager_shapes:
             compiled = self._compiled_step(kind, step)
+            # Batch size and step width (tokens per row) vary: one graph serves them all, with
+            # widths 1 (a decode step) and 2+ apart, as the compiler specializes size 1.
+            for tensor in args[:2]:
+                for dim in range(tensor.dim()):
+                    torch._dynamo.maybe_mark_dynamic(tensor, dim)
         else:
             compiled = step
         first = shape not in self._seen_shapes

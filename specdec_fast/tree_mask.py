@@ -9,6 +9,9 @@ import math
 
 import torch
 
+# Enough squarings for trees of up to 2**7 = 128 levels (tree_attention's node limit).
+MAX_SQUARINGS = 7
+
 
 def ancestor_mask(parents: torch.Tensor) -> torch.Tensor:
     """Bool `[B, N, N]`: entry `[b, i, j]` says node j is node i itself or one of its ancestors.
@@ -22,7 +25,11 @@ def ancestor_mask(parents: torch.Tensor) -> torch.Tensor:
     # One step up the tree plus the node itself; negative parents match no column.
     reach = ((parents[..., :, None] == node) | (node[:, None] == node)).float()
     # Repeated squaring doubles the path length covered: ceil(log2 N) products reach every ancestor.
-    for _ in range(math.ceil(math.log2(num_nodes)) if num_nodes > 1 else 0):
+    # A compiled step squares a fixed number of times, so that one graph serves every N.
+    squarings = math.ceil(math.log2(num_nodes)) if num_nodes > 1 else 0
+    if torch.compiler.is_compiling():
+        squarings = MAX_SQUARINGS
+    for _ in range(squarings):
         reach = (reach @ reach).clamp_(max=1.0)
     return reach.bool()
 

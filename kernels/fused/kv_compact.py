@@ -17,6 +17,9 @@ def kv_compact_fused(
 ) -> None:
     """`kv_compact` (same arguments and effect) on validated arguments."""
     num_nodes = accepted_nodes.shape[1]
+    if num_nodes == 1:  # plain decoding: the root is already in place
+        cache_lens += num_accepted + 1
+        return
     steps = torch.arange(num_nodes, device=accepted_nodes.device)
     on_path = steps[None, :] <= num_accepted.long()[:, None]
     moves = on_path & (accepted_nodes.long() != steps[None, :])

@@ -104,6 +104,15 @@ def _chain_rule(scaled, noise, draft_tokens, draft_probs, seed, sequence, draws)
     return u * q_child < p_child, torch.where(empty, draws, residual_token)
 
 
+def _greedy_roots(logits: torch.Tensor) -> VerifyResult:
+    """Greedy plain decoding (one node, nothing drafted): the argmax, or -1 for unusable rows."""
+    raw = logits[:, 0].float()
+    next_tokens = torch.where(torch.isfinite(raw.amax(dim=-1)), raw.argmax(dim=-1), -1)
+    accepted_nodes = torch.zeros(logits.shape[:2], dtype=torch.int32, device=logits.device)
+    num_accepted = torch.zeros(logits.shape[:1], dtype=torch.int32, device=logits.device)
+    return VerifyResult(accepted_nodes, num_accepted, next_tokens)
+
+
 def verify_fused(
     logits: torch.Tensor,
     draft_tokens: torch.Tensor,
@@ -118,6 +127,8 @@ def verify_fused(
     the sampling parameters, an int or int `[B]` seed (never None here)."""
     batch, num_nodes, _ = logits.shape
     device = logits.device
+    if num_nodes == 1 and not isinstance(temperature, torch.Tensor) and not temperature:
+        return _greedy_roots(logits)
 
     def per_sequence(value, default, dtype):
         value = default if value is None else value

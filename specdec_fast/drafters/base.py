@@ -98,6 +98,8 @@ class StepOutcome:
     emitted: per row, the tokens appended this step (accepted drafts, then the next token),
         truncated after a stop; empty for rows that had already finished.
     hidden: target hidden states of the verified nodes by layer index, [B, N, H].
+    accepted_paths: per row, the accepted path's node indices after the root, on the host
+        (read back with the emitted tokens: a drafter needs no read of its own to follow it).
     """
 
     proposal: Proposal
@@ -106,6 +108,7 @@ class StepOutcome:
     next_tokens: torch.Tensor
     emitted: list[list[int]]
     hidden: dict[int, torch.Tensor] = field(default_factory=dict)
+    accepted_paths: list[list[int]] = field(default_factory=list)
 
 
 class Drafter:
