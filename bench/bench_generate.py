@@ -103,10 +103,10 @@ def peers(setup: Setup) -> dict[str, Callable[[], tuple[E2ERecord, list[list[int
     t, d, p, n = setup.target, setup.draft, setup.prompts, setup.max_new_tokens
     ours = {
         "ours plain": lambda: None,
-        "ours ngram 8": lambda: NGramDrafter(max_nodes=8),
-        "ours suffix 16": lambda: SuffixDrafter(max_nodes=16),
+        "ours ngram N=8": lambda: NGramDrafter(max_nodes=8),
+        "ours suffix N=16": lambda: SuffixDrafter(max_nodes=16),
         "ours draft chain k=4": lambda: DraftModelDrafter(d, num_tokens=4),
-        "ours draft tree 16": lambda: DraftModelDrafter(d, tree=default_tree(16)),
+        "ours draft tree N=16": lambda: DraftModelDrafter(d, tree=default_tree(16)),
     }
     table = {
         name: (lambda name=name, make=make: run_ours(name, t, p, make, n, 1))
@@ -115,8 +115,8 @@ def peers(setup: Setup) -> dict[str, Callable[[], tuple[E2ERecord, list[list[int
     table["ours plain, batched"] = lambda: run_ours(
         "ours plain, batched", t, p, lambda: None, n, len(p)
     )
-    table["ours ngram 8, batched"] = lambda: run_ours(
-        "ours ngram 8, batched", t, p, lambda: NGramDrafter(max_nodes=8), n, len(p)
+    table["ours ngram N=8, batched"] = lambda: run_ours(
+        "ours ngram N=8, batched", t, p, lambda: NGramDrafter(max_nodes=8), n, len(p)
     )
     table["HF generate"] = lambda: run_hf("HF generate", t, p, n)
     table["HF assisted (draft model)"] = lambda: run_hf(
@@ -140,12 +140,12 @@ def run_all(setup: Setup) -> list[E2ERecord]:
 
 PEER_NAMES = [
     "ours plain",
-    "ours ngram 8",
-    "ours suffix 16",
+    "ours ngram N=8",
+    "ours suffix N=16",
     "ours draft chain k=4",
-    "ours draft tree 16",
+    "ours draft tree N=16",
     "ours plain, batched",
-    "ours ngram 8, batched",
+    "ours ngram N=8, batched",
     "HF generate",
     "HF assisted (draft model)",
     "HF prompt lookup",

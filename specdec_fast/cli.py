@@ -85,9 +85,19 @@ def _add_bench(sub) -> None:
     bench.add_argument(
         "--per-task", type=int, default=None, help="only the first N prompts of each task type"
     )
-    bench.add_argument("--k", type=_int_list, default=[1, 2, 3], help="sizes k/N (1,2,3)")
     bench.add_argument(
-        "--tree", type=_int_list, default=[], help="tree budgets, e.g. 16,32,64 (none)"
+        "--k",
+        type=_int_list,
+        default=[1, 2, 3],
+        help="chain lengths k, tokens drafted per step (1,2,3): draft:PATH drafts a chain of k, "
+        "a tree drafter a tree of N = k + 1 nodes",
+    )
+    bench.add_argument(
+        "--tree",
+        type=_int_list,
+        default=[],
+        help="tree budgets N, tokens verified per step with the root included, e.g. 16,32,64 "
+        "(none); draft:PATH becomes draft-tree:PATH",
     )
     bench.add_argument("--batch", type=_int_list, default=[1, 4], help="concurrency (1,4)")
     bench.add_argument(

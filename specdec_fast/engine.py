@@ -107,7 +107,7 @@ def generate(
         _default_eos(model) if eos_token_id is None else eos_token_id, stop, max_new_tokens
     )
     sampling = Sampling.build(batch, temperature, top_k, top_p, seed)
-    num_nodes = 1 + (drafter.max_nodes if drafter is not None else 0)
+    num_nodes = drafter.max_nodes if drafter is not None else 1
     longest = max(len(p) for p in prompts)
     capacity = max_cache_len or longest + max_new_tokens + num_nodes
     if longest - 1 + num_nodes > capacity:

@@ -426,9 +426,10 @@ class GuardedDrafter(WrappedDrafter):
 def _check_proposal(proposal: Proposal, batch: int, max_nodes: int) -> None:
     """Shape checks that need no device read: a malformed tree would fail the verify step."""
     tokens, parents = proposal.tokens, proposal.parents
-    if tokens.dim() != 2 or tokens.shape[0] != batch or not 1 <= tokens.shape[1] <= max_nodes + 1:
+    if tokens.dim() != 2 or tokens.shape[0] != batch or not 1 <= tokens.shape[1] <= max_nodes:
         raise ValueError(
-            f"proposal tokens: expected [{batch}, N <= {max_nodes + 1}], got {tuple(tokens.shape)}"
+            f"proposal tokens: expected [{batch}, N <= max_nodes = {max_nodes}], got "
+            f"{tuple(tokens.shape)}"
         )
     if parents.shape != tokens.shape:
         raise ValueError(

@@ -7,11 +7,12 @@ never trusted.
 A drafter SPEC is one of:
     ngram[:N]            prompt lookup with a tree budget of N nodes (default 8)
     suffix[:N]           suffix-tree lookup (default 16 nodes)
-    draft:PATH[:K]       a draft model, chain of K tokens (default 4)
-    draft-tree:PATH[:N]  a draft model expanding a static tree of N nodes
+    draft:PATH[:K]       a draft model, chain of K tokens (default 4; verifies N = K + 1)
+    draft-tree:PATH[:N]  a draft model expanding a static tree of N nodes (default 8)
     medusa:PATH[:N]      Medusa heads, their static tree cut to N nodes
     eagle:PATH[:N]       an EAGLE-1/2/3 head, dynamic trees of N nodes
-PATH is a folder or a bundled name (see `specdec_fast.bundled`). Head drafters are registered in
+N counts the root: a tree of N nodes verifies exactly N tokens per step. PATH is a folder or a
+bundled name (see `specdec_fast.bundled`). Head drafters are registered in
 `HEAD_DRAFTERS` (module, builder); a kind whose module is missing is rejected as unavailable.
 """
 
@@ -135,6 +136,15 @@ class DrafterSpec:
         if self.kind == "draft":
             return DraftModelDrafter(draft, num_tokens=size or 4)
         return DraftModelDrafter(draft, tree=default_tree(size or 8))
+
+    @property
+    def is_chain(self) -> bool:
+        """Whether the size is a chain length k (N = k + 1) rather than a tree's N."""
+        return self.kind == "draft"
+
+    def nodes(self, size: int) -> int:
+        """N, the tokens verified per step, of this kind at `size` (k for chains, N for trees)."""
+        return size + 1 if self.is_chain else size
 
     def __str__(self) -> str:
         text = self.kind if self.path is None else f"{self.kind}:{self.path}"

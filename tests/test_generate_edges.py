@@ -32,7 +32,7 @@ def test_eos_and_stop_sequences_cut_inside_an_accepted_path(target):
     eos = future[5]
     first_eos = future.index(eos)
     out = generate(
-        target, [prompt], drafter=OracleChain(continuation, 12), max_new_tokens=30, eos_token_id=eos
+        target, [prompt], drafter=OracleChain(continuation, 13), max_new_tokens=30, eos_token_id=eos
     )
     assert out.sequences[0].tolist() == full[: len(prompt) + first_eos + 1]
     assert out.stats.sequences[0].finish_reason == "eos"
@@ -40,7 +40,7 @@ def test_eos_and_stop_sequences_cut_inside_an_accepted_path(target):
     out = generate(
         target,
         [prompt],
-        drafter=OracleChain(continuation, 12),
+        drafter=OracleChain(continuation, 13),
         max_new_tokens=30,
         eos_token_id=[],
         stop=[stop],

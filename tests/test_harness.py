@@ -144,8 +144,11 @@ def test_sweep_end_to_end_on_a_tiny_model(tmp_path, monkeypatch):
     with torch.no_grad():
         report = run_sweep(model, CharTokenizer(), records, config, make, progress=False)
     names = [(c["name"], c["batch"]) for c in report["cells"]]
-    cells = ("ngram:2", "adaptive(ngram:2)", "suffix:3", "adaptive(suffix:3)")
+    # k = 2 drafted tokens: a tree drafter verifies N = 3 nodes, root included.
+    cells = ("ngram:3", "adaptive(ngram:3)", "suffix:3", "adaptive(suffix:3)")
     assert names == [(n, b) for b in (1, 2) for n in cells]
+    assert {c["nodes"] for c in report["cells"]} == {3}
+    assert ("ngram", 3) in calls
     assert report["cost_model"]["verify_s"]  # calibrated for the adaptive cells
     for cell in report["cells"]:
         m = cell["metrics"]
@@ -250,9 +253,11 @@ def test_bench_cli_on_the_bundled_models(tmp_path):
     report = json.loads((tmp_path / "report" / "report.json").read_text())
     assert len(report["prompts"]) == len(TASKS)
     assert {c["name"] for c in report["cells"]} == {
-        "ngram:2", "adaptive(ngram:2)", "draft:tiny-code-draft:2",
+        "ngram:3", "adaptive(ngram:3)", "draft:tiny-code-draft:2",
         "adaptive(draft:tiny-code-draft:2)",
     }  # fmt: skip
+    # --k 2: two drafted tokens, so N = 3 verified tokens for the tree and the chain alike.
+    assert {c["nodes"] for c in report["cells"]} == {3}
     for cell in report["cells"]:
         assert cell["metrics"]["error_rate"] == 0.0
         q = cell["quality"]

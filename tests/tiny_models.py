@@ -98,8 +98,9 @@ def repetitive_prompts(lengths, vocab_size: int, seed: int = 0) -> list[list[int
 
 
 class OracleChain(Drafter):
-    """Proposes a known continuation as a chain: with the target's own greedy future, every node
-    is accepted. `continuation_of(tokens)` returns the tokens that follow `tokens`."""
+    """Proposes a known continuation as a chain of `max_nodes - 1` tokens (a tree of `max_nodes`
+    nodes): with the target's own greedy future, every node is accepted. `continuation_of(tokens)`
+    returns the tokens that follow `tokens`."""
 
     def __init__(self, continuation_of: Callable[[list[int]], list[int]], max_nodes: int):
         super().__init__(max_nodes)
@@ -108,6 +109,6 @@ class OracleChain(Drafter):
     def propose(self, state):
         trees = []
         for tokens in state.tokens:
-            ahead = self.continuation_of(tokens)[: self.max_nodes]
+            ahead = self.continuation_of(tokens)[: self.max_nodes - 1]
             trees.append((ahead, list(range(len(ahead)))))
         return pack_trees([t[-1] for t in state.tokens], trees, state.device)

@@ -11,8 +11,11 @@ One speculative step, as the engine runs it (DESIGN.md, "Data flow of one step")
 
 A drafter is any object with these members (subclass `Drafter` for the defaults):
 
-- `max_nodes: int`: the tree budget, draft nodes per step excluding the root (N = max_nodes + 1).
-- `max_depth: int`: the deepest level a proposal may reach (a chain of k tokens has depth k).
+- `max_nodes: int`: the tree budget N, the tokens verified per step with the root included
+  (>= 2), so the verify forward has at most N tokens. Chains are sized by the tokens they
+  draft, k: a chain of k tokens is a tree of N = k + 1 nodes (`DraftModelDrafter(num_tokens=k)`).
+- `max_depth: int`: the deepest level a proposal may reach (a chain of k tokens has depth k),
+  at most N - 1.
 - `hidden_layers: tuple[int, ...]`: target layers whose hidden states the drafter reads (-1 is the
   final normed hidden state that feeds the LM head); the engine captures them at prefill and verify.
 - `attach(target, max_cache_len)`: called once per `generate` before anything else; model-based
@@ -118,11 +121,15 @@ class Drafter:
     hidden_layers: tuple[int, ...] = ()
 
     def __init__(self, max_nodes: int, max_depth: int | None = None):
-        if max_nodes < 1:
-            raise ValueError(f"max_nodes must be >= 1, got {max_nodes}")
-        max_depth = max_nodes if max_depth is None else max_depth
-        if not 1 <= max_depth <= max_nodes:
-            raise ValueError(f"max_depth must be in [1, max_nodes={max_nodes}], got {max_depth}")
+        if max_nodes < 2:
+            raise ValueError(
+                f"max_nodes must be >= 2 (tokens verified per step, root included), got {max_nodes}"
+            )
+        max_depth = max_nodes - 1 if max_depth is None else max_depth
+        if not 1 <= max_depth < max_nodes:
+            raise ValueError(
+                f"max_depth must be in [1, max_nodes - 1 = {max_nodes - 1}], got {max_depth}"
+            )
         self.max_nodes = max_nodes
         self.max_depth = max_depth
 

@@ -59,12 +59,15 @@ def check_compatible(draft, target, draft_tokenizer=None, target_tokenizer=None)
 class DraftModelDrafter(Drafter):
     """Speculation with a small draft model sharing the target's tokenizer.
 
-    Chain mode (`tree=None`): the draft proposes `num_tokens` tokens one after another, greedily
-    for greedy rows and sampled from its own distribution (at the row's temperature) for sampled
-    rows; the draft probabilities go to verification, which keeps sampling lossless.
+    Chain mode (`tree=None`): the draft proposes `num_tokens` = k tokens one after another,
+    greedily for greedy rows and sampled from its own distribution (at the row's temperature) for
+    sampled rows; the draft probabilities go to verification, which keeps sampling lossless. A
+    chain is sized by the tokens it drafts: k drafted tokens are verified with the root, N = k + 1
+    (`max_nodes`).
     Tree mode (`tree` = a `StaticTree`, `medusa_choices`-style rank paths, or a token-tree string):
     deterministic top-k expansion level by level, node i's rank-r child being the draft's r-th most
-    likely token after node i's path; one draft forward per level over the tree so far.
+    likely token after node i's path; one draft forward per level over the tree so far. N is the
+    tree's node count, root included (`default_tree(16)` verifies 16 tokens).
 
     The draft's cache holds every token but the current root, like the target's; after
     verification it is compacted to the accepted path, and a token the draft never saw (the last
@@ -72,8 +75,8 @@ class DraftModelDrafter(Drafter):
 
     Args:
         draft_model: an HF causal LM with the target's vocabulary and special tokens.
-        num_tokens: chain length k (chain mode).
-        tree: a static tree (tree mode); `num_tokens` is then the tree's node count.
+        num_tokens: chain length k, the tokens drafted per step (chain mode; >= 1).
+        tree: a static tree (tree mode); `num_tokens` is then unused.
         draft_tokenizer, target_tokenizer: when given, their vocabularies must be identical.
     """
 
@@ -89,8 +92,12 @@ class DraftModelDrafter(Drafter):
         if tree is not None:
             tree = parse_tree(tree)
         self.tree = tree
+        # The chain length k in chain mode, None in tree mode.
+        self.num_tokens = num_tokens if tree is None else None
         if tree is None:
-            super().__init__(num_tokens, num_tokens)
+            if num_tokens < 1:
+                raise ValueError(f"num_tokens must be >= 1 (tokens drafted), got {num_tokens}")
+            super().__init__(num_tokens + 1, num_tokens)
         else:
             super().__init__(tree.num_nodes, tree.max_depth)
         self.draft_model = draft_model
@@ -102,7 +109,7 @@ class DraftModelDrafter(Drafter):
         self._generator = torch.Generator()
 
     def __repr__(self) -> str:
-        mode = f"tree={self.tree.num_nodes} nodes" if self.tree else f"num_tokens={self.max_nodes}"
+        mode = f"tree={self.tree.num_nodes} nodes" if self.tree else f"num_tokens={self.num_tokens}"
         return f"DraftModelDrafter({self.draft_model.config.model_type}, {mode})"
 
     def attach(self, target, max_cache_len: int) -> None:
@@ -170,7 +177,7 @@ class DraftModelDrafter(Drafter):
         current = torch.tensor([row[-1] for row in state.tokens], device=device)
         root_parent = torch.full((batch, 1), -1, dtype=torch.int64, device=device)
         tokens, probs = [current], []
-        for depth in range(1, self.max_nodes + 1):
+        for depth in range(1, self.num_tokens + 1):
             logits = self.runner.verify(current[:, None], root_parent).logits[:, 0]
             greedy_next = logits.argmax(dim=-1)
             if any_sampled:
@@ -183,10 +190,10 @@ class DraftModelDrafter(Drafter):
             else:
                 current = greedy_next
             tokens.append(current)
-            if depth < self.max_nodes:
+            if depth < self.num_tokens:
                 # Commit the node just fed so the next one attends to it.
                 self._commit([c + 1 for c in self._cached], device)
-        parents = torch.arange(-1, self.max_nodes, device=device).expand(batch, -1)
+        parents = torch.arange(-1, self.num_tokens, device=device).expand(batch, -1)
         draft_probs = None
         if any_sampled:
             draft_probs = torch.stack([torch.zeros_like(probs[0]), *probs], dim=1)
@@ -194,8 +201,7 @@ class DraftModelDrafter(Drafter):
 
     def _propose_tree(self, state: DraftState) -> Proposal:
         tree, device, batch = self.tree, state.device, state.batch_size
-        num_nodes = tree.num_nodes + 1
-        tokens = torch.zeros(batch, num_nodes, dtype=torch.int64, device=device)
+        tokens = torch.zeros(batch, tree.num_nodes, dtype=torch.int64, device=device)
         tokens[:, 0] = torch.tensor([row[-1] for row in state.tokens], device=device)
         parents_row = torch.tensor((-1, *tree.parents), device=device)
         parents = parents_row.expand(batch, -1).contiguous()
@@ -221,7 +227,7 @@ class DraftModelDrafter(Drafter):
         if self.tree is None:
             # The chain's nodes are in place: keep the root and the accepted drafts it fed.
             kept = [
-                root + 1 + min(a, self.max_nodes - 1)
+                root + 1 + min(a, self.num_tokens - 1)
                 for root, a in zip(roots, accepted, strict=True)
             ]
             self._commit(kept, state.device)

@@ -11,7 +11,7 @@ One step:
 - `propose`: the root's top-k children start the tree; for each further level the frontier's
   entries (and their ancestors, refed so the attention sees them) go through the head above the
   committed entries with a tree mask, and `DynamicTreeBuilder` keeps the best k of their top-k
-  children by cumulative log-probability; the best `max_nodes` candidates form the tree. These
+  children by cumulative log-probability; the best `max_nodes - 1` candidates form the tree. These
   entries are written past the committed length and never committed.
 - `update`: the accepted path's a + 1 entries (the root's and each accepted node's target
   features with the next token of the path, the last one paired with the sampled next token)
@@ -42,7 +42,7 @@ class EagleDrafter(Drafter):
 
     Args:
         head: an `EagleHead` or `Eagle3Head` for the target.
-        max_nodes: draft nodes per tree (N - 1).
+        max_nodes: the tree budget N, tokens verified per step with the root included (>= 2).
         depth, top_k: tree depth and children per expanded node; default from
             `specdec_fast.trees.dynamic_tree_shape(max_nodes)`.
     """
@@ -55,8 +55,8 @@ class EagleDrafter(Drafter):
         top_k: int | None = None,
     ):
         default_depth, default_top_k = dynamic_tree_shape(max_nodes)
-        # A tree of max_nodes nodes is at most that deep: deeper levels could never be kept.
-        depth = min(default_depth if depth is None else depth, max_nodes)
+        # A tree of max_nodes nodes is at most max_nodes - 1 deep: deeper levels are never kept.
+        depth = min(default_depth if depth is None else depth, max_nodes - 1)
         top_k = default_top_k if top_k is None else top_k
         check_dynamic_tree(top_k, depth, max_nodes)
         super().__init__(max_nodes, depth)

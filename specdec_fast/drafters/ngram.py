@@ -17,8 +17,8 @@ class NGramDrafter(Drafter):
     distinct continuations are all tried in one verification. Matching runs over the whole batch
     at once on a padded token tensor kept on the host.
 
-    max_nodes: draft nodes per step (the tree budget, root excluded).
-    max_depth: longest continuation proposed (default: min(max_nodes, 8)).
+    max_nodes: the tree budget N, tokens verified per step with the root included (>= 2).
+    max_depth: longest continuation proposed (default: min(max_nodes - 1, 8)).
     """
 
     def __init__(
@@ -29,7 +29,7 @@ class NGramDrafter(Drafter):
         max_n: int = 4,
         max_matches: int = 8,
     ):
-        super().__init__(max_nodes, min(max_nodes, 8) if max_depth is None else max_depth)
+        super().__init__(max_nodes, min(max_nodes - 1, 8) if max_depth is None else max_depth)
         if not 1 <= min_n <= max_n:
             raise ValueError(f"need 1 <= min_n <= max_n, got min_n={min_n}, max_n={max_n}")
         if max_matches < 1:

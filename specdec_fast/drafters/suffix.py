@@ -73,7 +73,8 @@ class SuffixDrafter(Drafter):
     paths (path probability = continuation count / match count), cut at `min_prob`. The index whose
     tree has the larger expected number of accepted tokens (sum of path probabilities) wins.
 
-    max_nodes: draft nodes per step (root excluded); max_depth: longest continuation.
+    max_nodes: the tree budget N, tokens verified per step with the root included (>= 2);
+    max_depth: longest continuation (default: min(max_nodes - 1, 16)).
     """
 
     def __init__(
@@ -84,7 +85,7 @@ class SuffixDrafter(Drafter):
         min_prob: float = 0.1,
         max_store_tokens: int = 200_000,
     ):
-        super().__init__(max_nodes, min(max_nodes, 16) if max_depth is None else max_depth)
+        super().__init__(max_nodes, min(max_nodes - 1, 16) if max_depth is None else max_depth)
         if max_match < 1:
             raise ValueError(f"max_match must be >= 1, got {max_match}")
         if not 0.0 <= min_prob < 1.0:

@@ -20,7 +20,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from specdec_fast.adaptive import BUDGETS, AdaptiveDrafter, CostModel
+from specdec_fast.adaptive import BUDGETS, PLAIN, AdaptiveDrafter, CostModel
 from specdec_fast.drafters.base import Drafter
 from specdec_fast.engine import GenerateOutput, generate
 from specdec_fast.guardrails import Guardrails
@@ -40,8 +40,9 @@ class BenchConfig:
     """What to sweep.
 
     drafters: drafter SPECs (see `specdec_fast.loading`).
-    sizes: k (chain length) or N (tree budget) of each drafter; `trees`: tree budgets, which
-        turn `draft:PATH` into `draft-tree:PATH`.
+    sizes: chain lengths k, the tokens drafted per step: a chain drafter (`draft:PATH`) drafts a
+        chain of k, a tree drafter a tree of N = k + 1 nodes (root included).
+    trees: tree budgets N (root included), which turn `draft:PATH` into `draft-tree:PATH`.
     batches: concurrency levels (prompts decoded together).
     adaptive: also run an `AdaptiveDrafter` cell per drafter and batch.
     max_new_tokens: default for prompts without their own.
@@ -66,20 +67,23 @@ class BenchConfig:
     guardrails: Guardrails | None = None
 
     def cells(self) -> list[tuple[str, DrafterSpec, int, bool]]:
-        """(name, spec, size, adaptive) of every speculative cell, batch excluded. A SPEC with its
-        own size (`suffix:16`) is one configuration; the others sweep `sizes` and `trees`."""
+        """(name, spec, size, adaptive) of every speculative cell, batch excluded; `size` is the
+        spec's own (k for chains, N for trees, as in the name `draft:PATH:k`, `ngram:N`). A SPEC
+        with its own size (`suffix:16`) is one configuration; the others sweep `sizes` and
+        `trees`."""
         out = []
         for text in self.drafters:
             parsed = DrafterSpec.parse(text)
             spec = DrafterSpec(parsed.kind, parsed.path, None)
             tree_spec = DrafterSpec("draft-tree" if spec.kind == "draft" else spec.kind, spec.path)
-            grid = [(spec, size) for size in sorted(set(self.sizes))]
-            grid += [(tree_spec, size) for size in sorted(set(self.trees))]
+            # A chain length k: k drafted tokens, which a tree drafter spends on N = k + 1 nodes.
+            grid = [(spec, k if spec.is_chain else k + 1) for k in sorted(set(self.sizes))]
+            grid += [(tree_spec, n) for n in sorted(set(self.trees))]
             if parsed.size is not None:
                 grid = [(spec, parsed.size)]
             out += [(f"{s}:{size}", s, size, False) for s, size in grid]
             if self.adaptive:
-                top, largest = max(grid, key=lambda cell: cell[1])
+                top, largest = max(grid, key=lambda cell: cell[0].nodes(cell[1]))
                 out.append((f"adaptive({top}:{largest})", top, largest, True))
         return out
 
@@ -371,9 +375,9 @@ def run_sweep(
     bar = Progress(total, desc="bench cells", min_interval_s=0.0 if progress else 1e9)
     cost_model = None
     if any(adaptive for *_, adaptive in cells):
-        largest = max(size for _, _, size, adaptive in cells if adaptive)
+        largest = max(spec.nodes(size) for _, spec, size, adaptive in cells if adaptive)
         budgets = [b for b in BUDGETS if b < largest] + [largest]
-        cost_model = CostModel().calibrate(model, config.batches, [b + 1 for b in budgets])
+        cost_model = CostModel().calibrate(model, config.batches, budgets)
 
     def warm(drafter: Drafter | None, batch: int) -> None:
         if config.warmup:
@@ -468,6 +472,7 @@ def _cell_record(
         "name": name,
         "drafter": str(spec),
         "size": size,
+        "nodes": spec.nodes(size),
         "batch": batch,
         "adaptive": adaptive,
         "metrics": metrics,
@@ -484,7 +489,7 @@ def _cell_record(
         chosen = run.budgets
         record["adaptive_budgets"] = {
             "steps": len(chosen),
-            "plain_steps": sum(1 for b in chosen if b == 0),
+            "plain_steps": sum(1 for b in chosen if b == PLAIN),
             "mean_budget": _mean([float(b) for b in chosen]),
             "explorations": run.explorations,
         }
