@@ -6,7 +6,12 @@ import argparse
 import json
 import sys
 
-from specdec_fast.loading import DrafterSpec
+from specdec_fast.drafters.registry import DrafterSpec, spec_help
+
+SPEC_EPILOG = (
+    "drafter SPECs [default size]; N: tokens verified per step, root included; K: a chain's\n"
+    "length in drafted tokens (it verifies K + 1); PATH: a folder or a bundled name\n" + spec_help()
+)
 
 
 def _add_sampling(parser: argparse.ArgumentParser) -> None:
@@ -36,14 +41,16 @@ def build_parser() -> argparse.ArgumentParser:
         "generate",
         help="complete one prompt with a chosen drafter",
         description="Complete a prompt with speculative decoding and print a stats summary.",
+        epilog=SPEC_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     gen.add_argument("--model", default="tiny-code", help="folder or bundled name (tiny-code)")
     gen.add_argument(
         "--drafter",
         default="ngram",
         type=DrafterSpec.parse,
-        help="none | ngram[:N] | suffix[:N] | draft:PATH[:K] | draft-tree:PATH[:N] "
-        "(PATH: folder or bundled name, e.g. draft:tiny-code-draft); default: ngram",
+        help="a drafter SPEC (below; PATH: folder or bundled name, e.g. draft:tiny-code-draft); "
+        "default: ngram",
     )
     gen.add_argument("--prompt", required=True, help="the prompt text")
     gen.add_argument("--json", action="store_true", help="print one JSON object instead of text")
@@ -70,14 +77,16 @@ def _add_bench(sub) -> None:
         help="measure speculation on your own prompts (acceptance, latency, throughput)",
         description="Benchmark drafters against plain decoding on a JSONL prompt set and write "
         "DIR/report.json and DIR/report.md (plus PNG plots when matplotlib is installed).",
+        epilog=SPEC_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     bench.add_argument("--model", default="tiny-code", help="folder or bundled name (tiny-code)")
     bench.add_argument(
         "--drafter",
         action="append",
         type=DrafterSpec.parse,
-        help="a drafter SPEC, repeatable: ngram | suffix | draft:PATH | draft-tree:PATH | "
-        "medusa:PATH | eagle:PATH (PATH: folder or bundled name); default: ngram and suffix",
+        help="a drafter SPEC (below), repeatable; a SPEC without SIZE sweeps --k and --tree; "
+        "default: ngram and suffix",
     )
     bench.add_argument(
         "--prompts", default=None, help="JSONL prompt set (default: the shipped default set)"

@@ -15,13 +15,11 @@ from dataclasses import dataclass
 import torch
 
 from specdec_fast import bundled
-from specdec_fast.drafters import DraftModelDrafter, NGramDrafter, SuffixDrafter
 from specdec_fast.drafters.base import Drafter
-from specdec_fast.drafters.bundled_heads import bundled_head_drafters
+from specdec_fast.drafters.registry import bundled_specs
 from specdec_fast.engine import generate
 from specdec_fast.loading import load_model, load_tokenizer, pick_device
 from specdec_fast.prompts import load_code_prompts
-from specdec_fast.trees import default_tree
 
 
 @dataclass
@@ -34,19 +32,12 @@ class DemoRow:
     tokens_per_step: float | None
 
 
-def demo_drafters(target, device) -> dict[str, Callable[[], Drafter | None]]:
-    """Every drafter that the bundled checkpoints allow, by display name."""
-    drafters: dict[str, Callable[[], Drafter | None]] = {
-        "plain": lambda: None,
-        "ngram (8 nodes)": lambda: NGramDrafter(max_nodes=8),
-        "suffix (16 nodes)": lambda: SuffixDrafter(max_nodes=16),
-    }
-    if "tiny-code-draft" in bundled.available():
-        draft = load_model("tiny-code-draft", device, target.dtype)
-        drafters["draft model, chain k=4"] = lambda: DraftModelDrafter(draft, num_tokens=4)
-        drafters["draft model, tree 16"] = lambda: DraftModelDrafter(draft, tree=default_tree(16))
-    # Medusa and EAGLE heads trained for the target, those that are installed.
-    drafters.update(bundled_head_drafters(target, budgets=(8,)))
+def demo_drafters(target) -> dict[str, Callable[[], Drafter | None]]:
+    """Plain decoding and every registered drafter over the bundled checkpoints installed, at
+    its default size, by display name."""
+    drafters: dict[str, Callable[[], Drafter | None]] = {"plain": lambda: None}
+    for spec in bundled_specs():
+        drafters[spec.label()] = spec.factory(target)
     return drafters
 
 
@@ -96,7 +87,7 @@ def main(num_prompts: int = 4, max_new_tokens: int = 64, device: str | None = No
         f"code prompts, {max_new_tokens} new tokens each, greedy\n"
     )
     rows = []
-    for name, make in demo_drafters(target, device).items():
+    for name, make in demo_drafters(target).items():
         # One untimed warm-up run per drafter, so every row is measured warm.
         run(prompts[:1], target, make, 4)
         row = run(prompts, target, make, max_new_tokens)
@@ -111,8 +102,10 @@ def main(num_prompts: int = 4, max_new_tokens: int = 64, device: str | None = No
     print("--- greedy completion (identical for every drafter marked yes) ---")
     print(completion)
     print("---\n")
+    width = max(len(row.name) for row in rows) + 2
     header = (
-        f"{'drafter':<26}{'accept':>8}{'tok/step':>10}{'tok/s':>9}{'speed-up':>10}{'identical':>11}"
+        f"{'drafter':<{width}}{'accept':>8}{'tok/step':>10}{'tok/s':>9}{'speed-up':>10}"
+        f"{'identical':>11}"
     )
     print(header)
     print("-" * len(header))
@@ -121,7 +114,7 @@ def main(num_prompts: int = 4, max_new_tokens: int = 64, device: str | None = No
         rate = row.new_tokens / row.seconds
         same = "yes" if row.sequences == baseline.sequences else "NO"
         print(
-            f"{row.name:<26}{_fmt(row.acceptance, '8.1%')}{_fmt(row.tokens_per_step, '10.2f')}"
+            f"{row.name:<{width}}{_fmt(row.acceptance, '8.1%')}{_fmt(row.tokens_per_step, '10.2f')}"
             f"{rate:9.1f}{rate / base_rate:9.2f}x{same:>11}"
         )
     identical = all(row.sequences == baseline.sequences for row in rows)

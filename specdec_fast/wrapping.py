@@ -90,38 +90,3 @@ class WrappedDrafter(Drafter):
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.inner!r})"
-
-
-class TrimmedDrafter(WrappedDrafter):
-    """Caps the inner drafter's trees at `budget` nodes, root included (for drafters without a
-    size knob)."""
-
-    def __init__(self, inner: Drafter, budget: int):
-        super().__init__(inner)
-        if budget < 2:
-            raise ValueError(f"budget must be >= 2 (nodes, root included), got {budget}")
-        self.budget = budget
-        self._full: Proposal | None = None
-
-    @property
-    def max_nodes(self) -> int:
-        return min(self.budget, self.inner.max_nodes)
-
-    @property
-    def max_depth(self) -> int:
-        return min(self.max_nodes - 1, self.inner.max_depth)
-
-    def attach(self, target, max_cache_len: int) -> None:
-        # The engine sized its cache for the cut tree; the inner drafter's own cache (a draft
-        # model's) must still hold its whole tree.
-        self.inner.attach(target, max_cache_len + self.inner.max_nodes - self.max_nodes)
-
-    def propose(self, state: DraftState) -> Proposal:
-        self._full = self.inner.propose(state)
-        return trim_proposal(self._full, self.budget)
-
-    def update(self, state: DraftState, outcome: StepOutcome) -> None:
-        self.inner.update(state, widen_outcome(outcome, self._full))
-
-    def __repr__(self) -> str:
-        return f"TrimmedDrafter({self.inner!r}, budget={self.budget})"

@@ -10,7 +10,6 @@ from tokenizers import ByteLevelBPETokenizer
 from transformers import PreTrainedTokenizerFast
 
 from specdec_fast.cli import main
-from specdec_fast.loading import DrafterSpec
 
 
 @pytest.fixture(scope="module")
@@ -78,28 +77,6 @@ def test_generate_text_output(model_dir):
     assert result.returncode == 0, result.stderr
     assert result.stdout.startswith("for i in")
     assert "tok/s" in result.stdout
-
-
-@pytest.mark.parametrize(
-    ("spec", "kind", "path", "size"),
-    [
-        ("ngram", "ngram", None, None),
-        ("suffix:32", "suffix", None, 32),
-        ("draft:/a/b", "draft", "/a/b", None),
-        ("draft:/a/b:3", "draft", "/a/b", 3),
-        ("draft-tree:tiny-code-draft:16", "draft-tree", "tiny-code-draft", 16),
-        ("none", "none", None, None),
-    ],
-)
-def test_drafter_spec_parsing(spec, kind, path, size):
-    parsed = DrafterSpec.parse(spec)
-    assert (parsed.kind, parsed.path, parsed.size) == (kind, path, size)
-
-
-@pytest.mark.parametrize("spec", ["magic", "draft", "ngram:0", "ngram:x"])
-def test_bad_drafter_spec(spec):
-    with pytest.raises(ValueError, match="drafter spec"):
-        DrafterSpec.parse(spec)
 
 
 def test_missing_model_is_a_clear_error(tmp_path, capsys):

@@ -17,7 +17,6 @@ from specdec_fast.harness.checks import passes, validate_check
 from specdec_fast.harness.prompts import TASKS
 from specdec_fast.harness.report import write_report
 from specdec_fast.harness.sweep import BenchConfig, CellRun, Encoded, quality
-from specdec_fast.loading import HEAD_DRAFTERS, DrafterSpec
 from specdec_fast.stats import SpecStats
 
 VOCAB = 96
@@ -214,15 +213,6 @@ def test_failing_requests_count_as_errors_and_the_sweep_goes_on():
     assert cell["metrics"]["error_rate"] == 1.0
     assert set(cell["errors"].values()) == {"RuntimeError: boom"}
     assert report["baseline"]["1"]["error_rate"] == 0.0
-
-
-def test_head_drafter_specs(monkeypatch):
-    for kind, (module, _) in HEAD_DRAFTERS.items():
-        spec = DrafterSpec.parse(f"{kind}:some-path:8")
-        assert (spec.kind, spec.path, spec.size) == (kind, "some-path", 8)
-        monkeypatch.setitem(HEAD_DRAFTERS, kind, (module + "_missing", None))
-        with pytest.raises(ValueError, match="not available in this version"):
-            DrafterSpec.parse(f"{kind}:some-path")
 
 
 def test_bench_help_and_bad_grid(capsys):

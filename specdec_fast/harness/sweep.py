@@ -22,11 +22,11 @@ import torch
 
 from specdec_fast.adaptive import BUDGETS, PLAIN, AdaptiveDrafter, CostModel
 from specdec_fast.drafters.base import Drafter
+from specdec_fast.drafters.registry import DrafterSpec
 from specdec_fast.engine import GenerateOutput, generate
 from specdec_fast.guardrails import Guardrails
 from specdec_fast.harness.checks import passes
 from specdec_fast.harness.prompts import PromptRecord
-from specdec_fast.loading import DrafterSpec
 from specdec_fast.stats import SequenceStats, SpecStats, percentile
 from specdec_fast.train.progress import Progress
 
@@ -39,10 +39,11 @@ PROMPT_BUCKETS = ((128, "<=128"), (512, "129-512"), (2048, "513-2048"))
 class BenchConfig:
     """What to sweep.
 
-    drafters: drafter SPECs (see `specdec_fast.loading`).
+    drafters: drafter SPECs (see `specdec_fast.drafters.registry`).
     sizes: chain lengths k, the tokens drafted per step: a chain drafter (`draft:PATH`) drafts a
         chain of k, a tree drafter a tree of N = k + 1 nodes (root included).
-    trees: tree budgets N (root included), which turn `draft:PATH` into `draft-tree:PATH`.
+    trees: tree budgets N (root included), which turn a chain kind into its tree kind
+        (`draft:PATH` into `draft-tree:PATH`).
     batches: concurrency levels (prompts decoded together).
     adaptive: also run an `AdaptiveDrafter` cell per drafter and batch.
     max_new_tokens: default for prompts without their own.
@@ -74,10 +75,15 @@ class BenchConfig:
         out = []
         for text in self.drafters:
             parsed = DrafterSpec.parse(text)
-            spec = DrafterSpec(parsed.kind, parsed.path, None)
-            tree_spec = DrafterSpec("draft-tree" if spec.kind == "draft" else spec.kind, spec.path)
+            if parsed.info is None:
+                raise ValueError(
+                    f"drafters: {text!r} is plain decoding, the baseline of every cell"
+                )
+            spec = parsed.with_size(None)
+            tree_spec = DrafterSpec(parsed.info.tree_kind or spec.kind, spec.path)
             # A chain length k: k drafted tokens, which a tree drafter spends on N = k + 1 nodes.
-            grid = [(spec, k if spec.is_chain else k + 1) for k in sorted(set(self.sizes))]
+            chain = parsed.info.chain
+            grid = [(spec, k if chain else k + 1) for k in sorted(set(self.sizes))]
             grid += [(tree_spec, n) for n in sorted(set(self.trees))]
             if parsed.size is not None:
                 grid = [(spec, parsed.size)]
@@ -366,8 +372,16 @@ def run_sweep(
 ) -> dict:
     """Run the whole sweep and return the report as a JSON-ready dict (see `harness.report`).
 
-    make_drafter(spec, size): builds a drafter for the target (default: `spec.build`)."""
-    make_drafter = make_drafter or (lambda spec, size: spec.build(model, size))
+    make_drafter(spec, size): builds a drafter for the target (default: the spec's factory,
+    which loads each spec's checkpoint once)."""
+    if make_drafter is None:
+        factories: dict[DrafterSpec, Callable] = {}
+
+        def make_drafter(spec: DrafterSpec, size: int) -> Drafter | None:
+            if spec not in factories:
+                factories[spec] = spec.factory(model)
+            return factories[spec](size)
+
     prompts = encode_prompts(records, tokenizer, config.max_new_tokens)
     cells = config.cells()
     total = len(config.batches) * (1 + len(cells))
