@@ -27,8 +27,8 @@ from specdec_fast.engine import GenerateOutput, generate
 from specdec_fast.guardrails import Guardrails
 from specdec_fast.harness.checks import passes
 from specdec_fast.harness.prompts import PromptRecord
+from specdec_fast.progress import Progress
 from specdec_fast.stats import SequenceStats, SpecStats, percentile
-from specdec_fast.train.progress import Progress
 
 # Output-length and prompt-length buckets (tokens) of the report's splits.
 OUTPUT_BUCKETS = ((32, "<=32"), (128, "33-128"), (512, "129-512"))
@@ -386,7 +386,7 @@ def run_sweep(
     cells = config.cells()
     total = len(config.batches) * (1 + len(cells))
     repeats = config.repeats
-    bar = Progress(total, desc="bench cells", min_interval_s=0.0 if progress else 1e9)
+    bar = Progress(total, desc="bench cells", unit="cell", enabled=progress)
     cost_model = None
     if any(adaptive for *_, adaptive in cells):
         largest = max(spec.nodes(size) for _, spec, size, adaptive in cells if adaptive)
