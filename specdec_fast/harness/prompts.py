@@ -1,7 +1,9 @@
 """Benchmark prompt sets: the JSONL format, its loader, and the shipped default set.
 
 One JSON object per line:
-    prompt           the text to complete (required)
+    prompt           the text to complete, or
+    messages         chat messages instead, [{"role": "user", "content": "..."}, ...] (one of the
+                     two is required; a chat model gets `prompt` as one user message)
     task             qa | code | summary | rag | agent | structured, or any label (default "other")
     max_new_tokens   default: the benchmark's
     temperature      default 0.0 (greedy)
@@ -22,26 +24,36 @@ from pathlib import Path
 
 from specdec_fast.harness.checks import validate_check
 from specdec_fast.prompts import DATA_DIR
+from specdec_fast.text import check_messages
 
 DEFAULT_PROMPTS = DATA_DIR / "default_prompts.jsonl"
 TASKS = ("qa", "code", "summary", "rag", "agent", "structured")
-_FIELDS = ("prompt", "task", "max_new_tokens", "temperature", "check", "id", "source")
+_FIELDS = ("prompt", "messages", "task", "max_new_tokens", "temperature", "check", "id", "source")
 
 
 @dataclass
 class PromptRecord:
-    """One benchmark prompt (see the module doc for the fields)."""
+    """One benchmark prompt (see the module doc for the fields): `prompt` text or chat
+    `messages`, exactly one of them."""
 
-    prompt: str
+    prompt: str | None
     task: str = "other"
     max_new_tokens: int | None = None
     temperature: float = 0.0
     check: str | None = None
     id: str = ""
     source: str | None = None
+    messages: list[dict] | None = None
 
     def to_dict(self) -> dict:
         return {k: v for k, v in asdict(self).items() if v is not None}
+
+    @property
+    def text(self) -> str:
+        """The prompt for reports: the text, or the messages one per line as `role: content`."""
+        if self.prompt is not None:
+            return self.prompt
+        return "\n".join(f"{m['role']}: {m['content']}" for m in self.messages)
 
 
 def parse_record(values: dict, where: str) -> PromptRecord:
@@ -51,10 +63,16 @@ def parse_record(values: dict, where: str) -> PromptRecord:
     unknown = sorted(set(values) - set(_FIELDS))
     if unknown:
         raise ValueError(f"{where}: unknown fields {unknown}; known: {', '.join(_FIELDS)}")
-    prompt = values.get("prompt")
-    if not isinstance(prompt, str) or not prompt:
-        raise ValueError(f"{where}.prompt: expected a non-empty string, got {prompt!r}")
-    record = PromptRecord(prompt=prompt, id=str(values.get("id", where)))
+    prompt, messages = values.get("prompt"), values.get("messages")
+    if prompt is not None and messages is not None:
+        raise ValueError(f"{where}: give `prompt` or `messages`, not both")
+    if messages is not None:
+        check_messages(messages, f"{where}.messages")
+    elif not isinstance(prompt, str) or not prompt:
+        raise ValueError(
+            f"{where}.prompt: expected a non-empty string (or chat `messages`), got {prompt!r}"
+        )
+    record = PromptRecord(prompt=prompt, messages=messages, id=str(values.get("id", where)))
     task = values.get("task", record.task)
     if not isinstance(task, str) or not task:
         raise ValueError(f"{where}.task: expected a non-empty string, got {task!r}")
