@@ -23,7 +23,7 @@ SPEC_EPILOG = (
 
 def add_model_options(parser: argparse.ArgumentParser, default_model: str | None) -> None:
     """--model, --dtype, --device, --chat/--no-chat and --keep-special-tokens."""
-    default = f" (default: {default_model})" if default_model else ""
+    default = f" (default: {default_model or 'the bundled tiny-code target'})"
     parser.add_argument(
         "--model",
         default=default_model,
@@ -67,11 +67,24 @@ def build_parser() -> argparse.ArgumentParser:
     demo = sub.add_parser(
         "demo",
         help="speculative decoding on the bundled model pair, side by side with plain decoding",
-        description="Complete held-out code prompts with plain decoding and every drafter.",
+        description="Complete prompts greedily with plain decoding and every drafter, check that "
+        "the outputs are identical, then sample one completion (temperature 0.7, seeded) and "
+        "compare it with plain sampling. Without --model: the bundled tiny-code target and "
+        "every bundled drafter on held-out code; with --model PATH: your model (chat prompts "
+        "when its tokenizer has a chat template).",
+        epilog=SPEC_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    demo.add_argument("--prompts", type=int, default=4, help="held-out prompts (default: 4)")
+    add_model_options(demo, None)
+    demo.add_argument(
+        "--drafter",
+        action="append",
+        type=DrafterSpec.parse,
+        help="a drafter SPEC (below), repeatable; default: every bundled drafter on the bundled "
+        "target, the drafters that need no checkpoint on --model",
+    )
+    demo.add_argument("--prompts", type=int, default=4, help="prompts (default: 4)")
     demo.add_argument("--max-new-tokens", type=int, default=64, help="default: 64")
-    demo.add_argument("--device", default=None, help="default: cuda if available, else cpu")
     gen = sub.add_parser(
         "generate",
         help="complete one prompt with a chosen drafter",
@@ -257,7 +270,17 @@ def _dispatch(args: argparse.Namespace) -> int:
     if args.command == "demo":
         from specdec_fast.demo import main as demo_main
 
-        return demo_main(args.prompts, args.max_new_tokens, args.device)
+        drafters = [d for d in args.drafter or [] if d.info is not None]
+        return demo_main(
+            args.prompts,
+            args.max_new_tokens,
+            args.device,
+            model=args.model,
+            dtype=args.dtype,
+            chat=args.chat,
+            keep_special_tokens=args.keep_special_tokens,
+            drafters=drafters if args.drafter else None,
+        )
     return run_bench(args)
 
 
