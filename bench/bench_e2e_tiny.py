@@ -1,5 +1,7 @@
 """The bundled tiny-code pair on held-out code prompts: every drafter at several tree budgets.
 
+Every registered drafter over the bundled checkpoints (`specdec_fast.drafters.registry`), trees at
+N = 8/16/32/64 verified tokens (root included), chains at k = 2/3/4/6 drafted tokens (N = k + 1).
 For each drafter and budget: acceptance rate, per-position acceptance, mean accepted tokens per
 step, tokens/s, and the speed-up against our plain decoding and HF `generate`; HF assisted
 generation (draft model, prompt lookup) runs in the same process on the same prompts. Greedy, batch
@@ -21,24 +23,22 @@ import torch
 from common import RESULTS_DIR, bench_device, environment, write_results
 from e2e import E2ERecord, compare, format_table, run_hf, run_ours
 
-from specdec_fast import DraftModelDrafter, NGramDrafter, SuffixDrafter, bundled
+from specdec_fast import bundled
 from specdec_fast.drafters.base import Drafter
-from specdec_fast.drafters.bundled_heads import bundled_head_drafters
-from specdec_fast.trees import default_tree
+from specdec_fast.drafters.registry import bundled_specs
 
 BUDGETS = (8, 16, 32, 64)
+CHAIN_LENGTHS = (2, 3, 4, 6)
 
 
-def drafter_grid(draft, quick: bool) -> dict[str, Callable[[], Drafter | None]]:
-    """Every bundled drafter at each budget (chain lengths for the draft-model chain)."""
-    budgets = BUDGETS[:2] if quick else BUDGETS
+def drafter_grid(target, quick: bool) -> dict[str, Callable[[], Drafter | None]]:
+    """Every bundled drafter at each budget N (chains at each length k), by display name."""
     grid: dict[str, Callable[[], Drafter | None]] = {"ours plain": lambda: None}
-    for n in budgets:
-        grid[f"ngram N={n}"] = lambda n=n: NGramDrafter(max_nodes=n)
-        grid[f"suffix N={n}"] = lambda n=n: SuffixDrafter(max_nodes=n)
-        grid[f"draft tree N={n}"] = lambda n=n: DraftModelDrafter(draft, tree=default_tree(n))
-    for k in (2, 4) if quick else (2, 3, 4, 6):
-        grid[f"draft chain k={k}"] = lambda k=k: DraftModelDrafter(draft, num_tokens=k)
+    for spec in bundled_specs():
+        make = spec.factory(target)
+        sizes = CHAIN_LENGTHS if spec.info.chain else BUDGETS
+        for size in sizes[:2] if quick else sizes:
+            grid[spec.label(size)] = lambda make=make, size=size: make(size)
     return grid
 
 
@@ -65,10 +65,7 @@ def run(
         for r in load_prompts(count)
     ]
     records, outputs = [], {}
-    grid = drafter_grid(draft, quick)
-    # Medusa, EAGLE-2 and EAGLE-3 over the bundled heads that are installed, same budgets.
-    grid.update(bundled_head_drafters(target, BUDGETS[:2] if quick else BUDGETS))
-    for name, make in grid.items():
+    for name, make in drafter_grid(target, quick).items():
         record, out = run_ours(name, target, prompts, make, new_tokens, 1)
         records.append(record)
         outputs[name] = out
@@ -94,7 +91,9 @@ def test_e2e_tiny(benchmark):
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="2 prompts, budgets 8 and 16")
+    parser.add_argument(
+        "--quick", action="store_true", help="2 prompts, budgets N = 8 and 16, chains k = 2 and 3"
+    )
     parser.add_argument(
         "--out",
         type=Path,

@@ -22,8 +22,11 @@ import torch
 from common import RESULTS_DIR, bench_device, environment, write_results
 from e2e import E2ERecord, compare, format_table, run_hf, run_ours
 
-from specdec_fast import DraftModelDrafter, NGramDrafter, SuffixDrafter, bundled
-from specdec_fast.trees import default_tree
+from specdec_fast import bundled
+from specdec_fast.drafters.registry import REGISTRY, DrafterSpec
+
+# The registered kinds a target and a draft model allow (no heads), at their default sizes.
+PAIR_KINDS = ("ngram", "suffix", "draft", "draft-tree")
 
 
 @dataclass
@@ -101,23 +104,21 @@ def make_setup(quick: bool, random: bool, target: str | None, draft: str | None)
 def peers(setup: Setup) -> dict[str, Callable[[], tuple[E2ERecord, list[list[int]]]]]:
     """Every peer, by name, as a thunk returning (record, outputs)."""
     t, d, p, n = setup.target, setup.draft, setup.prompts, setup.max_new_tokens
-    ours = {
-        "ours plain": lambda: None,
-        "ours ngram 8": lambda: NGramDrafter(max_nodes=8),
-        "ours suffix 16": lambda: SuffixDrafter(max_nodes=16),
-        "ours draft chain k=4": lambda: DraftModelDrafter(d, num_tokens=4),
-        "ours draft tree 16": lambda: DraftModelDrafter(d, tree=default_tree(16)),
+    ours = {"ours plain": lambda: None} | {
+        f"ours {DrafterSpec(kind).label()}": lambda kind=REGISTRY[kind]: kind.build(
+            d if kind.load is not None else None, kind.default_size
+        )
+        for kind in PAIR_KINDS
     }
     table = {
         name: (lambda name=name, make=make: run_ours(name, t, p, make, n, 1))
         for name, make in ours.items()
     }
-    table["ours plain, batched"] = lambda: run_ours(
-        "ours plain, batched", t, p, lambda: None, n, len(p)
-    )
-    table["ours ngram 8, batched"] = lambda: run_ours(
-        "ours ngram 8, batched", t, p, lambda: NGramDrafter(max_nodes=8), n, len(p)
-    )
+    for name in ("ours plain", f"ours {DrafterSpec('ngram').label()}"):
+        batched = f"{name}, batched"
+        table[batched] = lambda batched=batched, make=ours[name]: run_ours(
+            batched, t, p, make, n, len(p)
+        )
     table["HF generate"] = lambda: run_hf("HF generate", t, p, n)
     table["HF assisted (draft model)"] = lambda: run_hf(
         "HF assisted (draft model)", t, p, n, assistant_model=d
@@ -140,12 +141,9 @@ def run_all(setup: Setup) -> list[E2ERecord]:
 
 PEER_NAMES = [
     "ours plain",
-    "ours ngram 8",
-    "ours suffix 16",
-    "ours draft chain k=4",
-    "ours draft tree 16",
+    *(f"ours {DrafterSpec(kind).label()}" for kind in PAIR_KINDS),
     "ours plain, batched",
-    "ours ngram 8, batched",
+    f"ours {DrafterSpec('ngram').label()}, batched",
     "HF generate",
     "HF assisted (draft model)",
     "HF prompt lookup",

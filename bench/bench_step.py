@@ -7,8 +7,8 @@ tokens per row, and each step is timed at that fixed context:
 
 - `ours`: `ModelRunner.verify` over a `SpecKVCache` whose K/V are random and whose `cache_lens`
   are set to L (no prefill forward). N = 1 is the root alone: our plain decode step. N > 1 is a
-  verify step of `default_tree(N - 1)` (specdec_fast.trees, a static best-first tree of depth
-  <= 8) plus the root. On CUDA the runner replays its own CUDA graph, as in the engine; the
+  verify step of `default_tree(N)` (specdec_fast.trees, a static best-first tree of N nodes, root
+  included, depth <= 8). On CUDA the runner replays its own CUDA graph, as in the engine; the
   timed call includes the runner's input copies and checks. `verify` never advances
   `cache_lens`; an untimed reset before every call also puts back the runner's host-side length
   bound, so repeated steps do identical work.
@@ -298,11 +298,11 @@ def measure(record: StepRecord, make_timer: Callable[[], Timer], reps: int) -> N
 
 
 def tree_inputs(batch: int, nodes: int, vocab: int, device, seed: int = 0):
-    """(tokens, parents) int64 `[B, N]`: random tokens on the root alone (N = 1) or on the
-    root plus `default_tree(N - 1)`, the same tree in every row."""
+    """(tokens, parents) int64 `[B, N]`: random tokens on the root alone (N = 1) or on
+    `default_tree(N)` (root included), the same tree in every row."""
     generator = torch.Generator().manual_seed(seed)
     tokens = torch.randint(vocab, (batch, nodes), generator=generator)
-    tree = (-1,) if nodes == 1 else default_tree(nodes - 1).node_parents
+    tree = (-1,) if nodes == 1 else default_tree(nodes).node_parents
     parents = torch.tensor(tree, dtype=torch.int64).expand(batch, -1).contiguous()
     return tokens.to(device), parents.to(device)
 
@@ -530,7 +530,7 @@ def run(tiny: bool, quick: bool, hf: bool = True) -> tuple[list[StepRecord], lis
         "quick": quick,
         "reps": reps,
         "points": [asdict(point) for point in points],
-        "tree": "N = 1: the root alone; N > 1: the root + default_tree(N - 1)",
+        "tree": "N = 1: the root alone; N > 1: default_tree(N), root included",
         "units": "milliseconds per step",
         "hf_compile_error": hf_peer.compile_error,
     }

@@ -2,6 +2,7 @@
 
 from importlib.metadata import PackageNotFoundError, version
 
+from . import bundled
 from .adaptive import AdaptiveDrafter, CostModel
 from .drafters import (
     Drafter,
@@ -44,6 +45,7 @@ __all__ = [
     "StepOutcome",
     "SuffixDrafter",
     "__version__",
+    "bundled",
     "generate",
     "prometheus_text",
 ]

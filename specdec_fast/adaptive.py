@@ -1,14 +1,16 @@
 """Adaptive speculation: each step's tree budget from a cost model, or no speculation at all.
 
-Speculating with n draft nodes at batch size B pays off when
+Budgets are tree sizes N, root included: a step with budget N verifies exactly N tokens per row,
+and N = 1 (the root alone) is plain decoding. Speculating with budget N at batch size B pays off
+when
 
-    E(n) / (D(B) + V(B, n + 1))  >  1 / V(B, 1)
+    E(N) / (D(B) + V(B, N))  >  1 / V(B, 1)
 
 where V(B, N) is the measured time of a verify step of N nodes per row, D(B) the drafter's time
-per step, and E(n) the expected tokens a row emits per step (accepted drafts + 1) when only the
-first n nodes of the drafter's tree are verified. E(n) comes from recent steps: node indices grow
+per step, and E(N) the expected tokens a row emits per step (accepted drafts + 1) when only the
+first N nodes of the drafter's tree are verified. E(N) comes from recent steps: node indices grow
 along any root-to-leaf path, so the accepted path of a verified tree, cut to the nodes with index
-<= n, is the path a tree cut to its first n nodes would have accepted. Every verified step thus
+< N, is the path a tree cut to its first N nodes would have accepted. Every verified step thus
 measures E for all smaller budgets at once.
 
 `AdaptiveDrafter` wraps any drafter: before each step it picks the budget that maximizes the
@@ -39,9 +41,11 @@ from specdec_fast.drafters.base import Drafter, DraftState, Proposal, StepOutcom
 from specdec_fast.engine import generate
 from specdec_fast.wrapping import WrappedDrafter, trim_proposal, widen_outcome
 
-# Budgets the wrapper chooses among: few distinct tree widths keep the number of captured CUDA
-# graphs (one per (B, N)) small.
-BUDGETS = (1, 2, 3, 5, 8, 16, 32, 64)
+# Budgets N (root included) the wrapper chooses among besides plain decoding (N = 1): few distinct
+# tree widths keep the number of captured CUDA graphs (one per (B, N)) small. 2-6 are chains of
+# 1-5 drafted tokens; the trees fill whole 8/16/32/64-row blocks of the verify kernels.
+BUDGETS = (2, 3, 4, 6, 8, 16, 32, 64)
+PLAIN = 1
 
 
 def _interpolate(x: float, points: list[tuple[float, float]]) -> float:
@@ -140,7 +144,7 @@ class CostModel:
         for batch in sorted(set(batch_sizes)):
             prompts = torch.randint(vocab, (batch, context_len), generator=generator).tolist()
             for nodes in sorted(set(node_counts) | {1}):
-                drafter = _RandomChain(nodes - 1, vocab) if nodes > 1 else None
+                drafter = _RandomChain(nodes, vocab) if nodes > 1 else None
                 with torch.no_grad():
                     out = generate(
                         model, prompts, drafter=drafter, max_new_tokens=steps, eos_token_id=[]
@@ -157,7 +161,7 @@ class CostModel:
 
 
 class _RandomChain(Drafter):
-    """Chains of random tokens: the verify cost of N = max_nodes + 1 without acceptance."""
+    """Chains of random tokens: the verify cost of N = max_nodes without acceptance."""
 
     def __init__(self, max_nodes: int, vocab_size: int):
         super().__init__(max_nodes)
@@ -165,7 +169,7 @@ class _RandomChain(Drafter):
         self.generator = torch.Generator().manual_seed(1)
 
     def propose(self, state: DraftState) -> Proposal:
-        batch, width = state.batch_size, self.max_nodes + 1
+        batch, width = state.batch_size, self.max_nodes
         tokens = torch.randint(self.vocab_size, (batch, width), generator=self.generator)
         tokens[:, 0] = torch.tensor([row[-1] for row in state.tokens])
         parents = torch.arange(-1, width - 1).expand(batch, -1)
@@ -173,8 +177,8 @@ class _RandomChain(Drafter):
 
 
 class AcceptanceWindow:
-    """Recent verified row-steps: for each, the budget verified and how many of the accepted
-    path's nodes have index <= n, for every n up to that budget (running sums per n)."""
+    """Recent verified row-steps: for each, how many of the accepted path's draft nodes have
+    index < n, for every tree size n up to the one verified (running sums per n)."""
 
     def __init__(self, size: int = 512):
         self.records: deque[list[int]] = deque()
@@ -191,22 +195,23 @@ class AcceptanceWindow:
             self._sums[n] += sign * accepted
             self._counts[n] += sign
 
-    def add(self, budget: int, accepted_nodes: list[list[int]]) -> None:
-        """One verified step: `accepted_nodes` per row (root first, then -1), `budget` nodes."""
-        for path in accepted_nodes:
-            nodes = [node for node in path[1:] if node > 0]
-            within = [sum(1 for node in nodes if node <= n) for n in range(1, budget + 1)]
+    def add(self, num_nodes: int, accepted_paths: list[list[int]]) -> None:
+        """One verified step of trees of `num_nodes` nodes (root included): per row, the
+        accepted path's node indices after the root."""
+        for path in accepted_paths:
+            nodes = [node for node in path if node > 0]
+            within = [sum(1 for node in nodes if node < n) for n in range(1, num_nodes + 1)]
             self.records.append(within)
             self._apply(within, 1)
             if len(self.records) > self.size:
                 self._apply(self.records.popleft(), -1)
 
-    def expected_tokens(self, budget: int) -> float | None:
-        """Mean tokens emitted per row-step (drafts + 1) had only nodes 1..budget been verified;
-        None without a step that verified that many."""
-        if budget > len(self._counts) or not self._counts[budget - 1]:
+    def expected_tokens(self, num_nodes: int) -> float | None:
+        """Mean tokens emitted per row-step (drafts + 1) had only nodes 0..num_nodes-1 been
+        verified; None without a step that verified that many."""
+        if num_nodes > len(self._counts) or not self._counts[num_nodes - 1]:
             return None
-        return 1.0 + self._sums[budget - 1] / self._counts[budget - 1]
+        return 1.0 + self._sums[num_nodes - 1] / self._counts[num_nodes - 1]
 
 
 class AdaptiveDrafter(WrappedDrafter):
@@ -246,7 +251,7 @@ class AdaptiveDrafter(WrappedDrafter):
         self.explore_share = explore_share
         self.clock = clock
         self.budgets = [b for b in BUDGETS if b < inner.max_nodes] + [inner.max_nodes]
-        self.chosen: list[int] = []  # budget of every step (0 = plain), for reports
+        self.chosen: list[int] = []  # budget N of every step (1 = plain), for reports
         # Exploration accounting, in seconds: `credit` grows by `explore_share` of every step
         # decoded plainly by decision and shrinks by what each exploring request cost beyond
         # plain decoding of the same tokens (`exploration_cost` is the last such cost).
@@ -259,7 +264,7 @@ class AdaptiveDrafter(WrappedDrafter):
         self._extra = 0.0
         self._since_explore = 0
         self._full: Proposal | None = None
-        self._budget = 0
+        self._budget = PLAIN
         self._nodes = 1
         self._draft_s = 0.0
         self._verify_start = 0.0
@@ -284,11 +289,11 @@ class AdaptiveDrafter(WrappedDrafter):
         model's prefill) and however short the requests.
         """
         batch = state.batch_size
-        if self.cost_model.verify_cost(batch, 1) is None:
+        if self.cost_model.verify_cost(batch, PLAIN) is None:
             self._active = self._exploring = False
             return
         best, known = self._best(batch)
-        losing = known and best == 0
+        losing = known and best == PLAIN
         affordable = self.credit > 0.0 and self.credit >= self.exploration_cost
         self._exploring = not known or (losing and affordable)
         self._active = not losing or self._exploring
@@ -299,18 +304,19 @@ class AdaptiveDrafter(WrappedDrafter):
             self._extra += self.clock() - start
 
     def predicted_speedup(self, batch: int, budget: int) -> float | None:
-        """Predicted tokens/s with `budget` draft nodes over plain tokens/s; None if unknown."""
-        plain = self.cost_model.verify_cost(batch, 1)
-        verify = self.cost_model.verify_cost(batch, budget + 1)
+        """Predicted tokens/s with trees of `budget` nodes (root included) over plain tokens/s;
+        None if unknown."""
+        plain = self.cost_model.verify_cost(batch, PLAIN)
+        verify = self.cost_model.verify_cost(batch, budget)
         tokens = self.acceptance.expected_tokens(budget)
         if plain is None or verify is None or tokens is None:
             return None
         return tokens * plain / (self.draft_costs.draft_cost(batch) + verify)
 
     def _best(self, batch: int) -> tuple[int, bool]:
-        """(the budget predicted fastest, 0 if none beats plain by `margin`; whether every
+        """(the budget predicted fastest, PLAIN if none beats plain by `margin`; whether every
         budget's prediction is known)."""
-        best, best_speedup, known = 0, 1.0 + self.margin, True
+        best, best_speedup, known = PLAIN, 1.0 + self.margin, True
         for budget in self.budgets:
             speedup = self.predicted_speedup(batch, budget)
             if speedup is None:
@@ -320,23 +326,23 @@ class AdaptiveDrafter(WrappedDrafter):
         return best, known
 
     def choose_budget(self, batch: int) -> int:
-        """The budget for the next step at batch size `batch` (0 = plain decoding)."""
+        """The budget N for the next step at batch size `batch` (PLAIN = 1: plain decoding)."""
         if self._exploring:
             return self.budgets[-1]
-        if self.cost_model.verify_cost(batch, 1) is None:
-            return 0
+        if self.cost_model.verify_cost(batch, PLAIN) is None:
+            return PLAIN
         best, known = self._best(batch)
-        if best == 0 and not known:
+        if best == PLAIN and not known:
             return self.budgets[-1]  # nothing known beats plain yet: look at the full tree
-        if best > 0 and self._since_explore >= self.explore_every:
+        if best != PLAIN and self._since_explore >= self.explore_every:
             self._since_explore = 0
             return self.budgets[-1]
         return best
 
     def propose(self, state: DraftState) -> Proposal:
         self._since_explore += 1
-        self._budget = self.choose_budget(state.batch_size) if self._active else 0
-        if self._budget == 0:
+        self._budget = self.choose_budget(state.batch_size) if self._active else PLAIN
+        if self._budget == PLAIN:
             # Plain by decision: the rest of the request decodes plainly, without drafting.
             self._active = False
             proposal = root_only(state)
@@ -355,19 +361,19 @@ class AdaptiveDrafter(WrappedDrafter):
         batch = len(outcome.emitted)
         verify_s = now - self._verify_start
         self.cost_model.observe_verify(batch, self._nodes, verify_s)
-        if self._budget == 0:
+        if self._budget == PLAIN:
             self.credit += self.explore_share * verify_s
             return
-        self.acceptance.add(self._budget, outcome.accepted_nodes.cpu().tolist())
+        self.acceptance.add(self._budget, outcome.accepted_paths)
         self.inner.update(state, widen_outcome(outcome, self._full))
         draft_s = self._draft_s + self.clock() - now
         self.draft_costs.observe_draft(batch, draft_s)
         if self._exploring:
             emitted = sum(len(tokens) for tokens in outcome.emitted) / batch
-            plain = self.cost_model.verify_cost(batch, 1) or 0.0
+            plain = self.cost_model.verify_cost(batch, PLAIN) or 0.0
             self._extra += draft_s + verify_s - emitted * plain
 
-    def keep(self, rows: torch.Tensor) -> None:
+    def keep(self, rows: list[int]) -> None:
         if self._active:
             self.inner.keep(rows)
 

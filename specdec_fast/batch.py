@@ -18,6 +18,7 @@ from specdec_fast.drafters.base import PAD_PARENT, DraftState, Proposal
 from specdec_fast.kernels.verify import SamplingParams
 from specdec_fast.requests import Sampling, StopRule
 from specdec_fast.stats import SpecStats
+from specdec_fast.transfer import to_device, to_host
 
 TokenCallback = Callable[[int, list[int]], None]
 
@@ -87,12 +88,21 @@ class Batch:
             top_p=sampling.top_p.to(device),
             seed=sampling.seed.to(device),
             device=device,
+            greedy=self.all_greedy,
         )
-        self.roots: torch.Tensor | None = None
         self._root_parents: dict[int, torch.Tensor] = {}
 
     def __len__(self) -> int:
         return len(self.rows)
+
+    @property
+    def roots(self) -> torch.Tensor | None:
+        """int64 `[B]` on the device: each active row's root, the last token chosen."""
+        return self.state.roots
+
+    @roots.setter
+    def roots(self, roots: torch.Tensor) -> None:
+        self.state.roots = roots
 
     def plain_proposal(self) -> Proposal:
         """The one-node tree of every row (a step of plain decoding), built on the device."""
@@ -141,7 +151,7 @@ class Batch:
         the accepted path (node indices and tokens) and the tree's size and depth."""
         accepted_nodes, num_accepted, next_tokens = result
         if proposal.num_nodes == 1:
-            tokens = next_tokens.tolist()
+            tokens = to_host(next_tokens)
             zeros = [0] * len(tokens)
             return HostStep(tokens, zeros, zeros, zeros, [[] for _ in tokens], [[] for _ in tokens])
         path = proposal.tokens.gather(1, accepted_nodes.clamp(min=0).long())[:, 1:]
@@ -149,7 +159,7 @@ class Batch:
         offered_depth = depths.max(dim=1).values
         columns = [next_tokens, num_accepted.long(), drafted, offered_depth]
         host = torch.cat([torch.stack(columns, dim=1), path, accepted_nodes[:, 1:].long()], dim=1)
-        rows = host.tolist()
+        rows = to_host(host)
         width = path.shape[1]
         return HostStep(
             next_tokens=[row[0] for row in rows],
@@ -194,7 +204,7 @@ class Batch:
         self.lengths = [self.lengths[r] for r in keep]
         if not keep:
             return
-        index = torch.tensor(keep, dtype=torch.int64).to(self.device, non_blocking=True)
+        index = to_device(keep, self.device)
         runner.keep(keep)
         state = self.state
         self.state = DraftState(
@@ -204,7 +214,8 @@ class Batch:
             top_p=state.top_p[index],
             seed=state.seed[index],
             device=state.device,
+            greedy=state.greedy,
+            roots=state.roots[index],
         )
-        self.roots = self.roots[index]
         if drafter is not None:
-            drafter.keep(index)
+            drafter.keep(keep)

@@ -18,6 +18,7 @@ from transformers import PreTrainedConfig
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from specdec_fast.kernels.kv_compact import kv_compact, run_kv_compact
+from specdec_fast.transfer import to_device
 
 SUPPORTED_LAYER_TYPES = ("full_attention", "sliding_attention")
 
@@ -214,6 +215,11 @@ class SpecKVCache(Cache):
                 )
         self._len_bound += num_new
 
+    def bound_lengths(self, max_length: int) -> None:
+        """Tell the cache the longest committed length, known on the host (the engine tracks
+        every row's length): room checks then never need to read the device."""
+        self._len_bound = max_length
+
     def prepare_write(self, num_new: int) -> None:
         """Set `write_slots` to `cache_lens[b] + i`, i < `num_new` (device ops only)."""
         offsets = torch.arange(num_new, device=self.cache_lens.device)
@@ -245,7 +251,7 @@ class SpecKVCache(Cache):
         front of the storage in place."""
         rows = [int(row) for row in rows]
         if rows != list(range(len(rows))):
-            index = torch.tensor(rows, device=self.kv.device)
+            index = to_device(rows, self.kv.device)
             count = len(rows)
             # The gather copies before the assignment writes, so overlapping moves are safe.
             self._kv_storage[:, :, :count] = self.kv[:, :, index]

@@ -1,4 +1,10 @@
-"""The `specdec-fast` command line: `demo` (the main job), `generate` and `bench`."""
+"""The `specdec-fast` command line: `demo` (the main job), `generate` and `bench`.
+
+Every command takes a model as users hold it (`--model`: an HF folder, a `.gguf` file or a bundled
+name; `--dtype`, `--device`), applies the tokenizer's chat template when it has one (`--no-chat`
+turns it off), decodes without special tokens (`--keep-special-tokens` keeps them) and shows
+progress as one line on stderr while stderr is a terminal.
+"""
 
 from __future__ import annotations
 
@@ -6,7 +12,42 @@ import argparse
 import json
 import sys
 
-from specdec_fast.loading import DrafterSpec
+from specdec_fast.drafters.registry import DrafterSpec, spec_help
+from specdec_fast.loading import DTYPE_CHOICES, MissingExtra
+
+SPEC_EPILOG = (
+    "drafter SPECs [default size]; N: tokens verified per step, root included; K: a chain's\n"
+    "length in drafted tokens (it verifies K + 1); PATH: a folder or a bundled name\n" + spec_help()
+)
+
+
+def add_model_options(parser: argparse.ArgumentParser, default_model: str | None) -> None:
+    """--model, --dtype, --device, --chat/--no-chat and --keep-special-tokens."""
+    default = f" (default: {default_model or 'the bundled tiny-code target'})"
+    parser.add_argument(
+        "--model",
+        default=default_model,
+        help=f"an HF model folder, a .gguf file or a bundled name{default}",
+    )
+    parser.add_argument(
+        "--dtype",
+        default="auto",
+        choices=DTYPE_CHOICES,
+        help="auto (default): float32 on the CPU, the checkpoint's 16-bit dtype or bfloat16 on "
+        "a GPU",
+    )
+    parser.add_argument("--device", default=None, help="default: cuda if available, else cpu")
+    parser.add_argument(
+        "--chat",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="apply the tokenizer's chat template to prompts (default: when it has one)",
+    )
+    parser.add_argument(
+        "--keep-special-tokens",
+        action="store_true",
+        help="keep special tokens (end of turn, ...) in decoded outputs",
+    )
 
 
 def _add_sampling(parser: argparse.ArgumentParser) -> None:
@@ -15,7 +56,6 @@ def _add_sampling(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--top-k", type=int, default=0, help="0 = off (default)")
     parser.add_argument("--top-p", type=float, default=1.0, help="1.0 = off (default)")
     parser.add_argument("--seed", type=int, default=None, help="sampling seed")
-    parser.add_argument("--device", default=None, help="default: cuda if available, else cpu")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -27,25 +67,40 @@ def build_parser() -> argparse.ArgumentParser:
     demo = sub.add_parser(
         "demo",
         help="speculative decoding on the bundled model pair, side by side with plain decoding",
-        description="Complete held-out code prompts with plain decoding and every drafter.",
+        description="Complete prompts greedily with plain decoding and every drafter, check that "
+        "the outputs are identical, then sample one completion (temperature 0.7, seeded) and "
+        "compare it with plain sampling. Without --model: the bundled tiny-code target and "
+        "every bundled drafter on held-out code; with --model PATH: your model (chat prompts "
+        "when its tokenizer has a chat template).",
+        epilog=SPEC_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    demo.add_argument("--prompts", type=int, default=4, help="held-out prompts (default: 4)")
+    add_model_options(demo, None)
+    demo.add_argument(
+        "--drafter",
+        action="append",
+        type=DrafterSpec.parse,
+        help="a drafter SPEC (below), repeatable; default: every bundled drafter on the bundled "
+        "target, the drafters that need no checkpoint on --model",
+    )
+    demo.add_argument("--prompts", type=int, default=4, help="prompts (default: 4)")
     demo.add_argument("--max-new-tokens", type=int, default=64, help="default: 64")
-    demo.add_argument("--device", default=None, help="default: cuda if available, else cpu")
     gen = sub.add_parser(
         "generate",
         help="complete one prompt with a chosen drafter",
         description="Complete a prompt with speculative decoding and print a stats summary.",
+        epilog=SPEC_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    gen.add_argument("--model", default="tiny-code", help="folder or bundled name (tiny-code)")
+    add_model_options(gen, "tiny-code")
     gen.add_argument(
         "--drafter",
         default="ngram",
         type=DrafterSpec.parse,
-        help="none | ngram[:N] | suffix[:N] | draft:PATH[:K] | draft-tree:PATH[:N] "
-        "(PATH: folder or bundled name, e.g. draft:tiny-code-draft); default: ngram",
+        help="a drafter SPEC (below; PATH: folder or bundled name, e.g. draft:tiny-code-draft); "
+        "default: ngram",
     )
-    gen.add_argument("--prompt", required=True, help="the prompt text")
+    gen.add_argument("--prompt", required=True, help="the prompt text (a user message in chat)")
     gen.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     _add_sampling(gen)
     _add_bench(sub)
@@ -70,24 +125,38 @@ def _add_bench(sub) -> None:
         help="measure speculation on your own prompts (acceptance, latency, throughput)",
         description="Benchmark drafters against plain decoding on a JSONL prompt set and write "
         "DIR/report.json and DIR/report.md (plus PNG plots when matplotlib is installed).",
+        epilog=SPEC_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    bench.add_argument("--model", default="tiny-code", help="folder or bundled name (tiny-code)")
+    add_model_options(bench, "tiny-code")
     bench.add_argument(
         "--drafter",
         action="append",
         type=DrafterSpec.parse,
-        help="a drafter SPEC, repeatable: ngram | suffix | draft:PATH | draft-tree:PATH | "
-        "medusa:PATH | eagle:PATH (PATH: folder or bundled name); default: ngram and suffix",
+        help="a drafter SPEC (below), repeatable; a SPEC without SIZE sweeps --k and --tree; "
+        "default: ngram and suffix",
     )
     bench.add_argument(
-        "--prompts", default=None, help="JSONL prompt set (default: the shipped default set)"
+        "--prompts",
+        default=None,
+        help="JSONL prompt set, rows with `prompt` or chat `messages` (default: the shipped set)",
     )
     bench.add_argument(
         "--per-task", type=int, default=None, help="only the first N prompts of each task type"
     )
-    bench.add_argument("--k", type=_int_list, default=[1, 2, 3], help="sizes k/N (1,2,3)")
     bench.add_argument(
-        "--tree", type=_int_list, default=[], help="tree budgets, e.g. 16,32,64 (none)"
+        "--k",
+        type=_int_list,
+        default=[1, 2, 3],
+        help="chain lengths k, tokens drafted per step (1,2,3): draft:PATH drafts a chain of k, "
+        "a tree drafter a tree of N = k + 1 nodes",
+    )
+    bench.add_argument(
+        "--tree",
+        type=_int_list,
+        default=[],
+        help="tree budgets N, tokens verified per step with the root included, e.g. 16,32,64 "
+        "(none); draft:PATH becomes draft-tree:PATH",
     )
     bench.add_argument("--batch", type=_int_list, default=[1, 4], help="concurrency (1,4)")
     bench.add_argument(
@@ -101,7 +170,6 @@ def _add_bench(sub) -> None:
     bench.add_argument(
         "--repeats", type=int, default=1, help="runs per cell, the fastest counts (1)"
     )
-    bench.add_argument("--device", default=None, help="default: cuda if available, else cpu")
     bench.add_argument(
         "--threads", type=int, default=None, help="CPU threads for torch (default: torch's)"
     )
@@ -131,6 +199,9 @@ def run_bench(args: argparse.Namespace) -> int:
         repeats=args.repeats,
         per_task=args.per_task,
         device=args.device,
+        dtype=args.dtype,
+        chat=args.chat,
+        keep_special_tokens=args.keep_special_tokens,
     )
     print(f"wrote {report['files']['markdown']} and {report['files']['json']}")
     return 0
@@ -141,26 +212,18 @@ def run_generate(args: argparse.Namespace) -> int:
 
     from specdec_fast.engine import generate
     from specdec_fast.loading import load_model, load_tokenizer, pick_device
+    from specdec_fast.progress import Progress
+    from specdec_fast.text import decode, encode_prompt, stop_token_ids, use_chat
 
     device = pick_device(args.device)
-    model = load_model(args.model, device)
+    model = load_model(args.model, device, args.dtype)
     tokenizer = load_tokenizer(args.model)
+    chat = use_chat(tokenizer, args.chat)
     drafter = args.drafter.build(model)
-    prompt_ids = tokenizer(args.prompt, add_special_tokens=False)["input_ids"]
+    prompt_ids = encode_prompt(tokenizer, args.prompt, chat=chat)
     if not prompt_ids:
-        raise SystemExit("specdec-fast generate: the prompt encodes to no tokens")
-    done = [0]
-
-    def show(row: int, tokens: list[int]) -> None:
-        done[0] += len(tokens)
-        if args.json:
-            print(f"\r{done[0]}/{args.max_new_tokens} tokens", end="", file=sys.stderr, flush=True)
-        else:
-            print(tokenizer.decode(tokens), end="", flush=True)
-
-    if not args.json:
-        print(args.prompt, end="", flush=True)
-    with torch.no_grad():
+        raise ValueError("prompt: it encodes to no tokens")
+    with torch.no_grad(), Progress(args.max_new_tokens, desc="generate", unit="tok") as bar:
         out = generate(
             model,
             [prompt_ids],
@@ -170,15 +233,23 @@ def run_generate(args: argparse.Namespace) -> int:
             top_k=args.top_k,
             top_p=args.top_p,
             seed=args.seed,
-            on_tokens=show,
+            eos_token_id=stop_token_ids(model, tokenizer),
+            on_tokens=lambda row, tokens: bar.update(len(tokens)),
         )
-    completion = tokenizer.decode(out.sequences[0][len(prompt_ids) :])
+    completion = decode(tokenizer, out.sequences[0][len(prompt_ids) :], args.keep_special_tokens)
     if args.json:
-        print(file=sys.stderr)
-        record = {"prompt": args.prompt, "completion": completion, "drafter": str(args.drafter)}
+        record = {
+            "prompt": args.prompt,
+            "chat": chat,
+            "prompt_tokens": len(prompt_ids),
+            "completion": completion,
+            "drafter": str(args.drafter),
+        }
         print(json.dumps(record | {"stats": out.stats.summary()}))
     else:
-        print(f"\n\n[{args.drafter}] {out.stats.one_line()}")
+        # A chat answer stands alone; a raw completion continues the prompt.
+        print(completion if chat else args.prompt + completion)
+        print(f"\n[{args.drafter}] {out.stats.one_line()}")
     return 0
 
 
@@ -186,8 +257,9 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return _dispatch(args)
-    except ValueError as error:
-        # Bad input (paths, specs, shapes) is reported as such, not as a traceback.
+    except (ValueError, MissingExtra) as error:
+        # Bad input (paths, specs, shapes) or a missing extra is reported as such, not as a
+        # traceback.
         print(f"specdec-fast {args.command}: error: {error}", file=sys.stderr)
         return 2
 
@@ -198,7 +270,17 @@ def _dispatch(args: argparse.Namespace) -> int:
     if args.command == "demo":
         from specdec_fast.demo import main as demo_main
 
-        return demo_main(args.prompts, args.max_new_tokens, args.device)
+        drafters = [d for d in args.drafter or [] if d.info is not None]
+        return demo_main(
+            args.prompts,
+            args.max_new_tokens,
+            args.device,
+            model=args.model,
+            dtype=args.dtype,
+            chat=args.chat,
+            keep_special_tokens=args.keep_special_tokens,
+            drafters=drafters if args.drafter else None,
+        )
     return run_bench(args)
 
 

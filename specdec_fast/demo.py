@@ -1,27 +1,49 @@
-"""`specdec-fast demo`: the bundled models on held-out code, plain decoding against every drafter.
+"""`specdec-fast demo`: plain decoding against every drafter, on the bundled models or your own.
 
-For each drafter it completes the same held-out prompts greedily and prints, side by side with
-plain decoding: acceptance rate, mean accepted tokens per step, tokens/s, the speed-up, and whether
-the output is identical to plain decoding (it must be: greedy speculation is exact).
+Without `--model`: the bundled tiny-code target completes held-out code prompts with every
+registered drafter over the bundled checkpoints. With `--model PATH`: your model (folder, `.gguf`
+file or bundled name), with the drafters given by `--drafter` (default: those that need no
+checkpoint), on the shipped chat prompts when its tokenizer has a chat template, else on the code
+prompts.
+
+For each drafter it prints, side by side with plain decoding: acceptance rate, mean accepted tokens
+per step, tokens/s, the speed-up, and whether the greedy output is identical to plain decoding (it
+must be: greedy speculation is exact; the exit status is 1 otherwise). It then samples one
+completion of the first prompt (temperature 0.7, a fixed seed) plainly and with every drafter
+whose proposals are deterministic (no draft probabilities), and reports whether each equals the
+plain sample. That check is reported as measured and does not affect the exit status.
 """
 
 from __future__ import annotations
 
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 
 from specdec_fast import bundled
-from specdec_fast.drafters import DraftModelDrafter, NGramDrafter, SuffixDrafter
 from specdec_fast.drafters.base import Drafter
-from specdec_fast.drafters.bundled_heads import bundled_head_drafters
+from specdec_fast.drafters.registry import KINDS, DrafterSpec, bundled_specs
 from specdec_fast.engine import generate
 from specdec_fast.loading import load_model, load_tokenizer, pick_device
-from specdec_fast.prompts import load_code_prompts
-from specdec_fast.trees import default_tree
+from specdec_fast.progress import Progress
+from specdec_fast.prompts import load_chat_prompts, load_code_prompts
+from specdec_fast.text import decode, encode_prompt, stop_token_ids, use_chat
+
+BUNDLED_TARGET = "tiny-code"
+SAMPLE_TEMPERATURE = 0.7
+SAMPLE_SEED = 1234
+
+
+@dataclass
+class DemoPrompt:
+    """ids: the encoded prompt; title and shown: how the demo prints it."""
+
+    ids: list[int]
+    title: str
+    shown: str
 
 
 @dataclass
@@ -32,38 +54,41 @@ class DemoRow:
     new_tokens: int
     acceptance: float | None
     tokens_per_step: float | None
+    deterministic: bool = True
+    sampled: list[int] | None = None  # the sampled completion of the first prompt
 
 
-def demo_drafters(target, device) -> dict[str, Callable[[], Drafter | None]]:
-    """Every drafter that the bundled checkpoints allow, by display name."""
-    drafters: dict[str, Callable[[], Drafter | None]] = {
-        "plain": lambda: None,
-        "ngram (8 nodes)": lambda: NGramDrafter(max_nodes=8),
-        "suffix (16 nodes)": lambda: SuffixDrafter(max_nodes=16),
-    }
-    if "tiny-code-draft" in bundled.available():
-        draft = load_model("tiny-code-draft", device, target.dtype)
-        drafters["draft model, chain k=4"] = lambda: DraftModelDrafter(draft, num_tokens=4)
-        drafters["draft model, tree 16"] = lambda: DraftModelDrafter(draft, tree=default_tree(16))
-    # Medusa and EAGLE heads trained for the target, those that are installed.
-    drafters.update(bundled_head_drafters(target, budgets=(8,)))
+def demo_drafters(target, specs: Sequence[DrafterSpec]) -> dict[str, tuple[Callable, bool]]:
+    """Plain decoding and each spec (checkpoints loaded once), by display name: (make a drafter,
+    whether its proposals are deterministic)."""
+    drafters: dict[str, tuple[Callable[[], Drafter | None], bool]] = {"plain": (lambda: None, True)}
+    for spec in specs:
+        drafters[spec.label()] = (spec.factory(target), spec.info.deterministic)
     return drafters
 
 
-def run(prompts: list[list[int]], target, make_drafter, max_new_tokens: int) -> DemoRow:
+def run(
+    prompts: list[list[int]],
+    target,
+    make_drafter,
+    max_new_tokens: int,
+    stop: list[int],
+    temperature: float = 0.0,
+    seed: int | None = None,
+) -> tuple[list[list[int]], object, float]:
+    """(sequences, stats, seconds) of one `generate` call with a fresh drafter."""
     start = time.perf_counter()
     with torch.no_grad():
-        out = generate(target, prompts, drafter=make_drafter(), max_new_tokens=max_new_tokens)
-    seconds = time.perf_counter() - start
-    stats = out.stats
-    return DemoRow(
-        name="",
-        sequences=[s.tolist() for s in out.sequences],
-        seconds=seconds,
-        new_tokens=stats.new_tokens,
-        acceptance=stats.acceptance_rate,
-        tokens_per_step=stats.mean_accepted_per_step,
-    )
+        out = generate(
+            target,
+            prompts,
+            drafter=make_drafter(),
+            max_new_tokens=max_new_tokens,
+            temperature=temperature,
+            seed=seed,
+            eos_token_id=stop,
+        )
+    return [s.tolist() for s in out.sequences], out.stats, time.perf_counter() - start
 
 
 def _fmt(value: float | None, spec: str) -> str:
@@ -71,62 +96,147 @@ def _fmt(value: float | None, spec: str) -> str:
     return format(value, spec) if value is not None else "-".rjust(int(spec.split(".")[0]))
 
 
-def main(num_prompts: int = 4, max_new_tokens: int = 64, device: str | None = None) -> int:
-    if "tiny-code" not in bundled.available():
+def _prompts(tokenizer, count: int, chat: bool) -> list[DemoPrompt]:
+    """The shipped chat prompts as chat messages, or the held-out code prompts as raw text."""
+    if chat:
+        return [
+            DemoPrompt(
+                encode_prompt(tokenizer, messages=record["messages"], chat=True),
+                f"chat prompt {number} ({record['id']})",
+                record["messages"][-1]["content"],
+            )
+            for number, record in enumerate(load_chat_prompts(count), start=1)
+        ]
+    return [
+        DemoPrompt(
+            encode_prompt(tokenizer, record["prompt"], chat=False),
+            f"prompt {number} ({record['source']}), last lines",
+            "\n".join(record["prompt"].rstrip("\n").splitlines()[-4:]),
+        )
+        for number, record in enumerate(load_code_prompts(count), start=1)
+    ]
+
+
+def main(
+    num_prompts: int = 4,
+    max_new_tokens: int = 64,
+    device: str | None = None,
+    *,
+    model: str | None = None,
+    dtype: str = "auto",
+    chat: bool | None = None,
+    keep_special_tokens: bool = False,
+    drafters: Sequence[DrafterSpec] | None = None,
+) -> int:
+    """Run the demo; returns the exit status (0 when greedy speculation was exact everywhere)."""
+    own_model = model is not None
+    if not own_model and BUNDLED_TARGET not in bundled.available():
         print(
-            "specdec-fast demo: the bundled target 'tiny-code' is missing from this install",
+            f"specdec-fast demo: the bundled target {BUNDLED_TARGET!r} is missing from this "
+            "install (give --model PATH)",
             file=sys.stderr,
         )
         return 2
     device = pick_device(device)
-    if device.type == "cpu":
+    if device.type == "cpu" and not own_model:
         # The bundled models are tiny: one intra-op thread beats several, whose synchronization
         # costs more than these matmuls (and stalls badly when the machine is shared).
         torch.set_num_threads(1)
     torch.manual_seed(0)
-    target = load_model("tiny-code", device)
-    tokenizer = load_tokenizer("tiny-code")
-    records = load_code_prompts(num_prompts)
-    prompts = [
-        [tokenizer.bos_token_id, *tokenizer.encode(r["prompt"], add_special_tokens=False)]
-        for r in records
-    ]
+    name = model or BUNDLED_TARGET
+    target = load_model(name, device, dtype)
+    tokenizer = load_tokenizer(name)
+    chat = use_chat(tokenizer, chat)
+    if drafters is None:
+        drafters = (
+            [DrafterSpec(kind.name) for kind in KINDS if kind.load is None]
+            if own_model
+            else bundled_specs()
+        )
+    prompts = _prompts(tokenizer, num_prompts, chat)
+    ids = [p.ids for p in prompts]
+    stop = stop_token_ids(target, tokenizer)
+    which = "your model" if own_model else "the bundled tiny-code target"
+    kind = "chat prompts (chat template)" if chat else "held-out code prompts"
     print(
-        f"specdec-fast demo: bundled tiny-code target on {device}, {len(prompts)} held-out "
-        f"code prompts, {max_new_tokens} new tokens each, greedy\n"
+        f"specdec-fast demo: {which} ({name}) on {device}, {len(prompts)} {kind}, "
+        f"{max_new_tokens} new tokens each, greedy; then one sample at temperature "
+        f"{SAMPLE_TEMPERATURE}, seed {SAMPLE_SEED}\n"
     )
+    table = demo_drafters(target, drafters)
     rows = []
-    for name, make in demo_drafters(target, device).items():
-        # One untimed warm-up run per drafter, so every row is measured warm.
-        run(prompts[:1], target, make, 4)
-        row = run(prompts, target, make, max_new_tokens)
-        row.name = name
-        rows.append(row)
-        print(f"  ran {name}: {row.seconds:.2f}s", file=sys.stderr)
+    with Progress(2 * len(table), desc="demo", unit="run") as bar:
+        for label, (make, deterministic) in table.items():
+            # One untimed warm-up run per drafter, so every row is measured warm.
+            run(ids[:1], target, make, 4, stop)
+            sequences, stats, seconds = run(ids, target, make, max_new_tokens, stop)
+            bar.update(1, drafter=label)
+            row = DemoRow(
+                label,
+                sequences,
+                seconds,
+                stats.new_tokens,
+                stats.acceptance_rate,
+                stats.mean_accepted_per_step,
+                deterministic,
+            )
+            if deterministic:
+                sampled, _, _ = run(
+                    ids[:1], target, make, max_new_tokens, stop, SAMPLE_TEMPERATURE, SAMPLE_SEED
+                )
+                row.sampled = sampled[0]
+            bar.update(1, drafter=label)
+            rows.append(row)
+    return _report(rows, prompts, tokenizer, keep_special_tokens)
+
+
+def _report(rows: list[DemoRow], prompts: list[DemoPrompt], tokenizer, keep: bool) -> int:
     baseline = rows[0]
-    first = records[0]
-    completion = tokenizer.decode(baseline.sequences[0][len(prompts[0]) :])
-    print(f"--- prompt 1 ({first['source']}), last lines ---")
-    print("\n".join(first["prompt"].rstrip("\n").splitlines()[-4:]))
+    first = prompts[0]
+    start = len(first.ids)
+    print(f"--- {first.title} ---")
+    print(first.shown)
     print("--- greedy completion (identical for every drafter marked yes) ---")
-    print(completion)
+    print(decode(tokenizer, baseline.sequences[0][start:], keep))
+    print(f"--- sampled completion, temperature {SAMPLE_TEMPERATURE}, seed {SAMPLE_SEED} ---")
+    print(decode(tokenizer, baseline.sampled[start:], keep))
     print("---\n")
+    width = max(len(row.name) for row in rows) + 2
     header = (
-        f"{'drafter':<26}{'accept':>8}{'tok/step':>10}{'tok/s':>9}{'speed-up':>10}{'identical':>11}"
+        f"{'drafter':<{width}}{'accept':>8}{'tok/step':>10}{'tok/s':>9}{'speed-up':>10}"
+        f"{'greedy =':>10}{'sampled =':>11}"
     )
     print(header)
     print("-" * len(header))
     base_rate = baseline.new_tokens / baseline.seconds
     for row in rows:
         rate = row.new_tokens / row.seconds
-        same = "yes" if row.sequences == baseline.sequences else "NO"
+        same = "ref" if row is baseline else _yes(row.sequences == baseline.sequences)
+        if row is baseline or row.sampled is None:
+            sampled = "ref" if row is baseline else "-"
+        else:
+            sampled = _yes(row.sampled == baseline.sampled)
         print(
-            f"{row.name:<26}{_fmt(row.acceptance, '8.1%')}{_fmt(row.tokens_per_step, '10.2f')}"
-            f"{rate:9.1f}{rate / base_rate:9.2f}x{same:>11}"
+            f"{row.name:<{width}}{_fmt(row.acceptance, '8.1%')}{_fmt(row.tokens_per_step, '10.2f')}"
+            f"{rate:9.1f}{rate / base_rate:9.2f}x{same:>10}{sampled:>11}"
         )
     identical = all(row.sequences == baseline.sequences for row in rows)
+    checked = [row for row in rows[1:] if row.sampled is not None]
+    sampled_same = all(row.sampled == baseline.sampled for row in checked)
     print(
         "\ngreedy speculative output identical to plain decoding:",
         "yes, for every drafter" if identical else "NO",
     )
+    print(
+        "sampled output identical to plain sampling with the same seed (deterministic drafters):",
+        _yes(sampled_same) if checked else "no such drafter",
+    )
+    print(
+        "  (reported as measured, not part of the exit status; '-': not checked, a chain sampled "
+        "with draft probabilities)"
+    )
     return 0 if identical else 1
+
+
+def _yes(same: bool) -> str:
+    return "yes" if same else "NO"

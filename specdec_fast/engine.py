@@ -110,7 +110,7 @@ def generate(
         _default_eos(model) if eos_token_id is None else eos_token_id, stop, max_new_tokens
     )
     sampling = Sampling.build(len(prompts), temperature, top_k, top_p, seed)
-    num_nodes = drafter.max_nodes + 1 if drafter is not None else 1
+    num_nodes = drafter.max_nodes if drafter is not None else 1
     longest = max(len(p) for p in prompts)
     capacity = max_cache_len or longest + max_new_tokens + num_nodes
     if longest - 1 + num_nodes > capacity:
@@ -181,8 +181,11 @@ def _decode(runner: ModelRunner, drafter: Drafter | None, batch: Batch, capacity
         runner.cache.compact(result.accepted_nodes, result.num_accepted, validate=False)
         host = batch.read_back(proposal, result, out.depths)
         emitted, finished = batch.emit(host, time.perf_counter())
+        runner.cache.bound_lengths(max(batch.lengths))
         if drafter is not None:
-            outcome = StepOutcome(proposal, *result, emitted, out.hidden_states, host.nodes)
+            outcome = StepOutcome(
+                proposal, *result, emitted, out.hidden_states, host.nodes, host.drafted
+            )
             drafter.update(batch.state, outcome)
         batch.roots = result.next_tokens
         batch.drop(finished, runner, drafter)

@@ -37,8 +37,6 @@ from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
-import torch
-
 from specdec_fast.drafters.base import Drafter, DraftState, Proposal, StepOutcome, root_only
 from specdec_fast.stats import percentile
 from specdec_fast.wrapping import WrappedDrafter
@@ -397,11 +395,11 @@ class GuardedDrafter(WrappedDrafter):
         if not self._speculated:
             self.guard.record_plain_step(latency)
             return
-        drafted = int((outcome.proposal.parents >= 0).sum())
-        accepted = int(outcome.num_accepted.sum())
+        drafted = sum(outcome.drafted)
+        accepted = sum(map(len, outcome.accepted_paths))
         self.guard.record_speculative_step(drafted, accepted, latency, error=failed)
 
-    def keep(self, rows: torch.Tensor) -> None:
+    def keep(self, rows: list[int]) -> None:
         if not self._active:
             return
         try:
@@ -426,9 +424,10 @@ class GuardedDrafter(WrappedDrafter):
 def _check_proposal(proposal: Proposal, batch: int, max_nodes: int) -> None:
     """Shape checks that need no device read: a malformed tree would fail the verify step."""
     tokens, parents = proposal.tokens, proposal.parents
-    if tokens.dim() != 2 or tokens.shape[0] != batch or not 1 <= tokens.shape[1] <= max_nodes + 1:
+    if tokens.dim() != 2 or tokens.shape[0] != batch or not 1 <= tokens.shape[1] <= max_nodes:
         raise ValueError(
-            f"proposal tokens: expected [{batch}, N <= {max_nodes + 1}], got {tuple(tokens.shape)}"
+            f"proposal tokens: expected [{batch}, N <= max_nodes = {max_nodes}], got "
+            f"{tuple(tokens.shape)}"
         )
     if parents.shape != tokens.shape:
         raise ValueError(

@@ -1,55 +1,40 @@
-"""Loading targets and drafters from local folders or bundled names, and drafter specs.
+"""Loading models and tokenizers as users hold them: HF folders, GGUF files, bundled names.
 
 Nothing here reaches the network: `from_pretrained` runs with `local_files_only=True`, weights are
-safetensors (or `torch.load(weights_only=True)` inside the drafters' loaders), and remote code is
-never trusted.
-
-A drafter SPEC is one of:
-    ngram[:N]            prompt lookup with a tree budget of N nodes (default 8)
-    suffix[:N]           suffix-tree lookup (default 16 nodes)
-    draft:PATH[:K]       a draft model, chain of K tokens (default 4)
-    draft-tree:PATH[:N]  a draft model expanding a static tree of N nodes
-    medusa:PATH[:N]      Medusa heads, their static tree cut to N nodes
-    eagle:PATH[:N]       an EAGLE-1/2/3 head, dynamic trees of N nodes
-PATH is a folder or a bundled name (see `specdec_fast.bundled`). Head drafters are registered in
-`HEAD_DRAFTERS` (module, builder); a kind whose module is missing is rejected as unavailable.
+safetensors, GGUF (through transformers' `gguf_file=`, which needs the `gguf` extra) or
+`torch.load(weights_only=True)` inside the drafters' loaders, and remote code is never trusted.
+Drafters are built from specs in `specdec_fast.drafters.registry`.
 """
 
 from __future__ import annotations
 
 import importlib.util
+import json
+import logging
 import os
-from dataclasses import dataclass
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
 
 import torch
 
 from specdec_fast import bundled
-from specdec_fast.drafters import DraftModelDrafter, NGramDrafter, SuffixDrafter
-from specdec_fast.drafters.base import Drafter
-from specdec_fast.trees import default_tree
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPE_CHOICES = ("auto", *DTYPES)
+GGUF_SUFFIX = ".gguf"
+# What transformers needs to read a GGUF file, and the extra that installs it.
+GGUF_PACKAGES = ("gguf", "accelerate")
+GGUF_EXTRA = "specdec-fast[gguf]"
+# The loggers of transformers' tokenizer warnings (clean_up_tokenization_spaces, lengths, ...).
+TOKENIZER_LOGGERS = (
+    "transformers.tokenization_utils_base",
+    "transformers.tokenization_utils_tokenizers",
+)
 
 
-def _medusa(path: str, target, size: int | None) -> Drafter:
-    from specdec_fast.drafters.medusa import MedusaDrafter
-    from specdec_fast.wrapping import TrimmedDrafter
-
-    drafter = MedusaDrafter.from_pretrained(path, target)
-    return drafter if size is None else TrimmedDrafter(drafter, size)
-
-
-def _eagle(path: str, target, size: int | None) -> Drafter:
-    from specdec_fast.drafters.eagle import EagleDrafter
-
-    return EagleDrafter.from_pretrained(
-        path, target, **({} if size is None else {"max_nodes": size})
-    )
-
-
-# kind -> (module that must exist, builder(path, target, size)).
-HEAD_DRAFTERS = {
-    "medusa": ("specdec_fast.drafters.medusa", _medusa),
-    "eagle": ("specdec_fast.drafters.eagle", _eagle),
-}
+class MissingExtra(ImportError):
+    """An optional dependency is missing; the message names the extra that installs it."""
 
 
 def resolve_path(name_or_path: str) -> str:
@@ -63,90 +48,130 @@ def resolve_path(name_or_path: str) -> str:
     )
 
 
+def resolve_model(name_or_path: str) -> tuple[str, str | None]:
+    """(folder, GGUF file name or None) of a model folder, a `.gguf` file or a bundled name."""
+    path = Path(name_or_path)
+    if path.suffix.lower() == GGUF_SUFFIX:
+        if not path.is_file():
+            raise ValueError(f"{name_or_path!r}: no such GGUF file")
+        return str(path.parent), path.name
+    if path.is_file():
+        raise ValueError(f"{name_or_path!r}: expected a model folder or a {GGUF_SUFFIX} file")
+    return resolve_path(name_or_path), None
+
+
+def require_gguf() -> None:
+    """Raise MissingExtra naming the `gguf` extra unless transformers can read GGUF files."""
+    missing = [name for name in GGUF_PACKAGES if importlib.util.find_spec(name) is None]
+    if missing:
+        raise MissingExtra(
+            f"loading a GGUF file needs {' and '.join(missing)}: pip install '{GGUF_EXTRA}'"
+        )
+
+
 def pick_device(device: str | None) -> torch.device:
+    """`device` (cpu, cuda, cuda:N), default cuda when available, else cpu."""
     if device is None:
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(device)
+    try:
+        picked = torch.device(device)
+    except RuntimeError:
+        raise ValueError(f"device: expected cpu, cuda or cuda:N, got {device!r}") from None
+    if picked.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device: {device!r} requested, but torch sees no CUDA device")
+    return picked
 
 
-def load_model(name_or_path: str, device: torch.device, dtype: torch.dtype | None = None):
-    """An HF causal LM from a local folder or bundled name, in eval mode on `device`.
+def parse_dtype(name: str | torch.dtype | None) -> torch.dtype | None:
+    """A torch dtype from `auto` (None), `float32`, `bfloat16` or `float16`."""
+    if name is None or isinstance(name, torch.dtype):
+        return name
+    if name == "auto":
+        return None
+    if name not in DTYPES:
+        raise ValueError(f"dtype: expected one of {', '.join(DTYPE_CHOICES)}, got {name!r}")
+    return DTYPES[name]
 
-    dtype: default bf16 on CUDA and fp32 on the CPU (CPU bf16 matmuls are slow)."""
+
+def _checkpoint_dtype(folder: str, gguf_file: str | None) -> torch.dtype | None:
+    """The floating dtype a folder's config.json records (None for GGUF or when absent)."""
+    config = Path(folder) / "config.json"
+    if gguf_file is not None or not config.is_file():
+        return None
+    recorded = json.loads(config.read_text())
+    name = recorded.get("dtype") or recorded.get("torch_dtype")
+    return DTYPES.get(name)
+
+
+def auto_dtype(device: torch.device, checkpoint: torch.dtype | None) -> torch.dtype:
+    """`auto`: float32 on the CPU (half-precision CPU matmuls are slow); on a GPU the checkpoint's
+    own 16-bit dtype, else bfloat16."""
+    if device.type == "cpu":
+        return torch.float32
+    return checkpoint if checkpoint in (torch.float16, torch.bfloat16) else torch.bfloat16
+
+
+@contextmanager
+def quiet_transformers() -> Iterator[None]:
+    """Inside: no transformers progress bars and no tokenizer warnings; restored on exit, so
+    only our own calls are silenced."""
+    import transformers.modeling_gguf_pytorch_utils as gguf_utils
+    from transformers.utils import logging as hf_logging
+
+    bars_were_on = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    loggers = [logging.getLogger(name) for name in TOKENIZER_LOGGERS]
+    levels = [logger.level for logger in loggers]
+    for logger in loggers:
+        logger.setLevel(logging.ERROR)
+    # The GGUF reader draws its own tqdm bar, outside transformers' progress-bar switch.
+    gguf_tqdm = gguf_utils.tqdm
+    gguf_utils.tqdm = _silent(gguf_tqdm)
+    try:
+        yield
+    finally:
+        gguf_utils.tqdm = gguf_tqdm
+        for logger, level in zip(loggers, levels, strict=True):
+            logger.setLevel(level)
+        if bars_were_on:
+            hf_logging.enable_progress_bar()
+
+
+def _silent(bar_class):
+    def silent(*args, **kwargs):
+        return bar_class(*args, **{**kwargs, "disable": True})
+
+    return silent
+
+
+def load_model(name_or_path: str, device: torch.device, dtype: torch.dtype | str | None = None):
+    """An HF causal LM from a folder, a `.gguf` file or a bundled name, in eval mode on `device`.
+
+    dtype: a torch dtype or its name; None or "auto" picks `auto_dtype` (float32 on the CPU, the
+    checkpoint's 16-bit dtype or bfloat16 on a GPU). GGUF weights are dequantized on loading."""
     from transformers import AutoModelForCausalLM
 
-    if dtype is None:
-        dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    model = AutoModelForCausalLM.from_pretrained(
-        resolve_path(name_or_path), dtype=dtype, local_files_only=True, trust_remote_code=False
-    )
+    folder, gguf_file = resolve_model(name_or_path)
+    if gguf_file is not None:
+        require_gguf()
+    dtype = parse_dtype(dtype) or auto_dtype(device, _checkpoint_dtype(folder, gguf_file))
+    extra = {} if gguf_file is None else {"gguf_file": gguf_file}
+    with quiet_transformers():
+        model = AutoModelForCausalLM.from_pretrained(
+            folder, dtype=dtype, local_files_only=True, trust_remote_code=False, **extra
+        )
     return model.to(device).eval()
 
 
 def load_tokenizer(name_or_path: str):
+    """The tokenizer of a folder, a `.gguf` file or a bundled name."""
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(
-        resolve_path(name_or_path), local_files_only=True, trust_remote_code=False
-    )
-
-
-@dataclass
-class DrafterSpec:
-    """A parsed drafter SPEC (see the module doc)."""
-
-    kind: str
-    path: str | None = None
-    size: int | None = None
-
-    @classmethod
-    def parse(cls, spec: str) -> DrafterSpec:
-        kind, _, rest = spec.partition(":")
-        if kind in ("none", "plain") and not rest:
-            return cls("none")
-        if kind in ("ngram", "suffix"):
-            return cls(kind, None, _size(spec, rest) if rest else None)
-        if kind in HEAD_DRAFTERS and importlib.util.find_spec(HEAD_DRAFTERS[kind][0]) is None:
-            raise ValueError(
-                f"drafter spec {spec!r}: {kind} drafters are not available in this version"
-            )
-        if kind in ("draft", "draft-tree", *HEAD_DRAFTERS):
-            if not rest:
-                raise ValueError(f"drafter spec {spec!r}: expected {kind}:PATH[:SIZE]")
-            path, _, size = rest.rpartition(":") if _has_size(rest) else (rest, "", "")
-            return cls(kind, path, _size(spec, size) if size else None)
-        raise ValueError(
-            f"drafter spec {spec!r}: expected none, ngram[:N], suffix[:N], draft:PATH[:K], "
-            "draft-tree:PATH[:N], medusa:PATH[:N] or eagle:PATH[:N]"
+    folder, gguf_file = resolve_model(name_or_path)
+    if gguf_file is not None:
+        require_gguf()
+    extra = {} if gguf_file is None else {"gguf_file": gguf_file}
+    with quiet_transformers():
+        return AutoTokenizer.from_pretrained(
+            folder, local_files_only=True, trust_remote_code=False, **extra
         )
-
-    def build(self, target, size: int | None = None) -> Drafter | None:
-        """The drafter for `target`; `size` (k or N) overrides the spec's own."""
-        size = size or self.size
-        if self.kind == "none":
-            return None
-        if self.kind == "ngram":
-            return NGramDrafter(max_nodes=size or 8)
-        if self.kind == "suffix":
-            return SuffixDrafter(max_nodes=size or 16)
-        if self.kind in HEAD_DRAFTERS:
-            return HEAD_DRAFTERS[self.kind][1](resolve_path(self.path), target, size)
-        draft = load_model(self.path, target.device, target.dtype)
-        if self.kind == "draft":
-            return DraftModelDrafter(draft, num_tokens=size or 4)
-        return DraftModelDrafter(draft, tree=default_tree(size or 8))
-
-    def __str__(self) -> str:
-        text = self.kind if self.path is None else f"{self.kind}:{self.path}"
-        return text if self.size is None else f"{text}:{self.size}"
-
-
-def _has_size(rest: str) -> bool:
-    head, _, tail = rest.rpartition(":")
-    return bool(head) and tail.isdigit()
-
-
-def _size(spec: str, text: str) -> int:
-    if not text.isdigit() or int(text) < 1:
-        raise ValueError(f"drafter spec {spec!r}: size must be a positive integer, got {text!r}")
-    return int(text)

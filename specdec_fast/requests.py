@@ -93,20 +93,18 @@ class Sampling:
         if seed is None:
             # Follows torch.manual_seed, like sampling in HF generate.
             seed = int(torch.randint(0, 2**62, (1,)).item())
-        seeds = _per_row("seed", seed, batch, torch.int64)
-        return cls(temperature, top_k, top_p, seeds)
-
-    def select(self, rows: list[int]) -> Sampling:
-        return Sampling(self.temperature[rows], self.top_k[rows], self.top_p[rows], self.seed[rows])
+        return cls(temperature, top_k, top_p, row_seeds(seed, batch))
 
 
-def step_seeds(seeds: torch.Tensor, rows: list[int], step: int) -> torch.Tensor:
-    """Distinct int64 seeds for one verify step, keyed by (seed, original row, step), so that a
-    row's randomness does not depend on which other rows are still in the batch."""
-    out = []
-    for seed, row in zip(seeds.tolist(), rows, strict=True):
-        out.append(random.Random(f"{seed}:{row}:{step}").getrandbits(62))
-    return torch.tensor(out, dtype=torch.int64)
+def row_seeds(seed, batch: int) -> torch.Tensor:
+    """int64 `[B]`: each row's seed, a hash of the row's own seed value: the value given for it,
+    or for a shared seed s, s + r for row r (so `seed=5` over two rows is `seed=[5, 6]`, and a
+    row's draws follow its seed whatever batch it runs in). The engine then offsets each row's
+    seed by the position of the token it samples."""
+    values = _per_row("seed", seed, batch, torch.int64).tolist()
+    if torch.as_tensor(seed).numel() == 1:
+        values = [values[0] + row for row in range(batch)]
+    return torch.tensor([random.Random(value).getrandbits(62) for value in values])
 
 
 class StopRule:

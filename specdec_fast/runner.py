@@ -263,7 +263,8 @@ class ModelRunner:
     ) -> "ModelRunner":
         """The model's own runner, opened for `max_cache_len`: the one an earlier call left on the
         model (its compiled steps, graphs and cache storage kept) when the options agree, else
-        a new one kept for the next call."""
+        a new one kept for the next call; while the kept one is open (a model drafting for
+        itself), a second, transient one."""
         runner = model.__dict__.get(RUNNER_ATTRIBUTE)
         compile = compile_by_default() if compile is None else compile
         graphs = model.device.type == "cuda" if use_cuda_graphs is None else use_cuda_graphs
@@ -274,9 +275,11 @@ class ModelRunner:
             and runner.compile == compile
             and runner.use_cuda_graphs == graphs
         )
-        if reusable:
+        if reusable and not runner._open:
             runner.open(max_cache_len)
             return runner
+        if reusable:  # the kept runner is busy (a model drafting for itself): a second one
+            return cls(model, max_cache_len, use_cuda_graphs=graphs, compile=compile)
         runner = cls(model, max_cache_len, use_cuda_graphs=graphs, compile=compile)
         # In the instance dict, not through nn.Module.__setattr__: a runner is no submodule.
         model.__dict__[RUNNER_ATTRIBUTE] = runner
@@ -531,11 +534,12 @@ class ModelRunner:
         shape = (kind, *args[0].shape)
         if self.compile and shape not in self._eager_shapes:
             compiled = self._compiled_step(kind, step)
-            # Batch size and step width (tokens per row) vary: one graph serves them all, with
-            # widths 1 (a decode step) and 2+ apart, as the compiler specializes size 1.
-            for tensor in args[:2]:
-                for dim in range(tensor.dim()):
-                    torch._dynamo.maybe_mark_dynamic(tensor, dim)
+            # Batch size and step width (tokens per row) vary: a graph serves them all, except
+            # that the compiler keeps size 1 apart (batch 1 or 2+, a decode step or a tree).
+            for tensor in args:
+                if isinstance(tensor, torch.Tensor):
+                    for dim in range(tensor.dim()):
+                        torch._dynamo.maybe_mark_dynamic(tensor, dim)
         else:
             compiled = step
         first = shape not in self._seen_shapes

@@ -10,7 +10,12 @@ gives the same structure: parents, depths, positions, ancestor masks, root-to-le
 
 A dynamic tree (EAGLE-2, `DynamicTreeBuilder`) is grown per step from the draft's own scores:
 level by level, the k best frontier nodes by cumulative log-probability each get their top-k
-children; at the end the best `max_nodes` candidates overall by cumulative score form the tree.
+children; at the end the best `max_nodes - 1` candidates overall by cumulative score form the
+tree under the root.
+
+Sizes count the root everywhere: a tree of N nodes (`StaticTree.num_nodes`, `default_tree(N)`,
+a budget `max_nodes=N`) is the root plus N - 1 draft nodes, so verifying it costs exactly N
+tokens of the target's forward.
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ DEFAULT_RANK_PROBS = (0.60, 0.14, 0.06, 0.035, 0.02, 0.012, 0.008, 0.005)
 class StaticTree:
     """A tree of top-k rank paths, in topological order (by depth, then lexicographic).
 
+    Node 0 is the implicit root; the fields below list the draft nodes 1..N-1.
     paths: per draft node, its rank path from the root.
     parents: per draft node, the index of its parent in the node list with the root as 0, so
         `parents[i]` refers to node `parents[i]` and draft node i is node i + 1.
@@ -45,8 +51,8 @@ class StaticTree:
 
     @property
     def num_nodes(self) -> int:
-        """Draft nodes, root excluded."""
-        return len(self.paths)
+        """N: the nodes of the tree, root included (the tokens one verify step costs)."""
+        return len(self.paths) + 1
 
     @property
     def max_depth(self) -> int:
@@ -74,9 +80,9 @@ class StaticTree:
         return (0, *self.depths)
 
     def ancestor_mask(self) -> torch.Tensor:
-        """Bool `[N + 1, N + 1]` over the nodes, root included: `[i, j]` says node j is node i or
-        one of its ancestors (the tree-attention mask of the verify step)."""
-        size = self.num_nodes + 1
+        """Bool `[N, N]` over the nodes, root included: `[i, j]` says node j is node i or one of
+        its ancestors (the tree-attention mask of the verify step)."""
+        size = self.num_nodes
         mask = torch.eye(size, dtype=torch.bool)
         for node, parent in enumerate(self.parents, start=1):
             mask[node] |= mask[parent]
@@ -86,7 +92,7 @@ class StaticTree:
         """Node-index paths from the root (0) to every leaf, in node order of the leaves."""
         has_child = set(self.parents)
         paths = []
-        for leaf in range(1, self.num_nodes + 1):
+        for leaf in range(1, self.num_nodes):
             if leaf in has_child:
                 continue
             path, node = [leaf], leaf
@@ -100,8 +106,9 @@ class StaticTree:
     def from_choices(
         cls, choices: Iterable[Sequence[int]], max_nodes: int | None = None
     ) -> StaticTree:
-        """Build from `medusa_choices`-style rank paths; raises ValueError on duplicates, missing
-        ancestors, negative ranks, empty paths, or more than `max_nodes` nodes."""
+        """Build from `medusa_choices`-style rank paths (the draft nodes; the root is implicit);
+        raises ValueError on duplicates, missing ancestors, negative ranks, empty paths, or a tree
+        of more than `max_nodes` nodes, root included."""
         paths = [tuple(int(rank) for rank in path) for path in choices]
         if not paths:
             raise ValueError("a tree needs at least one path")
@@ -117,8 +124,7 @@ class StaticTree:
         for path in paths:
             if len(path) > 1 and path[:-1] not in seen:
                 raise ValueError(f"path {list(path)} has no parent path {list(path[:-1])}")
-        if max_nodes is not None and len(paths) > max_nodes:
-            raise ValueError(f"tree has {len(paths)} nodes, over the budget of {max_nodes}")
+        _check_budget(len(paths) + 1, max_nodes)
         ordered = sorted(paths, key=lambda path: (len(path), path))
         index = {path: i + 1 for i, path in enumerate(ordered)}
         parents = tuple(index[path[:-1]] if len(path) > 1 else 0 for path in ordered)
@@ -149,7 +155,7 @@ class StaticTree:
         is the root, every other node's parent comes before it). Siblings get ranks in node
         order, and the nodes are renumbered in the canonical order (by depth, then rank path).
         Raises ValueError on a missing root, a parent that does not come first, or more than
-        `max_nodes` draft nodes."""
+        `max_nodes` nodes, root included."""
         parents = [int(p) for p in parents]
         if not parents or parents[0] != -1:
             raise ValueError(f"parents: expected -1 (the root) first, got {parents[:1]}")
@@ -165,9 +171,9 @@ class StaticTree:
         return cls.from_choices(paths[1:], max_nodes)
 
     @classmethod
-    def chain(cls, length: int) -> StaticTree:
-        """The top-1 chain of `length` nodes."""
-        return cls.from_choices([[0] * depth for depth in range(1, length + 1)])
+    def chain(cls, num_tokens: int) -> StaticTree:
+        """The top-1 chain of `num_tokens` drafted tokens (a tree of `num_tokens + 1` nodes)."""
+        return cls.from_choices([[0] * depth for depth in range(1, num_tokens + 1)])
 
 
 TreeSpec = StaticTree | Sequence[Sequence[int]] | str
@@ -175,14 +181,21 @@ TreeSpec = StaticTree | Sequence[Sequence[int]] | str
 
 def parse_tree(tree: TreeSpec, max_nodes: int | None = None) -> StaticTree:
     """A `StaticTree` from any of its spellings: a `StaticTree`, `medusa_choices` rank paths, or
-    a `speculative_token_tree` string; raises ValueError on a malformed or over-budget tree."""
+    a `speculative_token_tree` string; raises ValueError on a malformed tree or one of more than
+    `max_nodes` nodes, root included."""
     if isinstance(tree, StaticTree):
-        if max_nodes is not None and tree.num_nodes > max_nodes:
-            raise ValueError(f"tree has {tree.num_nodes} nodes, over the budget of {max_nodes}")
+        _check_budget(tree.num_nodes, max_nodes)
         return tree
     if isinstance(tree, str):
         return StaticTree.from_token_tree_string(tree, max_nodes)
     return StaticTree.from_choices(tree, max_nodes)
+
+
+def _check_budget(num_nodes: int, max_nodes: int | None) -> None:
+    if max_nodes is not None and num_nodes > max_nodes:
+        raise ValueError(
+            f"tree has {num_nodes} nodes (root included), over the budget of {max_nodes}"
+        )
 
 
 def _tuple_repr(path: tuple[int, ...]) -> str:
@@ -194,16 +207,17 @@ def best_static_tree(
     rank_probs: Sequence[float] = DEFAULT_RANK_PROBS,
     max_depth: int | None = None,
 ) -> StaticTree:
-    """The tree of `num_nodes` nodes with the largest expected accepted length when the rank-r
-    candidate at any node is right with probability `rank_probs[r]` independently of depth:
-    a path's value is the product of its ranks' probabilities, and the best nodes are taken
-    best-first (a child never scores above its parent, so the result is a tree)."""
-    if num_nodes < 1:
-        raise ValueError(f"num_nodes must be >= 1, got {num_nodes}")
+    """The tree of `num_nodes` nodes (root included) with the largest expected accepted length
+    when the rank-r candidate at any node is right with probability `rank_probs[r]`
+    independently of depth: a path's value is the product of its ranks' probabilities, and the
+    best `num_nodes - 1` draft nodes are taken best-first (a child never scores above its
+    parent, so the result is a tree)."""
+    if num_nodes < 2:
+        raise ValueError(f"num_nodes must be >= 2 (the root and a draft node), got {num_nodes}")
     heap = [(-rank_probs[r], (r,)) for r in range(len(rank_probs))]
     heapq.heapify(heap)
     chosen: list[tuple[int, ...]] = []
-    while heap and len(chosen) < num_nodes:
+    while heap and len(chosen) < num_nodes - 1:
         neg_value, path = heapq.heappop(heap)
         chosen.append(path)
         if max_depth is None or len(path) < max_depth:
@@ -216,40 +230,44 @@ DEFAULT_BUDGETS = (8, 16, 32, 64)
 
 
 def default_tree(num_nodes: int, max_depth: int = 8) -> StaticTree:
-    """A good static tree for a node budget (8, 16, 32 and 64 are the tuned defaults; any other
-    budget gets the same construction); `max_depth` caps it (e.g. at Medusa's head count)."""
+    """A good static tree of `num_nodes` nodes, root included (8, 16, 32 and 64 are the tuned
+    defaults; any other budget gets the same construction); `max_depth` caps it (e.g. at
+    Medusa's head count)."""
     return best_static_tree(num_nodes, DEFAULT_RANK_PROBS, max_depth=max_depth)
 
 
-# EAGLE-2 shapes per node budget: (depth, top-k). Candidates k + (depth - 1) k^2 exceed the budget,
-# so the final selection has room to choose; the frontier (k nodes per level) stays small.
+# EAGLE-2 shapes per node budget N (root included): (depth, top-k). Candidates k + (depth - 1) k^2
+# exceed the N - 1 draft nodes, so the final selection has room to choose; the frontier (k nodes
+# per level) stays small.
 DYNAMIC_TREE_SHAPES = {8: (4, 3), 16: (5, 4), 32: (6, 6), 64: (7, 8)}
 
 
 def dynamic_tree_shape(max_nodes: int) -> tuple[int, int]:
-    """(depth, top_k) for a dynamic tree of `max_nodes` draft nodes: the tuned shape of the
-    nearest default budget at or above it (the largest one beyond 64), depth capped at the
-    budget."""
-    if max_nodes < 1:
-        raise ValueError(f"max_nodes must be >= 1, got {max_nodes}")
+    """(depth, top_k) for a dynamic tree of `max_nodes` nodes, root included: the tuned shape of
+    the nearest default budget at or above it (the largest one beyond 64), depth capped at the
+    `max_nodes - 1` draft nodes."""
+    if max_nodes < 2:
+        raise ValueError(f"max_nodes must be >= 2 (the root and a draft node), got {max_nodes}")
     budget = min(
         (b for b in DYNAMIC_TREE_SHAPES if b >= max_nodes), default=max(DYNAMIC_TREE_SHAPES)
     )
     depth, top_k = DYNAMIC_TREE_SHAPES[budget]
-    return min(depth, max_nodes), top_k
+    return min(depth, max_nodes - 1), top_k
 
 
 def check_dynamic_tree(top_k: int, depth: int, max_nodes: int) -> None:
-    """Raise ValueError unless a dynamic tree of these arguments can be built."""
-    if top_k < 1 or depth < 1 or max_nodes < 1:
+    """Raise ValueError unless a dynamic tree of these arguments (`max_nodes` counting the root)
+    can be built."""
+    if top_k < 1 or depth < 1 or max_nodes < 2:
         raise ValueError(
-            f"top_k, depth and max_nodes must be >= 1, got {top_k}, {depth} and {max_nodes}"
+            f"top_k and depth must be >= 1 and max_nodes >= 2, got {top_k}, {depth} and {max_nodes}"
         )
     candidates = top_k + (depth - 1) * top_k * top_k
-    if max_nodes > candidates:
+    if max_nodes - 1 > candidates:
         raise ValueError(
-            f"max_nodes={max_nodes} is over the {candidates} candidates that top_k={top_k} and "
-            f"depth={depth} produce (top_k + (depth - 1) * top_k^2)"
+            f"max_nodes={max_nodes} needs {max_nodes - 1} draft nodes, over the {candidates} "
+            f"candidates that top_k={top_k} and depth={depth} produce (top_k + (depth - 1) * "
+            "top_k^2)"
         )
 
 
@@ -262,8 +280,8 @@ class DynamicTreeBuilder:
     log-probabilities, not cumulative). Each call returns the new frontier: the k candidates of
     the level with the best cumulative scores (int64 `[B, k]`) and, from `expand`, which node of
     the previous frontier each one hangs from (int64 `[B, k]`). `finish(roots)` keeps the
-    `max_nodes` best candidates overall and returns `(tokens, parents)`, int64 `[B, max_nodes + 1]`
-    in topological order (by depth, then best first), node 0 being the root.
+    `max_nodes - 1` best candidates overall and returns `(tokens, parents)`, int64
+    `[B, max_nodes]` in topological order (by depth, then best first), node 0 being the root.
 
     A child's cumulative score never exceeds its parent's, and ties go to the earlier (shallower)
     candidate, so the kept set always contains every kept node's parent. Everything is batched
@@ -314,25 +332,26 @@ class DynamicTreeBuilder:
         return flat_tokens.gather(1, best.indices), best.indices // k
 
     def finish(self, roots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The best `max_nodes` candidates as a tree under `roots` (int `[B]`)."""
+        """The best `max_nodes - 1` candidates as a tree under `roots` (int `[B]`)."""
         if self._levels == 0:
             raise RuntimeError("finish: call start first")
         scores = torch.cat(self._scores, dim=1)
         tokens = torch.cat(self._tokens, dim=1)
         parents = torch.cat(self._parents, dim=1)
         depths = torch.cat(self._depths, dim=1)
-        if self.max_nodes > scores.shape[1]:
+        drafted = self.max_nodes - 1
+        if drafted > scores.shape[1]:
             raise RuntimeError(
                 f"finish: {scores.shape[1]} candidates after {self._levels} levels, fewer than "
-                f"max_nodes={self.max_nodes}"
+                f"the {drafted} draft nodes of max_nodes={self.max_nodes}"
             )
         # Stable: among equal scores the earlier candidate (never deeper) comes first.
-        chosen = scores.sort(dim=1, descending=True, stable=True).indices[:, : self.max_nodes]
+        chosen = scores.sort(dim=1, descending=True, stable=True).indices[:, :drafted]
         by_depth = depths.gather(1, chosen).sort(dim=1, stable=True).indices
         chosen = chosen.gather(1, by_depth)
         batch = chosen.shape[0]
         node_of = torch.full_like(tokens, -1)
-        node_ids = torch.arange(1, self.max_nodes + 1, device=chosen.device).expand(batch, -1)
+        node_ids = torch.arange(1, self.max_nodes, device=chosen.device).expand(batch, -1)
         node_of.scatter_(1, chosen, node_ids)
         parent_candidates = parents.gather(1, chosen)
         parent_nodes = torch.where(

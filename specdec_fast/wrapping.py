@@ -1,11 +1,11 @@
 """Drafter wrappers: a drafter that delegates to an inner one, and proposal trimming.
 
-A wrapper may verify less than the inner drafter proposed: the first `n` draft nodes of a tree in
-node order (a topological order, so the prefix is itself a tree), or the root alone, which is
-exactly one step of plain decoding. The inner drafter is then told about the step as if its whole
-proposal had been verified: the accepted path only uses kept nodes, so padding the result with
-"not accepted" describes a valid verification of the full tree, and drafters with their own
-caches (draft models) stay in step.
+A wrapper may verify less than the inner drafter proposed: the first `n` nodes of a tree in node
+order, root included (a topological order, so the prefix is itself a tree), down to the root
+alone (n = 1), which is exactly one step of plain decoding. The inner drafter is then told about
+the step as if its whole proposal had been verified: the accepted path only uses kept nodes, so
+padding the result with "not accepted" describes a valid verification of the full tree, and
+drafters with their own caches (draft models) stay in step.
 """
 
 from __future__ import annotations
@@ -15,9 +15,10 @@ import torch
 from specdec_fast.drafters.base import Drafter, DraftState, Proposal, StepOutcome
 
 
-def trim_proposal(proposal: Proposal, budget: int) -> Proposal:
-    """The first `budget` draft nodes of each tree (root kept): tokens/parents [B, budget + 1]."""
-    width = min(budget + 1, proposal.num_nodes)
+def trim_proposal(proposal: Proposal, num_nodes: int) -> Proposal:
+    """The first `num_nodes` nodes of each tree, root included: tokens/parents [B, N] become
+    [B, min(N, num_nodes)] (draft_probs [B, N, V] likewise)."""
+    width = min(num_nodes, proposal.num_nodes)
     probs = proposal.draft_probs
     return Proposal(
         tokens=proposal.tokens[:, :width],
@@ -48,6 +49,8 @@ def widen_outcome(outcome: StepOutcome, full: Proposal) -> StepOutcome:
         next_tokens=outcome.next_tokens,
         emitted=outcome.emitted,
         hidden={layer: _pad_nodes(h, width, 0.0) for layer, h in outcome.hidden.items()},
+        accepted_paths=outcome.accepted_paths,
+        drafted=outcome.drafted,
     )
 
 
@@ -81,7 +84,7 @@ class WrappedDrafter(Drafter):
     def update(self, state: DraftState, outcome: StepOutcome) -> None:
         self.inner.update(state, outcome)
 
-    def keep(self, rows: torch.Tensor) -> None:
+    def keep(self, rows: list[int]) -> None:
         self.inner.keep(rows)
 
     def end(self) -> None:
@@ -89,37 +92,3 @@ class WrappedDrafter(Drafter):
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.inner!r})"
-
-
-class TrimmedDrafter(WrappedDrafter):
-    """Caps the inner drafter's trees at `budget` draft nodes (for drafters without a size knob)."""
-
-    def __init__(self, inner: Drafter, budget: int):
-        super().__init__(inner)
-        if budget < 1:
-            raise ValueError(f"budget must be >= 1, got {budget}")
-        self.budget = budget
-        self._full: Proposal | None = None
-
-    @property
-    def max_nodes(self) -> int:
-        return min(self.budget, self.inner.max_nodes)
-
-    @property
-    def max_depth(self) -> int:
-        return min(self.max_nodes, self.inner.max_depth)
-
-    def attach(self, target, max_cache_len: int) -> None:
-        # The engine sized its cache for the cut tree; the inner drafter's own cache (a draft
-        # model's) must still hold its whole tree.
-        self.inner.attach(target, max_cache_len + self.inner.max_nodes - self.max_nodes)
-
-    def propose(self, state: DraftState) -> Proposal:
-        self._full = self.inner.propose(state)
-        return trim_proposal(self._full, self.budget)
-
-    def update(self, state: DraftState, outcome: StepOutcome) -> None:
-        self.inner.update(state, widen_outcome(outcome, self._full))
-
-    def __repr__(self) -> str:
-        return f"TrimmedDrafter({self.inner!r}, budget={self.budget})"

@@ -6,10 +6,10 @@ import torch
 from tiny_models import repetitive_prompts, tiny_llama
 
 from specdec_fast import DraftModelDrafter, NGramDrafter, SuffixDrafter, generate
-from specdec_fast.adaptive import AcceptanceWindow, AdaptiveDrafter, CostModel
+from specdec_fast.adaptive import PLAIN, AcceptanceWindow, AdaptiveDrafter, CostModel
 from specdec_fast.drafters.base import Drafter, DraftState, Proposal, StepOutcome
 from specdec_fast.trees import default_tree
-from specdec_fast.wrapping import TrimmedDrafter, trim_proposal, widen_outcome
+from specdec_fast.wrapping import trim_proposal, widen_outcome
 
 VOCAB = 96
 NEW_TOKENS = 32
@@ -42,7 +42,7 @@ def test_trim_and_widen_round_trip():
     parents = torch.tensor([[-1, 0, 0, 1, 2], [-1, 0, 1, -2, -2]])
     probs = torch.rand(2, 5, 7)
     full = Proposal(tokens, parents, probs)
-    cut = trim_proposal(full, 2)
+    cut = trim_proposal(full, 3)  # three nodes, root included
     assert cut.tokens.tolist() == [[0, 1, 2], [5, 6, 7]]
     assert cut.parents.tolist() == [[-1, 0, 0], [-1, 0, 1]]
     assert torch.equal(cut.draft_probs, probs[:, :3])
@@ -65,14 +65,15 @@ def test_trim_and_widen_round_trip():
 
 def test_acceptance_window_counterfactual_budgets_and_eviction():
     window = AcceptanceWindow(size=2)
-    # Budget 4; one row accepted nodes 1 then 3 (a path through a branch), one accepted nothing.
-    window.add(4, [[0, 1, 3, -1, -1], [0, -1, -1, -1, -1]])
-    # Cut to n nodes, the first row keeps the path nodes with index <= n: 1, 1, 2, 2 tokens.
-    assert [window.expected_tokens(n) for n in (1, 2, 3, 4)] == [1.5, 1.5, 2.0, 2.0]
-    assert window.expected_tokens(5) is None
-    window.add(2, [[0, 1, 2]])  # evicts the first row-step (window of 2)
-    assert window.expected_tokens(2) == pytest.approx(1 + (0 + 2) / 2)
-    assert window.expected_tokens(4) == 1.0  # only the empty row-step verified 4 nodes
+    # Trees of 5 nodes; one row accepted nodes 1 then 3 (a path through a branch), one nothing.
+    window.add(5, [[0, 1, 3, -1, -1], [0, -1, -1, -1, -1]])
+    # Cut to n nodes (root included), the first row keeps the path nodes with index < n:
+    # 0, 1, 1, 2, 2 drafts.
+    assert [window.expected_tokens(n) for n in (1, 2, 3, 4, 5)] == [1.0, 1.5, 1.5, 2.0, 2.0]
+    assert window.expected_tokens(6) is None
+    window.add(3, [[0, 1, 2]])  # evicts the first row-step (window of 2)
+    assert window.expected_tokens(3) == pytest.approx(1 + (0 + 2) / 2)
+    assert window.expected_tokens(5) == 1.0  # only the empty row-step verified 5 nodes
 
 
 def test_cost_model_interpolates_in_nodes_then_batch():
@@ -102,18 +103,18 @@ def steep_cost_model(batches=(1, 64)):
 
 def test_budget_follows_the_cost_model_and_recent_acceptance():
     adaptive = AdaptiveDrafter(NGramDrafter(max_nodes=8), steep_cost_model())
-    assert adaptive.budgets == [1, 2, 3, 5, 8]
+    assert adaptive.budgets == [2, 3, 4, 6, 8]  # tree sizes N, root included
     # Unknown acceptance: look at the full tree.
     assert adaptive.choose_budget(1) == 8
     # Every row-step accepts its first two nodes of a chain.
-    adaptive.acceptance.add(8, [[0, 1, 2, -1, -1, -1, -1, -1, -1]] * 20)
-    assert adaptive.choose_budget(1) == 2  # 3 tokens per step for ~1.03x the plain cost
-    assert adaptive.predicted_speedup(1, 2) == pytest.approx(3 * 1.01 / 1.03)
-    assert adaptive.choose_budget(64) == 0  # 3 tokens for 3x the plain cost: no gain
-    adaptive.acceptance.add(8, [[0, 1, 2, 3, 4, 5, 6, 7, 8]] * 500)
+    adaptive.acceptance.add(8, [[0, 1, 2, -1, -1, -1, -1, -1]] * 20)
+    assert adaptive.choose_budget(1) == 3  # 3 tokens per step for ~1.03x the plain cost
+    assert adaptive.predicted_speedup(1, 3) == pytest.approx(3 * 1.01 / 1.03)
+    assert adaptive.choose_budget(64) == PLAIN  # 3 tokens for 3x the plain cost: no gain
+    adaptive.acceptance.add(8, [[0, 1, 2, 3, 4, 5, 6, 7]] * 500)
     assert adaptive.choose_budget(1) == 8
-    # Even with every draft accepted, n + 1 tokens cost n + 1 plain steps at batch 64: no gain.
-    assert adaptive.choose_budget(64) == 0
+    # Even with every draft accepted, N tokens cost N plain steps at batch 64: no gain.
+    assert adaptive.choose_budget(64) == PLAIN
 
 
 def test_predicted_loss_means_no_drafting_at_all(target, prompts, plain):
@@ -134,12 +135,12 @@ def test_predicted_loss_means_no_drafting_at_all(target, prompts, plain):
             costly.observe_verify(batch, nodes, float(nodes) * 100)
     inner = CountingNGram(max_nodes=8)
     adaptive = AdaptiveDrafter(inner, costly, explore_share=0.0)
-    adaptive.acceptance.add(8, [[0, 1, -1, -1, -1, -1, -1, -1, -1]] * 10)
+    adaptive.acceptance.add(8, [[0, 1, -1, -1, -1, -1, -1, -1]] * 10)
     with torch.no_grad():
         out = generate(target, prompts, drafter=adaptive, max_new_tokens=NEW_TOKENS)
     assert [s.tolist() for s in out.sequences] == plain
     assert inner.calls == {"begin": 0, "propose": 0}
-    assert set(adaptive.chosen) == {0}
+    assert set(adaptive.chosen) == {PLAIN}
     assert out.stats.drafted_tokens == 0
 
 
@@ -149,7 +150,7 @@ def test_predicted_loss_means_no_drafting_at_all(target, prompts, plain):
         lambda draft: NGramDrafter(max_nodes=8),
         lambda draft: SuffixDrafter(max_nodes=8),
         lambda draft: DraftModelDrafter(draft, num_tokens=5),
-        lambda draft: DraftModelDrafter(draft, tree=default_tree(9)),
+        lambda draft: DraftModelDrafter(draft, tree=default_tree(10)),
     ],
     ids=["ngram", "suffix", "draft-chain", "draft-tree"],
 )
@@ -163,20 +164,11 @@ def test_greedy_output_is_exact_whatever_the_budgets(target, draft, prompts, pla
     inner = make(draft)
     adaptive = AdaptiveDrafter(inner, cheap, explore_every=2)
     # Every budget known, 3 looking best until the full-tree steps every other step say more.
-    adaptive.acceptance.add(inner.max_nodes, [[0, 1, 2, 3] + [-1] * (inner.max_nodes - 3)] * 4)
+    adaptive.acceptance.add(inner.max_nodes, [[0, 1, 2, 3] + [-1] * (inner.max_nodes - 4)] * 4)
     with torch.no_grad():
         out = generate(target, prompts, drafter=adaptive, max_new_tokens=NEW_TOKENS)
     assert [s.tolist() for s in out.sequences] == plain
     assert len(set(adaptive.chosen)) >= 2
-
-
-def test_trimmed_drafter_caps_the_tree(target, draft, prompts, plain):
-    drafter = TrimmedDrafter(DraftModelDrafter(draft, tree=default_tree(9)), budget=3)
-    assert drafter.max_nodes == 3 and drafter.max_depth <= 3
-    with torch.no_grad():
-        out = generate(target, prompts, drafter=drafter, max_new_tokens=NEW_TOKENS)
-    assert [s.tolist() for s in out.sequences] == plain
-    assert out.stats.drafted_tokens <= 3 * sum(s.steps for s in out.stats.sequences)
 
 
 def test_calibration_measures_every_cell(target):
@@ -189,7 +181,7 @@ class _Chain(Drafter):
     """A fixed chain of draft tokens; learns nothing."""
 
     def propose(self, state: DraftState) -> Proposal:
-        batch, width = state.batch_size, self.max_nodes + 1
+        batch, width = state.batch_size, self.max_nodes
         tokens = torch.ones(batch, width, dtype=torch.int64)
         parents = torch.arange(-1, width - 1).expand(batch, -1).contiguous()
         return Proposal(tokens, parents)
@@ -229,6 +221,8 @@ def _run_request(adaptive: AdaptiveDrafter, clock: list[float], steps: int, step
                 next_tokens=torch.ones(batch, dtype=torch.int64),
                 emitted=emitted,
                 hidden={},
+                accepted_paths=[[n for n in row[1:] if n >= 0] for row in accepted.tolist()],
+                drafted=[proposal.num_nodes - 1] * batch,
             ),
         )
     adaptive.end()
@@ -237,16 +231,16 @@ def _run_request(adaptive: AdaptiveDrafter, clock: list[float], steps: int, step
 def test_exploration_costs_at_most_its_share_of_the_plain_time():
     clock = [0.0]
     adaptive = AdaptiveDrafter(
-        _Chain(max_nodes=4), steep_cost_model(), explore_share=0.1, clock=lambda: clock[0]
+        _Chain(max_nodes=5), steep_cost_model(), explore_share=0.1, clock=lambda: clock[0]
     )
     # Nothing learned yet: the first request explores the full tree at every step.
     _run_request(adaptive, clock, steps=3, step_s=10.0)
-    assert adaptive.chosen == [4, 4, 4]
+    assert adaptive.chosen == [5, 5, 5]
     assert adaptive.explorations == 1
     # 2 tokens per row-step: a loss at batch 64. Each step cost 10 s for 2 tokens that plain
     # decoding makes in 2 x 1.01 s: 7.98 s lost per step, 23.94 s in all, owed from the credit.
-    assert adaptive.acceptance.expected_tokens(4) == 2.0
-    assert adaptive.choose_budget(64) == 0
+    assert adaptive.acceptance.expected_tokens(5) == 2.0
+    assert adaptive.choose_budget(64) == PLAIN
     assert adaptive.exploration_cost == pytest.approx(23.94)
     assert adaptive.credit == pytest.approx(-23.94)
     # Plain requests repay 10% of their time: the next exploration is due once the credit
@@ -254,21 +248,21 @@ def test_exploration_costs_at_most_its_share_of_the_plain_time():
     for _ in range(47):
         _run_request(adaptive, clock, steps=10, step_s=1.01)
         assert adaptive.explorations == 1
-    assert set(adaptive.chosen[3:]) == {0}
+    assert set(adaptive.chosen[3:]) == {PLAIN}
     _run_request(adaptive, clock, steps=10, step_s=1.01)  # due at the next request
     assert adaptive.credit == pytest.approx(-23.94 + 48 * 10 * 0.101)
     _run_request(adaptive, clock, steps=3, step_s=10.0)
     assert adaptive.explorations == 2
-    assert adaptive.chosen[-3:] == [4, 4, 4]
+    assert adaptive.chosen[-3:] == [5, 5, 5]
     assert adaptive.credit == pytest.approx(-2 * 23.94 + 48 * 10 * 0.101)
     # The budgeted exploration's loss stays within 10% of the plain time.
-    plain_time = 1.01 * sum(1 for budget in adaptive.chosen if budget == 0)
+    plain_time = 1.01 * sum(1 for budget in adaptive.chosen if budget == PLAIN)
     assert adaptive.exploration_cost <= 0.1 * plain_time
 
 
 def test_no_exploration_without_credit():
-    adaptive = AdaptiveDrafter(_Chain(max_nodes=4), steep_cost_model(), explore_share=0.0)
-    adaptive.acceptance.add(4, [[0, 1, -1, -1, -1]] * 10)  # 2 tokens per step: a loss at 64
+    adaptive = AdaptiveDrafter(_Chain(max_nodes=5), steep_cost_model(), explore_share=0.0)
+    adaptive.acceptance.add(5, [[0, 1, -1, -1, -1]] * 10)  # 2 tokens per step: a loss at 64
     for _ in range(3):
         adaptive.begin(_state(64))
         assert [adaptive.propose(_state(64)).num_nodes for _ in range(2)] == [1, 1]

@@ -20,7 +20,7 @@ def test_bench_generate_compares_every_peer(monkeypatch):
     assert by_peer["ours plain"].speedup_vs_plain == 1.0
     assert by_peer["HF generate"].speedup_vs_hf == 1.0
     assert all(r.tokens_per_s > 0 for r in records)
-    assert by_peer["ours draft chain k=4"].acceptance is not None
+    assert by_peer["ours draft k=4 (N=5)"].acceptance is not None
     table = import_bench(monkeypatch, "e2e").format_table(records)
     assert len(table.splitlines()) == 2 + len(records)
 

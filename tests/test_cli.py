@@ -1,34 +1,72 @@
-"""The command line: `specdec-fast generate` on a small model folder written by the test."""
+"""The command line: `specdec-fast generate` on small models written by the test, as users hold
+them (HF folders with and without a chat template, a GGUF file), with dtype and device options,
+special tokens skipped, and progress on stderr only where stderr is a terminal."""
 
+import fcntl
 import json
+import os
+import pty
+import struct
 import subprocess
 import sys
+import termios
 
 import pytest
-from tiny_models import tiny_llama
+import torch
+from tiny_models import tiny_llama, write_gguf
 from tokenizers import ByteLevelBPETokenizer
 from transformers import PreTrainedTokenizerFast
 
+from specdec_fast import loading
 from specdec_fast.cli import main
-from specdec_fast.loading import DrafterSpec
+from specdec_fast.loading import MissingExtra, auto_dtype, load_model, load_tokenizer
+from specdec_fast.text import encode_prompt
+
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<eos>{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+TEXT = ["def add(a, b):\n    return a + b\n", "for i in range(10):\n    print(i)\n"] * 20
+
+
+def tiny_tokenizer() -> PreTrainedTokenizerFast:
+    bpe = ByteLevelBPETokenizer()
+    bpe.train_from_iterator(TEXT, vocab_size=300, min_frequency=1, special_tokens=["<eos>"])
+    return PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token="<eos>")
 
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
     folder = tmp_path_factory.mktemp("tiny-model")
-    text = ["def add(a, b):\n    return a + b\n", "for i in range(10):\n    print(i)\n"] * 20
-    bpe = ByteLevelBPETokenizer()
-    bpe.train_from_iterator(text, vocab_size=300, min_frequency=1, special_tokens=["<eos>"])
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token="<eos>")
+    tokenizer = tiny_tokenizer()
     tokenizer.save_pretrained(folder)
     tiny_llama(vocab_size=len(tokenizer)).save_pretrained(folder)
     return folder
 
 
-def cli(*args):
+@pytest.fixture(scope="module")
+def chat_dir(tmp_path_factory):
+    """A chat model whose every next token is `<eos>` (id 0): its LM head is zero, so all logits
+    tie and greedy decoding picks the lowest id."""
+    folder = tmp_path_factory.mktemp("tiny-chat")
+    tokenizer = tiny_tokenizer()
+    tokenizer.chat_template = CHAT_TEMPLATE
+    tokenizer.save_pretrained(folder)
+    model = tiny_llama(vocab_size=len(tokenizer))
+    torch.nn.init.zeros_(model.lm_head.weight)
+    model.save_pretrained(folder)
+    assert tokenizer.eos_token_id == 0
+    return folder
+
+
+def cli(*args, stderr=subprocess.PIPE):
     """Run the command line in a fresh interpreter, as a user would."""
     return subprocess.run(
-        [sys.executable, "-m", "specdec_fast", *args], capture_output=True, text=True, check=False
+        [sys.executable, "-m", "specdec_fast", *args],
+        stdout=subprocess.PIPE,
+        stderr=stderr,
+        text=True,
+        check=False,
     )
 
 
@@ -38,68 +76,132 @@ def cli_in_process(capsys, *args):
     return code, captured.out, captured.err
 
 
+def generate_json(capsys, model, *extra):
+    code, out, err = cli_in_process(
+        capsys, "generate", "--model", str(model), "--prompt", "def add(a, b):",
+        "--max-new-tokens", "12", "--json", "--device", "cpu", *extra,
+    )  # fmt: skip
+    assert code == 0, err
+    return json.loads(out), err
+
+
 @pytest.mark.parametrize("drafter", ["none", "ngram:4", "suffix", "draft:{model}:2"])
 def test_generate_json(model_dir, drafter, capsys):
-    code, out, err = cli_in_process(
-        capsys,
-        "generate",
-        "--model",
-        str(model_dir),
-        "--drafter",
-        drafter.format(model=model_dir),
-        "--prompt",
-        "def add(a, b):",
-        "--max-new-tokens",
-        "12",
-        "--json",
-        "--device",
-        "cpu",
-    )
-    assert code == 0, err
-    record = json.loads(out)
-    assert record["prompt"] == "def add(a, b):"
-    new_tokens = record["stats"]["new_tokens"]
-    assert 1 <= new_tokens <= 12
-    assert f"{new_tokens}/12 tokens" in err  # the progress line
+    record, err = generate_json(capsys, model_dir, "--drafter", drafter.format(model=model_dir))
+    assert record["prompt"] == "def add(a, b):" and record["chat"] is False
+    assert 1 <= record["stats"]["new_tokens"] <= 12
+    # Stderr is not a terminal here: no progress, no loading bars, no tokenizer warnings.
+    assert err == ""
 
 
 def test_generate_text_output(model_dir):
     result = cli(
-        "generate",
-        "--model",
-        str(model_dir),
-        "--prompt",
-        "for i in",
-        "--max-new-tokens",
-        "6",
-        "--device",
-        "cpu",
-    )
+        "generate", "--model", str(model_dir), "--prompt", "for i in", "--max-new-tokens", "6",
+        "--device", "cpu",
+    )  # fmt: skip
     assert result.returncode == 0, result.stderr
-    assert result.stdout.startswith("for i in")
+    assert result.stdout.startswith("for i in")  # a raw completion continues the prompt
     assert "tok/s" in result.stdout
+    assert result.stderr == ""
 
 
-@pytest.mark.parametrize(
-    ("spec", "kind", "path", "size"),
-    [
-        ("ngram", "ngram", None, None),
-        ("suffix:32", "suffix", None, 32),
-        ("draft:/a/b", "draft", "/a/b", None),
-        ("draft:/a/b:3", "draft", "/a/b", 3),
-        ("draft-tree:tiny-code-draft:16", "draft-tree", "tiny-code-draft", 16),
-        ("none", "none", None, None),
-    ],
-)
-def test_drafter_spec_parsing(spec, kind, path, size):
-    parsed = DrafterSpec.parse(spec)
-    assert (parsed.kind, parsed.path, parsed.size) == (kind, path, size)
+def test_progress_is_one_line_on_a_terminal(model_dir):
+    """With stderr on a pseudo-terminal the bar rewrites one line; stdout keeps the JSON."""
+    leader, follower = pty.openpty()
+    # A terminal of 100 columns (a fresh pseudo-terminal has none, and tqdm draws nothing).
+    fcntl.ioctl(follower, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 100, 0, 0))
+    try:
+        result = cli(
+            "generate", "--model", str(model_dir), "--prompt", "for i in",
+            "--max-new-tokens", "24", "--json", "--device", "cpu", stderr=follower,
+        )  # fmt: skip
+        os.close(follower)
+        follower = None
+        chunks = []
+        while True:
+            try:
+                chunk = os.read(leader, 4096)
+            except OSError:  # the terminal is closed once everything was read
+                break
+            if not chunk:
+                break
+            chunks.append(chunk)
+    finally:
+        os.close(leader)
+        if follower is not None:
+            os.close(follower)
+    assert result.returncode == 0
+    assert json.loads(result.stdout)["stats"]["new_tokens"] >= 1
+    terminal = b"".join(chunks).decode()
+    assert "generate" in terminal and "tok" in terminal
+    assert "\n" not in terminal.strip("\r\n")  # one line, rewritten with carriage returns
 
 
-@pytest.mark.parametrize("spec", ["magic", "draft", "ngram:0", "ngram:x"])
-def test_bad_drafter_spec(spec):
-    with pytest.raises(ValueError, match="drafter spec"):
-        DrafterSpec.parse(spec)
+def test_chat_template_by_default_and_special_tokens_skipped(chat_dir, capsys):
+    tokenizer = load_tokenizer(str(chat_dir))
+    templated = encode_prompt(tokenizer, "def add(a, b):")
+    raw = encode_prompt(tokenizer, "def add(a, b):", chat=False)
+    assert len(templated) > len(raw)
+    record, _ = generate_json(capsys, chat_dir)
+    assert record["chat"] is True and record["prompt_tokens"] == len(templated)
+    # The answer is the end-of-turn token at once (the tokenizer's EOS stops it), skipped.
+    assert record["stats"]["new_tokens"] == 1 and record["completion"] == ""
+    kept, _ = generate_json(capsys, chat_dir, "--keep-special-tokens")
+    assert kept["completion"] == "<eos>"
+    plain, _ = generate_json(capsys, chat_dir, "--no-chat")
+    assert plain["chat"] is False and plain["prompt_tokens"] == len(raw)
+
+
+def test_chat_without_a_template_is_a_clear_error(model_dir, capsys):
+    code, _, err = cli_in_process(
+        capsys, "generate", "--model", str(model_dir), "--prompt", "x", "--chat"
+    )
+    assert code == 2 and "the tokenizer has no chat template" in err
+
+
+def test_dtype_and_device_options(model_dir, capsys):
+    cpu = torch.device("cpu")
+    assert load_model(str(model_dir), cpu).dtype == torch.float32  # auto on the CPU
+    assert load_model(str(model_dir), cpu, "bfloat16").dtype == torch.bfloat16
+    assert auto_dtype(torch.device("cuda"), torch.float16) == torch.float16
+    assert auto_dtype(torch.device("cuda"), torch.float32) == torch.bfloat16
+    record, _ = generate_json(capsys, model_dir, "--dtype", "float16")
+    assert record["stats"]["new_tokens"] >= 1
+    code, _, err = cli_in_process(
+        capsys, "generate", "--model", str(model_dir), "--prompt", "x", "--device", "tpu"
+    )
+    assert code == 2 and "device: expected cpu, cuda or cuda:N, got 'tpu'" in err
+    with pytest.raises(SystemExit):
+        main(["generate", "--model", str(model_dir), "--prompt", "x", "--dtype", "int8"])
+
+
+def test_gguf_file_gives_the_folder_model(model_dir, tmp_path, capsys):
+    pytest.importorskip("gguf", reason="the gguf package (specdec-fast[gguf]) is not installed")
+    pytest.importorskip("accelerate", reason="accelerate (specdec-fast[gguf]) is not installed")
+    model = load_model(str(model_dir), torch.device("cpu"))
+    tokenizer = load_tokenizer(str(model_dir))
+    path = tmp_path / "tiny.gguf"
+    write_gguf(path, model, tokenizer, CHAT_TEMPLATE)
+    from_gguf = load_model(str(path), torch.device("cpu"))
+    ids = torch.tensor([tokenizer.encode("def add(a, b):")])
+    torch.testing.assert_close(from_gguf(ids).logits, model(ids).logits)
+    gguf_tokenizer = load_tokenizer(str(path))
+    assert gguf_tokenizer.encode("for i in range(3):") == tokenizer.encode("for i in range(3):")
+    # The command line on the file, with the file as the draft model too.
+    record, err = generate_json(capsys, path, "--drafter", f"draft:{path}:2")
+    assert record["chat"] is True  # the GGUF file's own template
+    assert record["stats"]["new_tokens"] >= 1 and record["stats"]["accepted_tokens"] > 0
+    assert err == ""  # no dequantization or loading bars
+
+
+def test_gguf_without_the_extra_names_it(monkeypatch, tmp_path, capsys):
+    path = tmp_path / "model.gguf"
+    path.write_bytes(b"GGUF")
+    monkeypatch.setattr(loading.importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(MissingExtra, match=r"needs gguf and accelerate: pip install"):
+        load_model(str(path), torch.device("cpu"))
+    code, _, err = cli_in_process(capsys, "generate", "--model", str(path), "--prompt", "x")
+    assert code == 2 and "pip install 'specdec-fast[gguf]'" in err
 
 
 def test_missing_model_is_a_clear_error(tmp_path, capsys):
@@ -108,3 +210,7 @@ def test_missing_model_is_a_clear_error(tmp_path, capsys):
     )
     assert code == 2
     assert "neither a folder nor a bundled model" in err
+    code, _, err = cli_in_process(
+        capsys, "generate", "--model", str(tmp_path / "nope.gguf"), "--prompt", "x"
+    )
+    assert code == 2 and "no such GGUF file" in err

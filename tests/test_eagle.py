@@ -75,7 +75,7 @@ def test_sampling_follows_the_target(sampling_target, version, setting):
     """Chi-square tests of the first two sampled tokens (the method and tolerance of
     tests/test_generate_sampling.py: p >= 1e-3 over 3000 seeded draws)."""
     temperature, top_k, top_p = setting
-    drafter = EagleDrafter(make_head(version, sampling_target, seed=4), max_nodes=6, depth=2)
+    drafter = EagleDrafter(make_head(version, sampling_target, seed=4), max_nodes=7, depth=2)
     counts, stats = sample_pairs(sampling_target, drafter, temperature, top_k, top_p, seed=31)
     exact = exact_pair_probs(sampling_target, temperature, top_k, top_p)
     assert chi_square_p(counts.sum(1), exact.sum(1)) >= P_MIN
@@ -136,8 +136,9 @@ class FromScratch:
         best = log_probs.topk(k)
         return best.values.tolist(), self.head.to_target_ids(best.indices).tolist()
 
-    def eagle2_tree(self, k, depth, max_nodes):
-        """Token paths of EAGLE-2's tree in (depth, best first) order, in plain Python."""
+    def eagle2_tree(self, k, depth, draft_nodes):
+        """Token paths of the `draft_nodes` nodes under the root of EAGLE-2's tree in (depth,
+        best first) order, in plain Python."""
         root = self.output()
         scores, tokens = self.top(root, k)
         # (score, depth, order, token path, entries of the path)
@@ -156,7 +157,7 @@ class FromScratch:
                     )
             candidates += children
             frontier = sorted(children, key=lambda c: -c[0])[:k]
-        best = sorted(candidates, key=lambda c: (-c[0], c[2]))[:max_nodes]
+        best = sorted(candidates, key=lambda c: (-c[0], c[2]))[:draft_nodes]
         return [c[3] for c in sorted(best, key=lambda c: (c[1], -c[0], c[2]))]
 
 
@@ -171,7 +172,7 @@ def proposal_paths(proposal, row=0):
 @pytest.mark.parametrize("version", [1, 3], ids=["eagle1", "eagle3"])
 def test_head_cache_and_tree_match_a_from_scratch_recomputation(target, version):
     head = make_head(version, target, seed=7)
-    drafter = RecordingDrafter(head, max_nodes=7, depth=3, top_k=3)
+    drafter = RecordingDrafter(head, max_nodes=8, depth=3, top_k=3)
     prompts = repetitive_prompts([11, 6], VOCAB, seed=9)
     out = generate(target, prompts, drafter=drafter, max_new_tokens=24)
     assert [s.tolist() for s in out.sequences] == hf_greedy(target, prompts, 24)
@@ -179,7 +180,8 @@ def test_head_cache_and_tree_match_a_from_scratch_recomputation(target, version)
     for tokens, root_output, proposal in drafter.steps[:: max(len(drafter.steps) // 4, 1)]:
         scratch = FromScratch(head, target, tokens)
         torch.testing.assert_close(root_output, scratch.output(), rtol=1e-4, atol=1e-4)
-        assert proposal_paths(proposal) == scratch.eagle2_tree(k=3, depth=3, max_nodes=7)
+        assert proposal.num_nodes == 8  # the root and 7 draft nodes
+        assert proposal_paths(proposal) == scratch.eagle2_tree(k=3, depth=3, draft_nodes=7)
 
 
 # --- checkpoints -------------------------------------------------------------------------------
@@ -332,7 +334,7 @@ def test_bad_checkpoints_and_misfits_raise_clear_errors(target, tmp_path):
     with pytest.raises(ValueError, match="neither a folder nor a bundled model"):
         load_eagle_head(tmp_path / "nowhere", target)
     with pytest.raises(ValueError, match="over the 3 candidates"):
-        EagleDrafter(make_head(1, target), max_nodes=4, depth=1, top_k=3)
+        EagleDrafter(make_head(1, target), max_nodes=5, depth=1, top_k=3)
     other = tiny_llama(vocab_size=VOCAB + 1)
     with pytest.raises(ValueError, match="vocab_size is 96, the target's is 97"):
         generate(other, [[1, 2, 3]], drafter=EagleDrafter(make_head(1, target)), max_new_tokens=2)

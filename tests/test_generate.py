@@ -39,7 +39,7 @@ def hf_greedy(model, prompts, max_new_tokens=NEW_TOKENS):
 class WrongDrafter(Drafter):
     """Proposes a wide tree of tokens the target never picks (always wrong)."""
 
-    def __init__(self, avoid, max_nodes=6):
+    def __init__(self, avoid, max_nodes=7):
         super().__init__(max_nodes, 2)
         self.avoid = avoid
 
@@ -60,6 +60,24 @@ DRAFTERS = {
     "draft-chain": lambda draft: DraftModelDrafter(draft, num_tokens=3),
     "draft-tree": lambda draft: DraftModelDrafter(draft, tree=default_tree(8)),
 }
+
+
+@pytest.mark.parametrize(
+    ("name", "nodes"), [("draft-chain", 4), ("draft-tree", 8)], ids=["chain-k3", "tree-N8"]
+)
+def test_a_budget_of_n_nodes_verifies_exactly_n_tokens(target, draft, name, nodes):
+    """The root counts: a tree of N nodes and a chain of k = N - 1 tokens verify N tokens."""
+    widths = []
+    hook = target.register_forward_pre_hook(
+        lambda module, args, kwargs: widths.append(kwargs["input_ids"].shape[1]), with_kwargs=True
+    )
+    drafter = DRAFTERS[name](draft)
+    try:
+        generate(target, [[5, 6, 7, 5, 6]], drafter=drafter, max_new_tokens=12, eos_token_id=[])
+    finally:
+        hook.remove()
+    assert drafter.max_nodes == nodes
+    assert set(widths[1:]) == {nodes}  # every forward after the prefill is a verify step
 
 
 @pytest.mark.parametrize("lengths", [[13], [5, 17, 1, 30, 9]], ids=["batch1", "ragged5"])
@@ -103,7 +121,7 @@ def test_oracle_drafter_gets_every_node_accepted(target):
     def continuation_of(tokens):
         return next(c for c in expected if c[: len(tokens)] == tokens)[len(tokens) :]
 
-    out = generate(target, prompts, drafter=OracleChain(continuation_of, 5), max_new_tokens=30)
+    out = generate(target, prompts, drafter=OracleChain(continuation_of, 6), max_new_tokens=30)
     assert [s.tolist() for s in out.sequences] == expected
     assert out.stats.acceptance_rate == 1.0
     assert out.stats.steps == 5  # 30 tokens, 6 per step (5 drafts + the bonus token)

@@ -32,7 +32,7 @@ def test_eos_and_stop_sequences_cut_inside_an_accepted_path(target):
     eos = future[5]
     first_eos = future.index(eos)
     out = generate(
-        target, [prompt], drafter=OracleChain(continuation, 12), max_new_tokens=30, eos_token_id=eos
+        target, [prompt], drafter=OracleChain(continuation, 13), max_new_tokens=30, eos_token_id=eos
     )
     assert out.sequences[0].tolist() == full[: len(prompt) + first_eos + 1]
     assert out.stats.sequences[0].finish_reason == "eos"
@@ -40,7 +40,7 @@ def test_eos_and_stop_sequences_cut_inside_an_accepted_path(target):
     out = generate(
         target,
         [prompt],
-        drafter=OracleChain(continuation, 12),
+        drafter=OracleChain(continuation, 13),
         max_new_tokens=30,
         eos_token_id=[],
         stop=[stop],
@@ -171,3 +171,49 @@ def test_model_without_the_attention_interface_is_refused():
     model = NoInterface(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64)).eval()
     with pytest.raises(ValueError, match=r"gpt2|attention"):
         generate(model, [[1, 2, 3]], drafter=None, max_new_tokens=2)
+
+
+class FailingDraft(DraftModelDrafter):
+    """A draft-model chain that raises `error` in one of its protocol calls."""
+
+    def __init__(self, draft, where: str, error: BaseException):
+        super().__init__(draft, num_tokens=2)
+        self.where, self.error = where, error
+
+    def _maybe_fail(self, where: str) -> None:
+        if where == self.where:
+            raise self.error
+
+    def begin(self, state):
+        super().begin(state)
+        self._maybe_fail("begin")
+
+    def propose(self, state):
+        self._maybe_fail("propose")
+        return super().propose(state)
+
+    def update(self, state, outcome):
+        super().update(state, outcome)
+        self._maybe_fail("update")
+
+
+@pytest.mark.parametrize("where", ["begin", "propose", "update"])
+@pytest.mark.parametrize(
+    "error", [RuntimeError("drafter failed"), KeyboardInterrupt()], ids=["error", "interrupt"]
+)
+def test_models_leave_a_failed_generate_as_they_entered(target, where, error):
+    """Whatever a drafter raises, and wherever: the target and the draft model get their own
+    attention back, answer plain HF calls, and serve the next `generate` exactly."""
+    draft = tiny_llama(vocab_size=VOCAB, hidden_size=32, layers=1, seed=5)
+    prompt = repetitive_prompts([9], VOCAB, seed=4)[0]
+    attention = target.config._attn_implementation, draft.config._attn_implementation
+    with pytest.raises(type(error)):
+        generate(target, [prompt], drafter=FailingDraft(draft, where, error), max_new_tokens=8)
+    assert (target.config._attn_implementation, draft.config._attn_implementation) == attention
+    with torch.no_grad():
+        for model in (target, draft):
+            model(torch.tensor([prompt]))  # raises if our attention were still switched on
+    out = generate(
+        target, [prompt], drafter=DraftModelDrafter(draft, num_tokens=2), max_new_tokens=8
+    )
+    assert out.sequences[0].tolist()[len(prompt) :] == plain_continuation(target, prompt, 8)

@@ -92,10 +92,10 @@ def sample_pairs(target, drafter, temperature, top_k, top_p, seed):
 
 DRAFTERS = {
     "plain": lambda draft: None,
-    "ngram": lambda draft: NGramDrafter(max_nodes=4, max_depth=2),
-    "suffix": lambda draft: SuffixDrafter(max_nodes=4, max_depth=2, min_prob=0.0),
+    "ngram": lambda draft: NGramDrafter(max_nodes=5, max_depth=2),
+    "suffix": lambda draft: SuffixDrafter(max_nodes=5, max_depth=2, min_prob=0.0),
     "draft-chain": lambda draft: DraftModelDrafter(draft, num_tokens=2),
-    "draft-tree": lambda draft: DraftModelDrafter(draft, tree=default_tree(6)),
+    "draft-tree": lambda draft: DraftModelDrafter(draft, tree=default_tree(7)),
 }
 SETTINGS = {"t1": (1.0, 0, 1.0), "t0.7-topk5": (0.7, 5, 1.0), "t1.3-topp0.8": (1.3, 0, 0.8)}
 

@@ -119,7 +119,7 @@ class CollapsingOracle(Drafter):
         trees = []
         for tokens in state.tokens:
             full = next(c for c in self.continuations if c[: len(tokens)] == tokens)
-            ahead = full[len(tokens) : len(tokens) + self.max_nodes]
+            ahead = full[len(tokens) : len(tokens) + self.max_nodes - 1]
             if not self.good:
                 ahead = [(t + 1) % VOCAB for t in ahead]
             trees.append((ahead, list(range(len(ahead)))))

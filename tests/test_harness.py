@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from test_cli import CHAT_TEMPLATE, tiny_tokenizer
 from tiny_models import tiny_llama
 
 from specdec_fast import NGramDrafter, bundled
@@ -16,8 +17,7 @@ from specdec_fast.harness import PromptRecord, default_prompts, load_prompts, ru
 from specdec_fast.harness.checks import passes, validate_check
 from specdec_fast.harness.prompts import TASKS
 from specdec_fast.harness.report import write_report
-from specdec_fast.harness.sweep import BenchConfig, CellRun, Encoded, quality
-from specdec_fast.loading import HEAD_DRAFTERS, DrafterSpec
+from specdec_fast.harness.sweep import BenchConfig, CellRun, Encoded, encode_prompts, quality
 from specdec_fast.stats import SpecStats
 
 VOCAB = 96
@@ -31,8 +31,45 @@ class CharTokenizer:
     def encode(self, text, add_special_tokens=False):
         return [ord(c) % VOCAB for c in text]
 
-    def decode(self, tokens):
+    def decode(self, tokens, skip_special_tokens=False, clean_up_tokenization_spaces=None):
         return "".join(chr(32 + t) for t in tokens)
+
+
+def test_prompt_rows_may_give_chat_messages(tmp_path):
+    path = tmp_path / "chat.jsonl"
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+    path.write_text(json.dumps({"messages": messages, "task": "qa"}) + "\n")
+    (record,) = load_prompts(path)
+    assert record.prompt is None and record.messages == messages
+    assert record.text == "system: Be brief.\nuser: Hi"
+    assert record.to_dict() == {"messages": messages, "task": "qa", "temperature": 0.0,
+                                "id": "chat.jsonl:1"}  # fmt: skip
+    for line, message in [
+        ({"prompt": "a", "messages": messages}, r"chat\.jsonl:1: give `prompt` or `messages`"),
+        ({"messages": []}, r"chat\.jsonl:1\.messages: expected a non-empty list"),
+        ({"messages": [{"role": "robot", "content": "x"}]}, r"messages\[0\]\.role: expected one"),
+        ({"messages": [{"role": "user"}]}, r"messages\[0\]: expected an object with `role`"),
+    ]:
+        path.write_text(json.dumps(line) + "\n")
+        with pytest.raises(ValueError, match=message):
+            load_prompts(path)
+
+
+def test_prompts_are_encoded_with_the_chat_template_when_there_is_one():
+    tokenizer = tiny_tokenizer()
+    records = [
+        PromptRecord("def f():", id="text"),
+        PromptRecord(None, id="chat", messages=[{"role": "user", "content": "def f():"}]),
+    ]
+    raw = encode_prompts(records[:1], tokenizer, 8, chat=None)[0].ids  # no template yet
+    assert raw == tokenizer.encode("def f():", add_special_tokens=False)
+    with pytest.raises(ValueError, match="prompt 'chat': messages: the prompt needs a chat"):
+        encode_prompts(records, tokenizer, 8)
+    tokenizer.chat_template = CHAT_TEMPLATE
+    text, chat = encode_prompts(records, tokenizer, 8)
+    expected = tokenizer.encode("<|user|>def f():<eos><|assistant|>", add_special_tokens=False)
+    assert text.ids == chat.ids == expected  # a text prompt is one user message
+    assert encode_prompts(records[:1], tokenizer, 8, chat=False)[0].ids == raw
 
 
 def test_load_prompts_validates_each_line(tmp_path):
@@ -48,7 +85,7 @@ def test_load_prompts_validates_each_line(tmp_path):
     assert records[1].task == "other" and records[1].temperature == 0.0
     for line, message in [
         ("{bad json", r"p\.jsonl:1: invalid JSON"),
-        ('{"task": "qa"}', r"p\.jsonl:1\.prompt: expected a non-empty string"),
+        ('{"task": "qa"}', r"p\.jsonl:1\.prompt: expected a non-empty string \(or chat"),
         ('{"prompt": "a", "check": "(unclosed"}', r"p\.jsonl:1\.check: expected one of"),
         ('{"prompt": "a", "max_new_tokens": 0}', r"max_new_tokens: expected a positive integer"),
         ('{"prompt": "a", "temperature": -1}', r"temperature: expected a number >= 0"),
@@ -144,8 +181,11 @@ def test_sweep_end_to_end_on_a_tiny_model(tmp_path, monkeypatch):
     with torch.no_grad():
         report = run_sweep(model, CharTokenizer(), records, config, make, progress=False)
     names = [(c["name"], c["batch"]) for c in report["cells"]]
-    cells = ("ngram:2", "adaptive(ngram:2)", "suffix:3", "adaptive(suffix:3)")
+    # k = 2 drafted tokens: a tree drafter verifies N = 3 nodes, root included.
+    cells = ("ngram:3", "adaptive(ngram:3)", "suffix:3", "adaptive(suffix:3)")
     assert names == [(n, b) for b in (1, 2) for n in cells]
+    assert {c["nodes"] for c in report["cells"]} == {3}
+    assert ("ngram", 3) in calls
     assert report["cost_model"]["verify_s"]  # calibrated for the adaptive cells
     for cell in report["cells"]:
         m = cell["metrics"]
@@ -213,15 +253,6 @@ def test_failing_requests_count_as_errors_and_the_sweep_goes_on():
     assert report["baseline"]["1"]["error_rate"] == 0.0
 
 
-def test_head_drafter_specs(monkeypatch):
-    for kind, (module, _) in HEAD_DRAFTERS.items():
-        spec = DrafterSpec.parse(f"{kind}:some-path:8")
-        assert (spec.kind, spec.path, spec.size) == (kind, "some-path", 8)
-        monkeypatch.setitem(HEAD_DRAFTERS, kind, (module + "_missing", None))
-        with pytest.raises(ValueError, match="not available in this version"):
-            DrafterSpec.parse(f"{kind}:some-path")
-
-
 def test_bench_help_and_bad_grid(capsys):
     with pytest.raises(SystemExit) as done:
         main(["bench", "--help"])
@@ -244,15 +275,19 @@ def test_bench_cli_on_the_bundled_models(tmp_path):
     code = main(
         ["bench", "--model", "tiny-code", "--drafter", "ngram", "--drafter",
          "draft:tiny-code-draft", "--k", "2", "--batch", "3", "--prompts", str(prompts),
-         "--out", str(tmp_path / "report"), "--device", "cpu"]
+         "--out", str(tmp_path / "report"), "--device", "cpu", "--dtype", "float32",
+         "--no-chat"]
     )  # fmt: skip
     assert code == 0
     report = json.loads((tmp_path / "report" / "report.json").read_text())
     assert len(report["prompts"]) == len(TASKS)
+    assert report["config"]["chat"] is False
     assert {c["name"] for c in report["cells"]} == {
-        "ngram:2", "adaptive(ngram:2)", "draft:tiny-code-draft:2",
+        "ngram:3", "adaptive(ngram:3)", "draft:tiny-code-draft:2",
         "adaptive(draft:tiny-code-draft:2)",
     }  # fmt: skip
+    # --k 2: two drafted tokens, so N = 3 verified tokens for the tree and the chain alike.
+    assert {c["nodes"] for c in report["cells"]} == {3}
     for cell in report["cells"]:
         assert cell["metrics"]["error_rate"] == 0.0
         q = cell["quality"]

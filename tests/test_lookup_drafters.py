@@ -38,17 +38,17 @@ def test_best_tree_ranks_by_frequency_and_keeps_ancestors():
     trie = CountTrie()
     for seq, weight in [([1, 2, 3], 3), ([1, 2, 4], 1), ([5, 6], 2), ([1, 7], 1)]:
         trie.insert(seq, weight)
-    tokens, parents = trie.best_tree(max_nodes=5, max_depth=3)
+    tokens, parents = trie.best_tree(max_nodes=6, max_depth=3)  # the root and 5 draft nodes
     assert tokens == [1, 5, 2, 6, 3]
     assert parents == [0, 0, 1, 2, 3]
-    tokens, parents = trie.best_tree(max_nodes=10, max_depth=2, min_prob=0.2)
+    tokens, parents = trie.best_tree(max_nodes=11, max_depth=2, min_prob=0.2)
     assert set(paths(tokens, parents)) == {(1,), (5,), (1, 2), (5, 6)}
 
 
 @settings(max_examples=60, deadline=None)
 @given(
     seqs=st.lists(st.lists(st.integers(0, 4), min_size=1, max_size=6), min_size=1, max_size=12),
-    max_nodes=st.integers(1, 12),
+    max_nodes=st.integers(2, 13),
     max_depth=st.integers(1, 6),
 )
 def test_best_tree_is_topological_closed_and_optimal(seqs, max_nodes, max_depth):
@@ -56,9 +56,8 @@ def test_best_tree_is_topological_closed_and_optimal(seqs, max_nodes, max_depth)
     for seq in seqs:
         trie.insert(seq)
     tokens, parents = trie.best_tree(max_nodes, max_depth)
-    assert len(tokens) == min(
-        max_nodes, len({tuple(s[:d]) for s in seqs for d in range(1, min(len(s), max_depth) + 1)})
-    )
+    prefixes = {tuple(s[:d]) for s in seqs for d in range(1, min(len(s), max_depth) + 1)}
+    assert len(tokens) == min(max_nodes - 1, len(prefixes))  # the root counts in max_nodes
     assert all(0 <= p <= i for i, p in enumerate(parents))
     found = paths(tokens, parents)
     assert len(set(found)) == len(found)
@@ -127,7 +126,7 @@ def test_ngram_follows_history_and_batch_shrink():
 
 def test_ngram_matches_brute_force():
     rng = random.Random(0)
-    drafter = NGramDrafter(max_nodes=1, max_depth=1, min_n=1, max_n=3, max_matches=1)
+    drafter = NGramDrafter(max_nodes=2, max_depth=1, min_n=1, max_n=3, max_matches=1)
     rows = [[rng.randrange(6) for _ in range(rng.randrange(2, 40))] for _ in range(20)]
     state = make_state(rows)
     drafter.begin(state)
@@ -164,7 +163,7 @@ def test_request_index_equals_batch_index():
 
 
 def test_suffix_uses_request_and_global_store():
-    drafter = SuffixDrafter(max_nodes=4, max_depth=3, min_prob=0.0, max_store_tokens=12)
+    drafter = SuffixDrafter(max_nodes=5, max_depth=3, min_prob=0.0, max_store_tokens=12)
     state = make_state([[1, 2, 3, 1, 2], [9, 8]])
     drafter.begin(state)
     proposal = drafter.propose(state)
@@ -198,8 +197,8 @@ def test_suffix_store_is_bounded_fifo():
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [
-        ({"max_nodes": 0}, "max_nodes"),
-        ({"max_nodes": 4, "max_depth": 5}, "max_depth"),
+        ({"max_nodes": 1}, "max_nodes must be >= 2"),
+        ({"max_nodes": 4, "max_depth": 4}, "max_depth"),
         ({"min_n": 3, "max_n": 2}, "min_n"),
         ({"max_matches": 0}, "max_matches"),
     ],

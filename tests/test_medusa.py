@@ -86,7 +86,7 @@ def test_sampling_follows_the_target(sampling_target, setting):
     tests/test_generate_sampling.py: p >= 1e-3 over 3000 seeded draws)."""
     temperature, top_k, top_p = setting
     heads = random_heads(HIDDEN, SAMPLING_VOCAB, num_heads=2, seed=3)
-    drafter = MedusaDrafter(heads, default_tree(6, max_depth=2))
+    drafter = MedusaDrafter(heads, default_tree(7, max_depth=2))
     counts, stats = sample_pairs(sampling_target, drafter, temperature, top_k, top_p, seed=21)
     exact = exact_pair_probs(sampling_target, temperature, top_k, top_p)
     assert chi_square_p(counts.sum(1), exact.sum(1)) >= P_MIN

@@ -23,6 +23,17 @@ def test_kernels_are_a_subpackage():
         )
 
 
+def test_bundled_is_an_attribute_of_the_package():
+    # A fresh interpreter: in this one another test may have imported specdec_fast.bundled.
+    script = "import specdec_fast; print(specdec_fast.bundled.path('tiny-code'))"
+    result = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, check=False
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == specdec_fast.bundled.path("tiny-code")
+    assert "bundled" in specdec_fast.__all__
+
+
 def test_version_is_set():
     assert specdec_fast.__version__ != "0.0.0"
 

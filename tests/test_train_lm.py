@@ -1,7 +1,6 @@
 """The causal-LM training loop: batches, schedule, learning, exact resume, progress output."""
 
 import json
-import sys
 
 import numpy as np
 import pytest
@@ -9,7 +8,6 @@ import torch
 
 from specdec_fast.train.data import batch_at_step, num_windows
 from specdec_fast.train.lm import LOG_NAME, TrainSettings, lr_at, model_config, train_lm
-from specdec_fast.train.progress import Progress
 
 VOCAB = 4096
 
@@ -86,13 +84,3 @@ def test_resume_reproduces_an_uninterrupted_run(tmp_path):
         assert torch.equal(expected, actual), name
     with pytest.raises(ValueError, match="settings|trained with"):
         train_lm(_tiny_config(), _settings(9), stream, tmp_path / "split", resume=True)
-
-
-def test_progress_without_tqdm_prints_a_line(monkeypatch, capsys):
-    monkeypatch.setitem(sys.modules, "tqdm", None)
-    progress = Progress(total=4, desc="train", min_interval_s=0.0)
-    progress.update(2, loss="1.000")
-    progress.update(2, loss="0.500")
-    progress.close()
-    lines = capsys.readouterr().err.strip().splitlines()
-    assert lines[-1].startswith("train 4/4 loss=0.500")

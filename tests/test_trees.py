@@ -46,7 +46,7 @@ def check_structure(tree: StaticTree) -> None:
 def test_every_spelling_gives_the_same_tree(parents):
     tree = StaticTree.from_parents(parents)
     check_structure(tree)
-    assert tree.num_nodes == len(parents) - 1
+    assert tree.num_nodes == len(parents) == len(tree.paths) + 1  # the root counts
     assert StaticTree.from_choices(tree.to_choices()) == tree
     assert StaticTree.from_token_tree_string(tree.to_token_tree_string()) == tree
     assert StaticTree.from_parents(tree.node_parents) == tree
@@ -60,11 +60,12 @@ def test_ancestor_mask_and_leaf_paths_follow_the_parents(parents):
     mask = tree.ancestor_mask()
     on_device = device_ancestor_mask(torch.tensor([tree.node_parents]))[0]
     assert torch.equal(mask, on_device)
+    assert mask.shape == (tree.num_nodes, tree.num_nodes)
     assert mask.sum(dim=1).tolist() == [depth + 1 for depth in tree.positions]
     leaves = tree.leaf_paths()
     has_child = set(tree.parents)
     assert sorted(path[-1] for path in leaves) == [
-        node for node in range(1, tree.num_nodes + 1) if node not in has_child
+        node for node in range(1, tree.num_nodes) if node not in has_child
     ]
     for path in leaves:
         assert path[0] == 0
@@ -100,10 +101,14 @@ def test_malformed_trees_are_refused(spec, message):
 
 
 def test_over_budget_and_bad_parents_are_refused():
-    with pytest.raises(ValueError, match="over the budget of 2"):
-        parse_tree([[0], [1], [2]], max_nodes=2)
-    with pytest.raises(ValueError, match="over the budget of 2"):
-        parse_tree(default_tree(8), max_nodes=2)
+    # Budgets count the root: three draft nodes make a tree of 4 nodes.
+    assert parse_tree([[0], [1], [2]], max_nodes=4).num_nodes == 4
+    with pytest.raises(ValueError, match="4 nodes \\(root included\\), over the budget of 3"):
+        parse_tree([[0], [1], [2]], max_nodes=3)
+    with pytest.raises(ValueError, match="over the budget of 7"):
+        parse_tree(default_tree(8), max_nodes=7)
+    with pytest.raises(ValueError, match="num_nodes must be >= 2"):
+        default_tree(1)
     with pytest.raises(ValueError, match="-1 \\(the root\\) first"):
         StaticTree.from_parents([0, 0])
     with pytest.raises(ValueError, match="node 2 has parent 2"):
@@ -114,7 +119,7 @@ def test_over_budget_and_bad_parents_are_refused():
 def test_default_trees_fill_their_budget(budget):
     tree = default_tree(budget)
     check_structure(tree)
-    assert tree.num_nodes == budget
+    assert tree.num_nodes == budget == len(tree.node_parents)  # verify costs exactly N tokens
     assert default_tree(budget, max_depth=3).max_depth <= 3
     # The most likely path is always in, as a chain from the root.
     assert all((0,) * depth in tree.paths for depth in range(1, tree.max_depth + 1))
@@ -123,9 +128,9 @@ def test_default_trees_fill_their_budget(budget):
 # --- dynamic trees ---------------------------------------------------------------------------
 
 
-def reference_dynamic_tree(root_scores, root_tokens, level_scores, level_tokens, max_nodes):
+def reference_dynamic_tree(root_scores, root_tokens, level_scores, level_tokens, draft_nodes):
     """EAGLE-2 in plain Python for one row: candidates are (score, depth, order, token path);
-    returns the token paths of the best `max_nodes` in (depth, best first) order."""
+    returns the token paths of the best `draft_nodes` in (depth, best first) order."""
     k = len(root_scores)
     candidates = [(root_scores[i], 1, i, (root_tokens[i],)) for i in range(k)]
     frontier = candidates[:]
@@ -140,7 +145,7 @@ def reference_dynamic_tree(root_scores, root_tokens, level_scores, level_tokens,
                 )
         candidates += level
         frontier = level
-    best = sorted(candidates, key=lambda c: (-c[0], c[2]))[:max_nodes]
+    best = sorted(candidates, key=lambda c: (-c[0], c[2]))[:draft_nodes]
     return [c[3] for c in sorted(best, key=lambda c: (c[1], -c[0], c[2]))]
 
 
@@ -161,7 +166,7 @@ def token_paths(tokens, parents):
 )
 def test_dynamic_tree_matches_the_python_reference(batch, top_k, depth, seed, data):
     candidates = top_k + (depth - 1) * top_k * top_k
-    max_nodes = data.draw(st.integers(1, candidates))
+    max_nodes = data.draw(st.integers(2, candidates + 1))
     generator = torch.Generator().manual_seed(seed)
     vocab = 50
 
@@ -187,17 +192,17 @@ def test_dynamic_tree_matches_the_python_reference(batch, top_k, depth, seed, da
         levels.append((scores, tokens))
     roots = torch.arange(batch) + 100
     tokens, parents = builder.finish(roots)
-    assert tokens.shape == parents.shape == (batch, max_nodes + 1)
+    assert tokens.shape == parents.shape == (batch, max_nodes)
     for row in range(batch):
         row_parents = parents[row].tolist()
         assert row_parents[0] == -1 and tokens[row, 0] == roots[row]
-        assert all(0 <= row_parents[i] < i for i in range(1, max_nodes + 1))
+        assert all(0 <= row_parents[i] < i for i in range(1, max_nodes))
         expected = reference_dynamic_tree(
             root_scores[row].tolist(),
             root_tokens[row].tolist(),
             [s[row].tolist() for s, _ in levels],
             [t[row].tolist() for _, t in levels],
-            max_nodes,
+            max_nodes - 1,
         )
         assert token_paths(tokens[row].tolist(), row_parents) == expected
 
@@ -205,7 +210,7 @@ def test_dynamic_tree_matches_the_python_reference(batch, top_k, depth, seed, da
 def test_dynamic_tree_with_tied_scores_keeps_every_parent():
     """All-equal (and -inf) scores: ties go to the shallower candidate, so parents are kept."""
     for fill in (0.0, -math.inf, math.nan):
-        builder = DynamicTreeBuilder(top_k=3, depth=4, max_nodes=20)
+        builder = DynamicTreeBuilder(top_k=3, depth=4, max_nodes=21)
         builder.start(torch.full((2, 3), fill), torch.arange(6).view(2, 3))
         for _ in range(3):
             builder.expand(torch.full((2, 3, 3), fill), torch.arange(18).view(2, 3, 3))
@@ -218,10 +223,13 @@ def test_dynamic_tree_with_tied_scores_keeps_every_parent():
 
 
 def test_dynamic_tree_arguments_are_checked():
+    check_dynamic_tree(top_k=2, depth=3, max_nodes=11)  # 10 draft nodes out of 10 candidates
     with pytest.raises(ValueError, match="over the 10 candidates"):
-        check_dynamic_tree(top_k=2, depth=3, max_nodes=11)
+        check_dynamic_tree(top_k=2, depth=3, max_nodes=12)
     with pytest.raises(ValueError, match="must be >= 1"):
         check_dynamic_tree(top_k=0, depth=3, max_nodes=4)
+    with pytest.raises(ValueError, match="max_nodes >= 2"):
+        check_dynamic_tree(top_k=2, depth=3, max_nodes=1)
     builder = DynamicTreeBuilder(2, 2, 3)
     with pytest.raises(RuntimeError, match="call start first"):
         builder.expand(torch.zeros(1, 2, 2), torch.zeros(1, 2, 2, dtype=torch.long))
@@ -233,8 +241,8 @@ def test_dynamic_tree_arguments_are_checked():
         builder.expand(torch.zeros(1, 2, 2), torch.zeros(1, 2, 2, dtype=torch.long))
 
 
-@pytest.mark.parametrize("budget", [1, 5, *DYNAMIC_TREE_SHAPES, 100])
+@pytest.mark.parametrize("budget", [2, 5, *DYNAMIC_TREE_SHAPES, 100])
 def test_dynamic_tree_shapes_fit_their_budget(budget):
     depth, top_k = dynamic_tree_shape(budget)
-    assert 1 <= depth <= budget
+    assert 1 <= depth <= budget - 1
     check_dynamic_tree(top_k, depth, budget)

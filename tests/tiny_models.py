@@ -98,8 +98,9 @@ def repetitive_prompts(lengths, vocab_size: int, seed: int = 0) -> list[list[int
 
 
 class OracleChain(Drafter):
-    """Proposes a known continuation as a chain: with the target's own greedy future, every node
-    is accepted. `continuation_of(tokens)` returns the tokens that follow `tokens`."""
+    """Proposes a known continuation as a chain of `max_nodes - 1` tokens (a tree of `max_nodes`
+    nodes): with the target's own greedy future, every node is accepted. `continuation_of(tokens)`
+    returns the tokens that follow `tokens`."""
 
     def __init__(self, continuation_of: Callable[[list[int]], list[int]], max_nodes: int):
         super().__init__(max_nodes)
@@ -108,6 +109,61 @@ class OracleChain(Drafter):
     def propose(self, state):
         trees = []
         for tokens in state.tokens:
-            ahead = self.continuation_of(tokens)[: self.max_nodes]
+            ahead = self.continuation_of(tokens)[: self.max_nodes - 1]
             trees.append((ahead, list(range(len(ahead)))))
         return pack_trees([t[-1] for t in state.tokens], trees, state.device)
+
+
+def write_gguf(path, model, tokenizer, chat_template: str | None = None) -> None:
+    """Write a Llama `model` and its byte-level BPE `tokenizer` as a float32 GGUF file, the way
+    llama.cpp's converter lays them out (tensor names, Q/K rotary permutation, metadata), so
+    transformers' `gguf_file=` reads back the same model."""
+    import json
+
+    import gguf
+    import numpy as np
+
+    config = model.config
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_context_length(config.max_position_embeddings)
+    writer.add_embedding_length(config.hidden_size)
+    writer.add_block_count(config.num_hidden_layers)
+    writer.add_feed_forward_length(config.intermediate_size)
+    writer.add_head_count(config.num_attention_heads)
+    writer.add_head_count_kv(config.num_key_value_heads)
+    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
+    writer.add_vocab_size(config.vocab_size)
+    vocab = sorted(tokenizer.get_vocab().items(), key=lambda item: item[1])
+    special = set(tokenizer.all_special_tokens)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_token_list([token for token, _ in vocab])
+    writer.add_token_types(
+        [gguf.TokenType.CONTROL if t in special else gguf.TokenType.NORMAL for t, _ in vocab]
+    )
+    merges = json.loads(tokenizer.backend_tokenizer.to_str())["model"]["merges"]
+    writer.add_token_merges([" ".join(m) if isinstance(m, list) else m for m in merges])
+    # transformers reads the EOS token through the BOS id, so both are written.
+    writer.add_bos_token_id(tokenizer.eos_token_id)
+    writer.add_eos_token_id(tokenizer.eos_token_id)
+    if chat_template is not None:
+        writer.add_chat_template(chat_template)
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, config.num_hidden_layers)
+
+    def permute(weights, heads):
+        # llama.cpp interleaves the rotary halves of each head of Q and K.
+        shape = weights.shape
+        return weights.reshape(heads, 2, shape[0] // heads // 2, *shape[1:]).swapaxes(1, 2)
+
+    for name, tensor in model.state_dict().items():
+        module, suffix = name.rsplit(".", 1)
+        data = tensor.detach().float().numpy()
+        if module.endswith("q_proj"):
+            data = permute(data, config.num_attention_heads).reshape(data.shape)
+        elif module.endswith("k_proj"):
+            data = permute(data, config.num_key_value_heads).reshape(data.shape)
+        writer.add_tensor(f"{names.get_name(module)}.{suffix}", np.ascontiguousarray(data))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()

@@ -12,8 +12,11 @@ One speculative step, as the engine runs it (DESIGN.md, "Data flow of one step")
 
 A drafter is any object with these members (subclass `Drafter` for the defaults):
 
-- `max_nodes: int`: the tree budget, draft nodes per step excluding the root (N = max_nodes + 1).
-- `max_depth: int`: the deepest level a proposal may reach (a chain of k tokens has depth k).
+- `max_nodes: int`: the tree budget N, the tokens verified per step with the root included
+  (>= 2), so the verify forward has at most N tokens. Chains are sized by the tokens they
+  draft, k: a chain of k tokens is a tree of N = k + 1 nodes (`DraftModelDrafter(num_tokens=k)`).
+- `max_depth: int`: the deepest level a proposal may reach (a chain of k tokens has depth k),
+  at most N - 1.
 - `hidden_layers: tuple[int, ...]`: target layers whose hidden states the drafter reads (-1 is the
   final normed hidden state that feeds the LM head); the engine captures them at prefill and verify.
 - `attach(target, max_cache_len)`: called once per `generate` before anything else; model-based
@@ -25,7 +28,12 @@ A drafter is any object with these members (subclass `Drafter` for the defaults)
   row r
   (accepted drafts then the next token, truncated at a stop), `outcome.hidden` the hidden states of
   the verified nodes.
-- `keep(rows)`: finished rows leave the batch; `rows` (int64 [B']) indexes the rows that remain.
+- `keep(rows)`: finished rows leave the batch; `rows` (a list of ints) indexes the rows that
+  remain, in their new order.
+
+Drafters never read device tensors back to the host: what a step's outcome means on the host
+(emitted tokens, the accepted node indices, the drafted counts) comes with the outcome, read
+once by the engine, and host data goes up with `specdec_fast.transfer.to_device`.
 - `end()`: the batch is done (a drafter with a global store may learn from the outputs here).
 
 Proposals of deterministic drafters (n-gram, suffix, Medusa, EAGLE, top-k draft trees) carry no
@@ -38,7 +46,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
+
+from specdec_fast.transfer import to_device
 
 PAD_PARENT = -2
 
@@ -70,7 +81,10 @@ class DraftState:
     tokens: per row, every token so far (prompt and emitted); the last one is the root of the next
         tree and is not yet in the target's cache.
     temperature, top_k, top_p: float/int64/float [B] tensors on the device (0.0 = greedy).
-    seed: int64 [B] per-row seeds, advanced by the engine at every step.
+    seed: int64 [B] per-row seeds (fixed for the call; vary randomness by position).
+    device: the target's device.
+    greedy: True when every row decodes greedily (known on the host).
+    roots: int64 [B] on the device, each row's root (`tokens[r][-1]`), or None before prefill.
     hidden: target hidden states by layer index: after prefill, [B, T, H] over the cached prompt
         tokens (padded rows hold zeros after `prompt_lens[r] - 1`).
     """
@@ -81,6 +95,8 @@ class DraftState:
     top_p: torch.Tensor
     seed: torch.Tensor
     device: torch.device
+    greedy: bool = True
+    roots: torch.Tensor | None = None
     hidden: dict[int, torch.Tensor] = field(default_factory=dict)
 
     @property
@@ -100,6 +116,7 @@ class StepOutcome:
     hidden: target hidden states of the verified nodes by layer index, [B, N, H].
     accepted_paths: per row, the accepted path's node indices after the root, on the host
         (read back with the emitted tokens: a drafter needs no read of its own to follow it).
+    drafted: per row, the draft nodes the tree offered (root excluded), on the host.
     """
 
     proposal: Proposal
@@ -109,6 +126,7 @@ class StepOutcome:
     emitted: list[list[int]]
     hidden: dict[int, torch.Tensor] = field(default_factory=dict)
     accepted_paths: list[list[int]] = field(default_factory=list)
+    drafted: list[int] = field(default_factory=list)
 
 
 class Drafter:
@@ -117,11 +135,15 @@ class Drafter:
     hidden_layers: tuple[int, ...] = ()
 
     def __init__(self, max_nodes: int, max_depth: int | None = None):
-        if max_nodes < 1:
-            raise ValueError(f"max_nodes must be >= 1, got {max_nodes}")
-        max_depth = max_nodes if max_depth is None else max_depth
-        if not 1 <= max_depth <= max_nodes:
-            raise ValueError(f"max_depth must be in [1, max_nodes={max_nodes}], got {max_depth}")
+        if max_nodes < 2:
+            raise ValueError(
+                f"max_nodes must be >= 2 (tokens verified per step, root included), got {max_nodes}"
+            )
+        max_depth = max_nodes - 1 if max_depth is None else max_depth
+        if not 1 <= max_depth < max_nodes:
+            raise ValueError(
+                f"max_depth must be in [1, max_nodes - 1 = {max_nodes - 1}], got {max_depth}"
+            )
         self.max_nodes = max_nodes
         self.max_depth = max_depth
 
@@ -137,7 +159,7 @@ class Drafter:
     def update(self, state: DraftState, outcome: StepOutcome) -> None:
         """Follow the accepted path (stateless drafters need nothing)."""
 
-    def keep(self, rows: torch.Tensor) -> None:
+    def keep(self, rows: list[int]) -> None:
         """Finished rows left the batch (stateless drafters need nothing)."""
 
     def end(self) -> None:
@@ -172,13 +194,13 @@ def pack_trees(
     width = longest if num_nodes is None else num_nodes
     if width < longest:
         raise ValueError(f"num_nodes={num_nodes} cannot hold a tree of {longest} nodes")
-    tokens = torch.zeros(len(trees), width, dtype=torch.int64)
-    parents = torch.full((len(trees), width), PAD_PARENT, dtype=torch.int64)
+    tokens = np.zeros((len(trees), width), dtype=np.int64)
+    parents = np.full((len(trees), width), PAD_PARENT, dtype=np.int64)
     parents[:, 0] = -1
-    tokens[:, 0] = torch.as_tensor(list(roots), dtype=torch.int64)
+    tokens[:, 0] = list(roots)
     for row, (node_tokens, node_parents) in enumerate(trees):
         count = len(node_tokens)
         if count:
-            tokens[row, 1 : count + 1] = torch.as_tensor(list(node_tokens), dtype=torch.int64)
-            parents[row, 1 : count + 1] = torch.as_tensor(list(node_parents), dtype=torch.int64)
-    return Proposal(tokens=tokens.to(device), parents=parents.to(device))
+            tokens[row, 1 : count + 1] = node_tokens
+            parents[row, 1 : count + 1] = node_parents
+    return Proposal(tokens=to_device(tokens, device), parents=to_device(parents, device))

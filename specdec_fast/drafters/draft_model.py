@@ -3,16 +3,22 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
+import numpy as np
 import torch
 from transformers import PreTrainedModel
 
+from specdec_fast.kernels.reference.verify import gumbel, stream_key
 from specdec_fast.runner import ModelRunner
+from specdec_fast.transfer import to_device
 from specdec_fast.trees import StaticTree, parse_tree
 
 from .base import Drafter, DraftState, Proposal, StepOutcome
 
 SPECIAL_TOKEN_FIELDS = ("bos_token_id", "eos_token_id", "pad_token_id")
+# Random stream of the draft's own samples (verify uses 0 and 1).
+STREAM_DRAFT = 2
 
 
 def _special_tokens(model: PreTrainedModel) -> dict[str, object]:
@@ -59,12 +65,15 @@ def check_compatible(draft, target, draft_tokenizer=None, target_tokenizer=None)
 class DraftModelDrafter(Drafter):
     """Speculation with a small draft model sharing the target's tokenizer.
 
-    Chain mode (`tree=None`): the draft proposes `num_tokens` tokens one after another, greedily
-    for greedy rows and sampled from its own distribution (at the row's temperature) for sampled
-    rows; the draft probabilities go to verification, which keeps sampling lossless.
+    Chain mode (`tree=None`): the draft proposes `num_tokens` = k tokens one after another,
+    greedily for greedy rows and sampled from its own distribution (at the row's temperature) for
+    sampled rows; the draft probabilities go to verification, which keeps sampling lossless. A
+    chain is sized by the tokens it drafts: k drafted tokens are verified with the root, N = k + 1
+    (`max_nodes`).
     Tree mode (`tree` = a `StaticTree`, `medusa_choices`-style rank paths, or a token-tree string):
     deterministic top-k expansion level by level, node i's rank-r child being the draft's r-th most
-    likely token after node i's path; one draft forward per level over the tree so far.
+    likely token after node i's path; one draft forward per level over the tree so far. N is the
+    tree's node count, root included (`default_tree(16)` verifies 16 tokens).
 
     The draft's cache holds every token but the current root, like the target's; after
     verification it is compacted to the accepted path, and a token the draft never saw (the last
@@ -72,8 +81,8 @@ class DraftModelDrafter(Drafter):
 
     Args:
         draft_model: an HF causal LM with the target's vocabulary and special tokens.
-        num_tokens: chain length k (chain mode).
-        tree: a static tree (tree mode); `num_tokens` is then the tree's node count.
+        num_tokens: chain length k, the tokens drafted per step (chain mode; >= 1).
+        tree: a static tree (tree mode); `num_tokens` is then unused.
         draft_tokenizer, target_tokenizer: when given, their vocabularies must be identical.
     """
 
@@ -89,8 +98,12 @@ class DraftModelDrafter(Drafter):
         if tree is not None:
             tree = parse_tree(tree)
         self.tree = tree
+        # The chain length k in chain mode, None in tree mode.
+        self.num_tokens = num_tokens if tree is None else None
         if tree is None:
-            super().__init__(num_tokens, num_tokens)
+            if num_tokens < 1:
+                raise ValueError(f"num_tokens must be >= 1 (tokens drafted), got {num_tokens}")
+            super().__init__(num_tokens + 1, num_tokens)
         else:
             super().__init__(tree.num_nodes, tree.max_depth)
         self.draft_model = draft_model
@@ -98,11 +111,11 @@ class DraftModelDrafter(Drafter):
         self.target_tokenizer = target_tokenizer
         self.runner: ModelRunner | None = None
         self._cached: list[int] = []  # draft-cached tokens per row (host mirror)
-        self._tree_fed = 0  # tree nodes whose K/V the last level's forward wrote
-        self._generator = torch.Generator()
+        self._root_lens: torch.Tensor | None = None  # int32 [B]: the draft cache at the root
+        self._tree_index: _TreeIndex | None = None
 
     def __repr__(self) -> str:
-        mode = f"tree={self.tree.num_nodes} nodes" if self.tree else f"num_tokens={self.max_nodes}"
+        mode = f"tree={self.tree.num_nodes} nodes" if self.tree else f"num_tokens={self.num_tokens}"
         return f"DraftModelDrafter({self.draft_model.config.model_type}, {mode})"
 
     def attach(self, target, max_cache_len: int) -> None:
@@ -112,49 +125,51 @@ class DraftModelDrafter(Drafter):
                 f"draft model is on {self.draft_model.device}, the target on {target.device}"
             )
         self.end()
-        self.runner = ModelRunner(self.draft_model, max_cache_len)
+        self.runner = ModelRunner.for_model(self.draft_model, max_cache_len)
 
     def begin(self, state: DraftState) -> None:
         width = max(len(row) for row in state.tokens)
-        ids = torch.zeros(state.batch_size, width, dtype=torch.int64)
-        mask = torch.zeros_like(ids)
+        ids = np.zeros((state.batch_size, width), dtype=np.int64)
+        mask = np.zeros_like(ids)
         for row, tokens in enumerate(state.tokens):
-            ids[row, : len(tokens)] = torch.as_tensor(tokens)
+            ids[row, : len(tokens)] = tokens
             mask[row, : len(tokens)] = 1
-        self.runner.prefill(ids.to(state.device), mask.to(state.device))
+        self.runner.prefill(to_device(ids, state.device), to_device(mask, state.device))
         self._cached = [len(row) - 1 for row in state.tokens]
-        self._generator.manual_seed(int(state.seed[0]) if state.batch_size else 0)
 
-    def keep(self, rows: torch.Tensor) -> None:
+    def keep(self, rows: list[int]) -> None:
         self.runner.keep(rows)
-        self._cached = [self._cached[r] for r in rows.cpu().tolist()]
+        self._cached = [self._cached[r] for r in rows]
 
     def end(self) -> None:
         if self.runner is not None:
             self.runner.close()
             self.runner = None
+        self._tree_index = None
 
-    def _commit(self, lengths: list[int], device) -> None:
-        self._cached = lengths
-        self.runner.cache.commit_lengths(
-            torch.tensor(lengths, dtype=torch.int32, device=device), max(lengths)
-        )
+    def _commit(self, lengths: torch.Tensor, host_lengths: list[int]) -> None:
+        """Set the draft cache's lengths (int `[B]` on the device) and their host mirror."""
+        self._cached = host_lengths
+        self.runner.cache.commit_lengths(lengths, max(host_lengths))
 
     def _catch_up(self, state: DraftState) -> None:
         """Feed the tokens before the root that the draft has not seen (ragged, as one chain)."""
         pending = [row[cached:-1] for row, cached in zip(state.tokens, self._cached, strict=True)]
         width = max(len(p) for p in pending)
-        if width == 0:
-            return
-        tokens = torch.zeros(state.batch_size, width, dtype=torch.int64)
-        for row, chunk in enumerate(pending):
-            tokens[row, : len(chunk)] = torch.as_tensor(chunk, dtype=torch.int64)
-        parents = torch.arange(-1, width - 1).expand(state.batch_size, -1)
-        q_lens = torch.tensor([len(p) for p in pending], dtype=torch.int32)
-        self.runner.verify(
-            tokens.to(state.device), parents.to(state.device), q_lens.to(state.device)
-        )
-        self._commit([len(row) - 1 for row in state.tokens], state.device)
+        if width > 0:
+            tokens = np.zeros((state.batch_size, width), dtype=np.int64)
+            for row, chunk in enumerate(pending):
+                tokens[row, : len(chunk)] = chunk
+            parents = np.tile(np.arange(-1, width - 1), (state.batch_size, 1))
+            q_lens = [len(p) for p in pending]
+            self.runner.verify(
+                to_device(tokens, state.device),
+                to_device(parents, state.device),
+                to_device(q_lens, state.device, torch.int32),
+            )
+            lengths = [len(row) - 1 for row in state.tokens]
+            self._commit(to_device(lengths, state.device, torch.int32), lengths)
+        self._root_lens = self.runner.cache.cache_lens.clone()
 
     def propose(self, state: DraftState) -> Proposal:
         self._catch_up(state)
@@ -163,76 +178,111 @@ class DraftModelDrafter(Drafter):
         return self._propose_tree(state)
 
     def _propose_chain(self, state: DraftState) -> Proposal:
-        device = state.device
         batch = state.batch_size
-        sampled = state.temperature > 0
-        any_sampled = bool(sampled.any())
-        current = torch.tensor([row[-1] for row in state.tokens], device=device)
-        root_parent = torch.full((batch, 1), -1, dtype=torch.int64, device=device)
+        cache = self.runner.cache
+        current = state.roots
+        root_parent = torch.full((batch, 1), -1, dtype=torch.int64, device=state.device)
         tokens, probs = [current], []
-        for depth in range(1, self.max_nodes + 1):
+        for depth in range(1, self.num_tokens + 1):
+            # The draft token drawn here sits at the fed token's position + 1.
+            position = cache.cache_lens.long() + 1
             logits = self.runner.verify(current[:, None], root_parent).logits[:, 0]
             greedy_next = logits.argmax(dim=-1)
-            if any_sampled:
-                scaled = logits / state.temperature.clamp(min=1e-6)[:, None]
-                dist = torch.softmax(scaled, dim=-1)
-                drawn = torch.multinomial(dist.cpu(), 1, generator=self._generator)[:, 0]
-                current = torch.where(sampled, drawn.to(device), greedy_next)
-                one_hot = torch.nn.functional.one_hot(greedy_next, dist.shape[-1]).to(dist.dtype)
-                probs.append(torch.where(sampled[:, None], dist, one_hot))
-            else:
+            if state.greedy:
                 current = greedy_next
+            else:
+                current, dist = _sample(logits, greedy_next, state, position)
+                probs.append(dist)
             tokens.append(current)
-            if depth < self.max_nodes:
+            if depth < self.num_tokens:
                 # Commit the node just fed so the next one attends to it.
-                self._commit([c + 1 for c in self._cached], device)
-        parents = torch.arange(-1, self.max_nodes, device=device).expand(batch, -1)
+                cache.cache_lens += 1
+                self._cached = [c + 1 for c in self._cached]
+        parents = torch.arange(-1, self.num_tokens, device=state.device).expand(batch, -1)
         draft_probs = None
-        if any_sampled:
+        if probs:
             draft_probs = torch.stack([torch.zeros_like(probs[0]), *probs], dim=1)
         return Proposal(torch.stack(tokens, dim=1), parents.contiguous(), draft_probs)
 
     def _propose_tree(self, state: DraftState) -> Proposal:
-        tree, device, batch = self.tree, state.device, state.batch_size
-        num_nodes = tree.num_nodes + 1
-        tokens = torch.zeros(batch, num_nodes, dtype=torch.int64, device=device)
-        tokens[:, 0] = torch.tensor([row[-1] for row in state.tokens], device=device)
-        parents_row = torch.tensor((-1, *tree.parents), device=device)
-        parents = parents_row.expand(batch, -1).contiguous()
-        node_depths = (0, *tree.depths)
-        ranks = torch.tensor((0, *tree.ranks), device=device)
-        for depth in range(1, tree.max_depth + 1):
-            fed = sum(1 for d in node_depths if d < depth)
+        tree, batch = self.tree, state.batch_size
+        if self._tree_index is None:
+            self._tree_index = _TreeIndex.build(tree, state.device)
+        index = self._tree_index
+        tokens = torch.zeros(batch, tree.num_nodes, dtype=torch.int64, device=state.device)
+        tokens[:, 0] = state.roots
+        parents = index.parents.expand(batch, -1).contiguous()
+        for fed, level in zip(index.fed, index.levels, strict=True):
             logits = self.runner.verify(tokens[:, :fed], parents[:, :fed]).logits
             top = logits.topk(tree.max_rank, dim=-1).indices  # [B, fed, R]
-            level = [i for i, d in enumerate(node_depths) if d == depth]
-            index = torch.tensor(level, device=device)
-            chosen = top[:, parents_row[index], ranks[index]]
-            tokens[:, index] = chosen
-        self._tree_fed = sum(1 for d in node_depths if d < tree.max_depth)
+            tokens[:, level] = top[:, index.parents[level], index.ranks[level]]
         return Proposal(tokens, parents)
 
     def update(self, state: DraftState, outcome: StepOutcome) -> None:
-        accepted = outcome.num_accepted.cpu().tolist()
         # `state.tokens` already holds the emitted tokens; the root was at len - emitted - 1.
         roots = [
             len(row) - len(e) - 1 for row, e in zip(state.tokens, outcome.emitted, strict=True)
         ]
         if self.tree is None:
             # The chain's nodes are in place: keep the root and the accepted drafts it fed.
+            last_fed = self.num_tokens - 1
             kept = [
-                root + 1 + min(a, self.max_nodes - 1)
-                for root, a in zip(roots, accepted, strict=True)
+                root + 1 + min(len(path), last_fed)
+                for root, path in zip(roots, outcome.accepted_paths, strict=True)
             ]
-            self._commit(kept, state.device)
+            lengths = self._root_lens + 1 + outcome.num_accepted.clamp(max=last_fed)
+            self._commit(lengths.to(torch.int32), kept)
             return
-        path = outcome.accepted_nodes.cpu()
-        fed = self._tree_fed
+        fed = self._tree_index.fed[-1]
+        path = outcome.accepted_nodes
         # Nodes beyond the last fed level have no K/V in the draft cache: cut the path there.
         in_cache = (path >= 0) & (path < fed)
-        num_in_cache = in_cache.sum(dim=1) - 1
-        path = torch.where(in_cache, path, torch.full_like(path, -1)).to(torch.int32)
-        self.runner.cache.compact(
-            path.to(state.device), num_in_cache.to(torch.int32).to(state.device)
+        num_in_cache = (in_cache.sum(dim=1) - 1).to(torch.int32)
+        self.runner.cache.compact(torch.where(in_cache, path, -1), num_in_cache, validate=False)
+        self._cached = [
+            root + 1 + sum(1 for node in nodes if node < fed)
+            for root, nodes in zip(roots, outcome.accepted_paths, strict=True)
+        ]
+
+
+def _sample(logits, greedy_next, state: DraftState, position):
+    """Draw each sampled row's next draft token from softmax(logits / T) by Gumbel-max, with
+    noise keyed by (row seed, position) on the device; greedy rows take the argmax. Returns the
+    tokens and the distributions they were drawn from ([B, V]; one-hot for greedy rows)."""
+    sampled = state.temperature > 0
+    scaled = logits / torch.where(sampled, state.temperature, 1.0)[:, None]
+    dist = torch.softmax(scaled, dim=-1)
+    vocab = torch.arange(logits.shape[-1], device=logits.device)
+    noise = gumbel(stream_key(state.seed[:, None], 0, position[:, None], STREAM_DRAFT), vocab)
+    drawn = (scaled + noise).argmax(dim=-1)
+    one_hot = torch.nn.functional.one_hot(greedy_next, dist.shape[-1]).to(dist.dtype)
+    return torch.where(sampled, drawn, greedy_next), torch.where(sampled[:, None], dist, one_hot)
+
+
+@dataclass(frozen=True)
+class _TreeIndex:
+    """A static tree's index tensors on the device, for level-by-level expansion.
+
+    parents: int64 `[N]`, -1 for the root; ranks: int64 `[N]`, each node's rank among the draft's
+    candidates; levels: per depth d >= 1, the node indices at depth d; fed: per depth, how many
+    nodes (all shallower ones) are fed to draw that level.
+    """
+
+    parents: torch.Tensor
+    ranks: torch.Tensor
+    levels: tuple[torch.Tensor, ...]
+    fed: tuple[int, ...]
+
+    @classmethod
+    def build(cls, tree: StaticTree, device: torch.device) -> _TreeIndex:
+        depths = (0, *tree.depths)
+        levels, fed = [], []
+        for depth in range(1, tree.max_depth + 1):
+            levels.append(to_device([i for i, d in enumerate(depths) if d == depth], device))
+            fed.append(sum(1 for d in depths if d < depth))
+        return cls(
+            to_device([-1, *tree.parents], device),
+            to_device([0, *tree.ranks], device),
+            tuple(levels),
+            tuple(fed),
         )
-        self._cached = [root + 1 + n for root, n in zip(roots, num_in_cache.tolist(), strict=True)]

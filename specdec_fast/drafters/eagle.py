@@ -11,7 +11,7 @@ One step:
 - `propose`: the root's top-k children start the tree; for each further level the frontier's
   entries (and their ancestors, refed so the attention sees them) go through the head above the
   committed entries with a tree mask, and `DynamicTreeBuilder` keeps the best k of their top-k
-  children by cumulative log-probability; the best `max_nodes` candidates form the tree. These
+  children by cumulative log-probability; the best `max_nodes - 1` candidates form the tree. These
   entries are written past the committed length and never committed.
 - `update`: the accepted path's a + 1 entries (the root's and each accepted node's target
   features with the next token of the path, the last one paired with the sampled next token)
@@ -30,6 +30,7 @@ from specdec_fast.cache import SpecKVCache
 from specdec_fast.heads.eagle import Eagle3Head, EagleHead, load_eagle_head
 from specdec_fast.kernels import pack_tree_mask
 from specdec_fast.kernels.tree_attention import MAX_TREE_NODES
+from specdec_fast.transfer import to_device
 from specdec_fast.tree_mask import ancestor_mask, node_depths
 from specdec_fast.trees import DynamicTreeBuilder, check_dynamic_tree, dynamic_tree_shape
 
@@ -42,7 +43,7 @@ class EagleDrafter(Drafter):
 
     Args:
         head: an `EagleHead` or `Eagle3Head` for the target.
-        max_nodes: draft nodes per tree (N - 1).
+        max_nodes: the tree budget N, tokens verified per step with the root included (>= 2).
         depth, top_k: tree depth and children per expanded node; default from
             `specdec_fast.trees.dynamic_tree_shape(max_nodes)`.
     """
@@ -55,8 +56,8 @@ class EagleDrafter(Drafter):
         top_k: int | None = None,
     ):
         default_depth, default_top_k = dynamic_tree_shape(max_nodes)
-        # A tree of max_nodes nodes is at most that deep: deeper levels could never be kept.
-        depth = min(default_depth if depth is None else depth, max_nodes)
+        # A tree of max_nodes nodes is at most max_nodes - 1 deep: deeper levels are never kept.
+        depth = min(default_depth if depth is None else depth, max_nodes - 1)
         top_k = default_top_k if top_k is None else top_k
         check_dynamic_tree(top_k, depth, max_nodes)
         super().__init__(max_nodes, depth)
@@ -145,12 +146,12 @@ class EagleDrafter(Drafter):
             for row, (ids, length) in enumerate(zip(state.tokens, lengths, strict=True)):
                 tokens[row, :length] = torch.as_tensor(ids[1 : length + 1])
             hidden = self.head.fuse([state.hidden[layer] for layer in self.hidden_layers])
-            q_lens = torch.tensor(lengths, dtype=torch.int32, device=device)
+            q_lens = to_device(lengths, device, torch.int32)
             positions = torch.arange(width, device=device).expand(batch, -1)
             outputs = self._run(hidden, tokens.to(device), positions, None, q_lens)
             last = gather_rows(outputs, (q_lens.long() - 1).clamp(min=0)[:, None])[:, 0]
             self._outputs = torch.where((q_lens > 0)[:, None], last, self._outputs)
-        self._cache.commit_lengths(torch.tensor(lengths, dtype=torch.int32, device=device), width)
+        self._cache.commit_lengths(to_device(lengths, device, torch.int32), width)
 
     def _top_k(self, outputs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Log-probabilities and target ids of the top-k next tokens after head outputs."""
@@ -175,8 +176,7 @@ class EagleDrafter(Drafter):
             fed_parents = torch.cat([fed_parents, fed_tokens.shape[1] - k + source], dim=1)
             fed_tokens = torch.cat([fed_tokens, new_tokens], dim=1)
             fed_hidden = torch.cat([fed_hidden, gather_rows(frontier, source)], dim=1)
-        roots = torch.tensor([row[-1] for row in state.tokens], device=device)
-        return Proposal(*builder.finish(roots))
+        return Proposal(*builder.finish(state.roots))
 
     @torch.no_grad()
     def update(self, state: DraftState, outcome: StepOutcome) -> None:
@@ -196,6 +196,6 @@ class EagleDrafter(Drafter):
         self._outputs = gather_rows(outputs, accepted[:, None])[:, 0]
         self._cache.cache_lens.add_(q_lens)
 
-    def keep(self, rows: torch.Tensor) -> None:
+    def keep(self, rows: list[int]) -> None:
         self._cache.select(rows)
-        self._outputs = self._outputs[rows]
+        self._outputs = self._outputs[to_device(rows, self._outputs.device)]

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from specdec_fast.transfer import to_device
+
 from .base import DraftState, StepOutcome
 
 
@@ -17,7 +19,7 @@ def last_cached_hidden(state: DraftState, layer: int) -> torch.Tensor:
     token is the first root), zeros for a row whose prompt is a single token."""
     hidden = state.hidden[layer]
     batch, width, size = hidden.shape
-    cached = torch.tensor([len(row) - 1 for row in state.tokens], device=hidden.device)
+    cached = to_device([len(row) - 1 for row in state.tokens], hidden.device)
     if width == 0:
         return hidden.new_zeros(batch, size)
     last = gather_rows(hidden, (cached - 1).clamp(min=0)[:, None])[:, 0]

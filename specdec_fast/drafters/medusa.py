@@ -7,6 +7,7 @@ import os
 import torch
 
 from specdec_fast.heads.medusa import MedusaHeads, load_medusa_heads
+from specdec_fast.transfer import to_device
 from specdec_fast.trees import TreeSpec, default_tree, parse_tree
 
 from .base import Drafter, DraftState, Proposal, StepOutcome
@@ -46,6 +47,8 @@ class MedusaDrafter(Drafter):
         self.tree = tree
         self._lm_head = None
         self._hidden: torch.Tensor | None = None  # [B, H], the root-producing node's state
+        # The tree's depths, ranks and parents on the device, uploaded once per call.
+        self._tree_index: tuple[torch.Tensor, ...] | None = None
 
     @classmethod
     def from_pretrained(
@@ -72,18 +75,20 @@ class MedusaDrafter(Drafter):
         tree, device, batch = self.tree, state.device, state.batch_size
         logits = self.heads(self._hidden, self._lm_head)  # [B, heads, V]
         top = logits.topk(tree.max_rank, dim=-1).indices  # [B, heads, R]
-        depths = torch.tensor(tree.depths, device=device)
-        ranks = torch.tensor(tree.ranks, device=device)
-        roots = torch.tensor([row[-1] for row in state.tokens], device=device)
-        tokens = torch.cat([roots[:, None], top[:, depths - 1, ranks]], dim=1)
-        parents = torch.tensor(tree.node_parents, device=device).expand(batch, -1)
-        return Proposal(tokens, parents.contiguous())
+        if self._tree_index is None:
+            self._tree_index = tuple(
+                to_device(values, device) for values in (tree.depths, tree.ranks, tree.node_parents)
+            )
+        depths, ranks, parents = self._tree_index
+        tokens = torch.cat([state.roots[:, None], top[:, depths - 1, ranks]], dim=1)
+        return Proposal(tokens, parents.expand(batch, -1).contiguous())
 
     def update(self, state: DraftState, outcome: StepOutcome) -> None:
         self._hidden = last_accepted_hidden(outcome, FINAL_NORM)
 
-    def keep(self, rows: torch.Tensor) -> None:
-        self._hidden = self._hidden[rows]
+    def keep(self, rows: list[int]) -> None:
+        self._hidden = self._hidden[to_device(rows, self._hidden.device)]
 
     def end(self) -> None:
         self._hidden = None
+        self._tree_index = None

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import torch
+import numpy as np
 
 from .base import Drafter, DraftState, Proposal, pack_trees
 from .trie import CountTrie
@@ -15,10 +15,11 @@ class NGramDrafter(Drafter):
     row (prompt and output so far) wins; the continuations of its `max_matches` most recent
     occurrences are merged into one tree ranked by frequency (recency breaks ties), so several
     distinct continuations are all tried in one verification. Matching runs over the whole batch
-    at once on a padded token tensor kept on the host.
+    row by row on numpy arrays kept on the host, narrowing the occurrences of the last token one
+    token further back at a time.
 
-    max_nodes: draft nodes per step (the tree budget, root excluded).
-    max_depth: longest continuation proposed (default: min(max_nodes, 8)).
+    max_nodes: the tree budget N, tokens verified per step with the root included (>= 2).
+    max_depth: longest continuation proposed (default: min(max_nodes - 1, 8)).
     """
 
     def __init__(
@@ -29,7 +30,7 @@ class NGramDrafter(Drafter):
         max_n: int = 4,
         max_matches: int = 8,
     ):
-        super().__init__(max_nodes, min(max_nodes, 8) if max_depth is None else max_depth)
+        super().__init__(max_nodes, min(max_nodes - 1, 8) if max_depth is None else max_depth)
         if not 1 <= min_n <= max_n:
             raise ValueError(f"need 1 <= min_n <= max_n, got min_n={min_n}, max_n={max_n}")
         if max_matches < 1:
@@ -37,70 +38,63 @@ class NGramDrafter(Drafter):
         self.min_n = min_n
         self.max_n = max_n
         self.max_matches = max_matches
-        self._history = torch.zeros(0, 0, dtype=torch.int64)
+        self._history: list[np.ndarray] = []  # per row, its tokens so far (with spare room)
         self._lengths: list[int] = []
 
     def begin(self, state: DraftState) -> None:
         self._reset_history(state.batch_size)
 
     def _reset_history(self, batch_size: int) -> None:
-        self._history = torch.zeros(batch_size, 0, dtype=torch.int64)
+        self._history = [np.zeros(0, dtype=np.int64) for _ in range(batch_size)]
         self._lengths = [0] * batch_size
 
-    def keep(self, rows: torch.Tensor) -> None:
-        kept = rows.cpu().tolist()
-        self._history = self._history[kept]
-        self._lengths = [self._lengths[r] for r in kept]
+    def keep(self, rows: list[int]) -> None:
+        self._history = [self._history[r] for r in rows]
+        self._lengths = [self._lengths[r] for r in rows]
 
     def _sync(self, tokens: list[list[int]]) -> None:
-        """Append to the padded history whatever the rows gained since the last call."""
+        """Append to each row's history whatever it gained since the last call."""
         if len(self._lengths) != len(tokens):
             self._reset_history(len(tokens))
-        longest = max(len(row) for row in tokens)
-        if longest > self._history.shape[1]:
-            capacity = max(longest, 2 * self._history.shape[1])
-            grown = torch.zeros(len(tokens), capacity, dtype=torch.int64)
-            grown[:, : self._history.shape[1]] = self._history
-            self._history = grown
         for row, row_tokens in enumerate(tokens):
-            start = self._lengths[row]
-            if len(row_tokens) > start:
-                self._history[row, start : len(row_tokens)] = torch.as_tensor(row_tokens[start:])
-                self._lengths[row] = len(row_tokens)
-
-    def _match_positions(self) -> list[tuple[int, list[int]]]:
-        """Per row: (n, starts of earlier occurrences of the last n tokens), newest first."""
-        lengths = torch.as_tensor(self._lengths)
-        width = int(lengths.max())
-        history = self._history[:, :width]
-        found: list[tuple[int, list[int]]] = [(0, [])] * len(self._lengths)
-        pending = torch.ones(len(self._lengths), dtype=torch.bool)
-        for n in range(self.max_n, self.min_n - 1, -1):
-            if width <= n or not bool(pending.any()):
+            start, stop = self._lengths[row], len(row_tokens)
+            if stop <= start:
                 continue
-            offsets = (lengths - n).clamp(min=0)
-            suffix = history.gather(1, offsets[:, None] + torch.arange(n)[None, :])
-            windows = history.unfold(1, n, 1)  # [B, width - n + 1, n]
-            hits = (windows == suffix[:, None, :]).all(-1)
-            starts = torch.arange(windows.shape[1])
-            # An occurrence must leave a token after it, which excludes the suffix itself.
-            hits &= (starts[None, :] + n < lengths[:, None]) & (lengths[:, None] > n)
-            hits &= pending[:, None]
-            for row in hits.any(-1).nonzero().flatten().tolist():
-                positions = hits[row].nonzero().flatten().flip(0)[: self.max_matches]
-                found[row] = (n, positions.tolist())
-                pending[row] = False
-        return found
+            history = self._history[row]
+            if stop > len(history):
+                grown = np.zeros(max(stop, 2 * len(history)), dtype=np.int64)
+                grown[:start] = history[:start]
+                self._history[row] = history = grown
+            history[start:stop] = row_tokens[start:]
+            self._lengths[row] = stop
+
+    def _match(self, row: int) -> tuple[int, np.ndarray]:
+        """(n, ends of the earlier occurrences of the row's last n tokens, newest first), for
+        the longest n in [min_n, max_n] that occurs; (0, empty) when none does. An occurrence
+        must leave a token after it, which excludes the suffix itself."""
+        length = self._lengths[row]
+        history = self._history[row][:length]
+        ends = np.flatnonzero(history[:-1] == history[-1]) if length > 1 else history[:0]
+        matched = 1
+        best = (1, ends) if self.min_n == 1 else (0, ends[:0])
+        while len(ends) and matched < min(self.max_n, length - 1):
+            ends = ends[ends >= matched]
+            ends = ends[history[ends - matched] == history[length - 1 - matched]]
+            matched += 1
+            if len(ends) and matched >= self.min_n:
+                best = (matched, ends)
+        return best[0], best[1][::-1][: self.max_matches]
 
     def propose(self, state: DraftState) -> Proposal:
         self._sync(state.tokens)
         trees = []
-        for row, (n, positions) in enumerate(self._match_positions()):
+        for row in range(len(self._lengths)):
+            n, ends = self._match(row)
             trie = CountTrie()
-            row_history = self._history[row]
-            for start in positions:
-                stop = min(start + n + self.max_depth, self._lengths[row])
-                trie.insert(row_history[start + n : stop].tolist())
+            history = self._history[row]
+            for end in ends.tolist():
+                stop = min(end + 1 + self.max_depth, self._lengths[row])
+                trie.insert(history[end + 1 : stop].tolist())
             trees.append(trie.best_tree(self.max_nodes, self.max_depth))
         roots = [row[-1] for row in state.tokens]
         return pack_trees(roots, trees, state.device)

@@ -5,8 +5,6 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Sequence
 
-import torch
-
 from .base import Drafter, DraftState, Proposal, StepOutcome, pack_trees
 from .trie import CountTrie
 
@@ -73,7 +71,8 @@ class SuffixDrafter(Drafter):
     paths (path probability = continuation count / match count), cut at `min_prob`. The index whose
     tree has the larger expected number of accepted tokens (sum of path probabilities) wins.
 
-    max_nodes: draft nodes per step (root excluded); max_depth: longest continuation.
+    max_nodes: the tree budget N, tokens verified per step with the root included (>= 2);
+    max_depth: longest continuation (default: min(max_nodes - 1, 16)).
     """
 
     def __init__(
@@ -84,7 +83,7 @@ class SuffixDrafter(Drafter):
         min_prob: float = 0.1,
         max_store_tokens: int = 200_000,
     ):
-        super().__init__(max_nodes, min(max_nodes, 16) if max_depth is None else max_depth)
+        super().__init__(max_nodes, min(max_nodes - 1, 16) if max_depth is None else max_depth)
         if max_match < 1:
             raise ValueError(f"max_match must be >= 1, got {max_match}")
         if not 0.0 <= min_prob < 1.0:
@@ -111,16 +110,15 @@ class SuffixDrafter(Drafter):
         for index, emitted in zip(self._requests, outcome.emitted, strict=True):
             index.extend(emitted)
 
-    def keep(self, rows: torch.Tensor) -> None:
-        kept = set(rows.cpu().tolist())
+    def keep(self, rows: list[int]) -> None:
+        kept = set(rows)
         for row, (index, prompt_len) in enumerate(
             zip(self._requests, self._prompt_lens, strict=True)
         ):
             if row not in kept:
                 self._finished.append(index.tokens[prompt_len:])
-        order = rows.cpu().tolist()
-        self._requests = [self._requests[r] for r in order]
-        self._prompt_lens = [self._prompt_lens[r] for r in order]
+        self._requests = [self._requests[r] for r in rows]
+        self._prompt_lens = [self._prompt_lens[r] for r in rows]
 
     def end(self) -> None:
         for index, prompt_len in zip(self._requests, self._prompt_lens, strict=True):

@@ -3,7 +3,7 @@
 Both lookup drafters collect continuations of the current context (n-gram matches, or the paths
 under a suffix-tree node) and propose the most frequent ones as one tree: a node's score is the
 empirical probability of its path, count(node) / count(all continuations), so a child never scores
-above its parent and the best `max_nodes` nodes always form a subtree rooted at the context.
+above its parent and the best nodes always form a subtree rooted at the context.
 """
 
 from __future__ import annotations
@@ -58,17 +58,18 @@ class CountTrie:
     def best_tree(
         self, max_nodes: int, max_depth: int, min_prob: float = 0.0
     ) -> tuple[list[int], list[int]]:
-        """The `max_nodes` most probable paths below this node as a draft tree.
+        """The most probable paths below this node as a draft tree of at most `max_nodes` nodes,
+        this node (the root) included.
 
-        Returns (tokens, parents) in breadth-first order with siblings by descending count; parents
-        index the tree's node list with the root (this node) as 0. Nodes whose path probability is
-        below `min_prob` are cut.
+        Returns (tokens, parents) of the `max_nodes - 1` draft nodes at most, in breadth-first
+        order with siblings by descending count; parents index the tree's node list with the root
+        as 0. Nodes whose path probability is below `min_prob` are cut.
         """
         if self.count <= 0:
             return [], []
         total = float(self.count)
-        # Best-first search: a child never scores above its parent, so the first `max_nodes` nodes
-        # popped are the most probable ones and always include their ancestors.
+        # Best-first search: a child never scores above its parent, so the first nodes popped are
+        # the most probable ones and always include their ancestors.
         heap: list[tuple[float, int, int, int, int, CountTrie]] = []
         pushed = 0
 
@@ -84,7 +85,7 @@ class CountTrie:
 
         picked: list[tuple[float, int, int, int, int]] = []  # score, depth, order, token, parent
         push_children(self, 0, 0)
-        while heap and len(picked) < max_nodes:
+        while heap and len(picked) < max_nodes - 1:
             neg_score, depth, order, token, parent, child = heapq.heappop(heap)
             picked.append((-neg_score, depth, order, token, parent))
             push_children(child, depth, len(picked))

@@ -67,25 +67,31 @@ def bench(
     per_task: int | None = None,
     tokenizer=None,
     device: str | None = None,
+    dtype: str | None = None,
+    chat: bool | None = None,
+    keep_special_tokens: bool = False,
     progress: bool = True,
 ) -> dict:
     """Benchmark drafters against plain decoding; returns the report and writes it to `out`.
 
     Args:
-        model: a folder or bundled name (its tokenizer is loaded too), or a loaded HF model
-            (then pass `tokenizer`).
+        model: a folder, a .gguf file or a bundled name (its tokenizer is loaded too), or a
+            loaded HF model (then pass `tokenizer`).
         drafters: drafter SPECs (`ngram`, `suffix`, `draft:PATH`, `medusa:PATH`, ...).
         prompts: a JSONL file, a list of `PromptRecord`, or None for the shipped default set.
         k, trees, batch: the grid (see `BenchConfig`).
         guardrails: a `Guardrails` or a YAML file; each cell is judged against its policies.
         per_task: keep only the first `per_task` prompts of each task type.
+        device, dtype: where and how to load a `model` given by path (`specdec_fast.loading`).
+        chat: apply the tokenizer's chat template (None: when it has one).
+        keep_special_tokens: keep special tokens in the outputs the checks judge.
     """
     from specdec_fast.loading import load_model, load_tokenizer, pick_device
 
     name = model if isinstance(model, (str, Path)) else type(model).__name__
     if isinstance(model, (str, Path)):
         tokenizer = tokenizer or load_tokenizer(str(model))
-        model = load_model(str(model), pick_device(device))
+        model = load_model(str(model), pick_device(device), dtype)
     if tokenizer is None:
         raise ValueError("tokenizer: required when `model` is a loaded model")
     if prompts is None:
@@ -106,6 +112,8 @@ def bench(
         price_per_hour=price_per_hour,
         repeats=repeats,
         guardrails=guardrails,
+        chat=chat,
+        keep_special_tokens=keep_special_tokens,
     )
     report = run_sweep(model, tokenizer, records, config, progress=progress)
     report["meta"] = {

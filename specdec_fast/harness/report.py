@@ -114,16 +114,18 @@ def markdown(report: dict) -> str:
         "",
         "## Cells",
         "",
-        "| cell | batch | accept | tok/step | per-position accept | tok/s | speed-up | TPOT ms "
+        "N: tokens verified per step, root included (a chain of k drafted tokens has N = k + 1).",
+        "",
+        "| cell | N | batch | accept | tok/step | per-position accept | tok/s | speed-up | TPOT ms "
         "p50/p95/p99 | ITL ms p50/p95/p99 | errors | cost/1K tok | greedy exact | quality "
         "regressions |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for c in report["cells"]:
         m, q = c["metrics"], c["quality"]
         positions = " ".join(_f(a) for a in m["per_position_acceptance"][:4])
         lines.append(
-            f"| {c['name']} | {c['batch']} | {_f(m['acceptance_rate'])} "
+            f"| {c['name']} | {c['nodes']} | {c['batch']} | {_f(m['acceptance_rate'])} "
             f"| {_f(m['mean_accepted_tokens_per_step'])} | {positions or '-'} "
             f"| {_f(m['tokens_per_second'], '.1f')} | {_f(c['speedup'])}x | {_ms(m['tpot_s'])} "
             f"| {_ms(m['itl_s'])} | {_f(m['error_rate'], '.3f')} "
@@ -281,13 +283,17 @@ def plot(report: dict, out_dir: Path) -> list[str]:
     for drafter in sorted({c["drafter"] for c in cells}):
         for batch in report["config"]["batches"]:
             points = sorted(
-                (c["size"], c["speedup"] or 0)
+                (c["nodes"], c["speedup"] or 0)
                 for c in cells
                 if c["drafter"] == drafter and c["batch"] == batch
             )
             ax.plot(*zip(*points, strict=True), marker="o", label=f"{drafter} b={batch}")
     ax.axhline(1.0, color="grey", linestyle="--")
-    ax.set(xlabel="k / tree budget", ylabel="speed-up", title="Speed-up against k")
+    ax.set(
+        xlabel="N, tokens verified per step (a chain of k: N = k + 1)",
+        ylabel="speed-up",
+        title="Speed-up against the tree size",
+    )
     ax.legend(fontsize=7)
     save(fig, "speedup_vs_k")
 

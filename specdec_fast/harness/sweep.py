@@ -20,15 +20,16 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from specdec_fast.adaptive import BUDGETS, AdaptiveDrafter, CostModel
+from specdec_fast.adaptive import BUDGETS, PLAIN, AdaptiveDrafter, CostModel
 from specdec_fast.drafters.base import Drafter
+from specdec_fast.drafters.registry import DrafterSpec
 from specdec_fast.engine import GenerateOutput, generate
 from specdec_fast.guardrails import Guardrails
 from specdec_fast.harness.checks import passes
 from specdec_fast.harness.prompts import PromptRecord
-from specdec_fast.loading import DrafterSpec
+from specdec_fast.progress import Progress
 from specdec_fast.stats import SequenceStats, SpecStats, percentile
-from specdec_fast.train.progress import Progress
+from specdec_fast.text import decode, encode_prompt, stop_token_ids, use_chat
 
 # Output-length and prompt-length buckets (tokens) of the report's splits.
 OUTPUT_BUCKETS = ((32, "<=32"), (128, "33-128"), (512, "129-512"))
@@ -39,9 +40,11 @@ PROMPT_BUCKETS = ((128, "<=128"), (512, "129-512"), (2048, "513-2048"))
 class BenchConfig:
     """What to sweep.
 
-    drafters: drafter SPECs (see `specdec_fast.loading`).
-    sizes: k (chain length) or N (tree budget) of each drafter; `trees`: tree budgets, which
-        turn `draft:PATH` into `draft-tree:PATH`.
+    drafters: drafter SPECs (see `specdec_fast.drafters.registry`).
+    sizes: chain lengths k, the tokens drafted per step: a chain drafter (`draft:PATH`) drafts a
+        chain of k, a tree drafter a tree of N = k + 1 nodes (root included).
+    trees: tree budgets N (root included), which turn a chain kind into its tree kind
+        (`draft:PATH` into `draft-tree:PATH`).
     batches: concurrency levels (prompts decoded together).
     adaptive: also run an `AdaptiveDrafter` cell per drafter and batch.
     max_new_tokens: default for prompts without their own.
@@ -50,6 +53,8 @@ class BenchConfig:
         disturbed by other load).
     noise_floor: the smallest relative noise assumed; the noise of a batch size is how far
         plain decoding paired with itself strays from a ratio of 1.
+    chat: apply the tokenizer's chat template (None: when it has one; see `specdec_fast.text`).
+    keep_special_tokens: keep special tokens in the decoded outputs that checks judge.
     """
 
     drafters: list[str]
@@ -64,22 +69,32 @@ class BenchConfig:
     seed: int = 0
     warmup: bool = True
     guardrails: Guardrails | None = None
+    chat: bool | None = None
+    keep_special_tokens: bool = False
 
     def cells(self) -> list[tuple[str, DrafterSpec, int, bool]]:
-        """(name, spec, size, adaptive) of every speculative cell, batch excluded. A SPEC with its
-        own size (`suffix:16`) is one configuration; the others sweep `sizes` and `trees`."""
+        """(name, spec, size, adaptive) of every speculative cell, batch excluded; `size` is the
+        spec's own (k for chains, N for trees, as in the name `draft:PATH:k`, `ngram:N`). A SPEC
+        with its own size (`suffix:16`) is one configuration; the others sweep `sizes` and
+        `trees`."""
         out = []
         for text in self.drafters:
             parsed = DrafterSpec.parse(text)
-            spec = DrafterSpec(parsed.kind, parsed.path, None)
-            tree_spec = DrafterSpec("draft-tree" if spec.kind == "draft" else spec.kind, spec.path)
-            grid = [(spec, size) for size in sorted(set(self.sizes))]
-            grid += [(tree_spec, size) for size in sorted(set(self.trees))]
+            if parsed.info is None:
+                raise ValueError(
+                    f"drafters: {text!r} is plain decoding, the baseline of every cell"
+                )
+            spec = parsed.with_size(None)
+            tree_spec = DrafterSpec(parsed.info.tree_kind or spec.kind, spec.path)
+            # A chain length k: k drafted tokens, which a tree drafter spends on N = k + 1 nodes.
+            chain = parsed.info.chain
+            grid = [(spec, k if chain else k + 1) for k in sorted(set(self.sizes))]
+            grid += [(tree_spec, n) for n in sorted(set(self.trees))]
             if parsed.size is not None:
                 grid = [(spec, parsed.size)]
             out += [(f"{s}:{size}", s, size, False) for s, size in grid]
             if self.adaptive:
-                top, largest = max(grid, key=lambda cell: cell[1])
+                top, largest = max(grid, key=lambda cell: cell[0].nodes(cell[1]))
                 out.append((f"adaptive({top}:{largest})", top, largest, True))
         return out
 
@@ -105,12 +120,16 @@ class CellRun:
     explorations: int = 0  # adaptive cells: requests that explored
 
 
-def encode_prompts(records: list[PromptRecord], tokenizer, max_new_tokens: int) -> list[Encoded]:
-    bos = getattr(tokenizer, "bos_token_id", None)
+def encode_prompts(
+    records: list[PromptRecord], tokenizer, max_new_tokens: int, chat: bool | None = None
+) -> list[Encoded]:
+    """Token ids of every record (`specdec_fast.text.encode_prompt`); errors name the record."""
     out = []
     for index, record in enumerate(records):
-        ids = tokenizer.encode(record.prompt, add_special_tokens=False)
-        ids = ([bos] if bos is not None else []) + list(ids)
+        try:
+            ids = encode_prompt(tokenizer, record.prompt, record.messages, chat)
+        except ValueError as error:
+            raise ValueError(f"prompt {record.id!r}: {error}") from None
         out.append(Encoded(record, index, ids, record.max_new_tokens or max_new_tokens))
     return out
 
@@ -136,7 +155,9 @@ class _Chunk:
     error: str | None = None
 
 
-def _decode_chunk(model, chunk: list[Encoded], drafter: Drafter | None, seed: int) -> _Chunk:
+def _decode_chunk(
+    model, chunk: list[Encoded], drafter: Drafter | None, seed: int, stop: list[int] | None
+) -> _Chunk:
     start = time.perf_counter()
     try:
         with torch.no_grad():
@@ -147,6 +168,7 @@ def _decode_chunk(model, chunk: list[Encoded], drafter: Drafter | None, seed: in
                 max_new_tokens=chunk[0].max_new_tokens,
                 temperature=[p.record.temperature for p in chunk],
                 seed=[seed + p.index for p in chunk],
+                eos_token_id=stop,
             )
     except Exception as error:  # noqa: BLE001 - a failed request is a measured error
         return _Chunk(time.perf_counter() - start, error=f"{type(error).__name__}: {error}")
@@ -187,6 +209,7 @@ def decode_paired(
     drafters: list[Drafter | None],
     seed: int,
     repeats: int = 1,
+    stop: list[int] | None = None,
 ) -> list[CellRun]:
     """Decode every prompt `batch` at a time once per drafter (None: plain), the drafters taking
     turns chunk by chunk, so that all of them meet the same machine conditions (a paired
@@ -194,13 +217,13 @@ def decode_paired(
 
     Each drafter instance serves all its chunks (its state carries over, as in a service). With
     `repeats`, each chunk keeps its fastest run per drafter; a chunk that fails in any run counts
-    its prompts as errors (the sweep goes on)."""
+    its prompts as errors (the sweep goes on). `stop`: EOS ids (None: the model's own)."""
     chunks = batches_of(prompts, batch)
     best: list[list[_Chunk | None]] = [[None] * len(chunks) for _ in drafters]
     for _ in range(repeats):
         for index, chunk in enumerate(chunks):
             for side, drafter in enumerate(drafters):
-                result = _decode_chunk(model, chunk, drafter, seed)
+                result = _decode_chunk(model, chunk, drafter, seed, stop)
                 kept = best[side][index]
                 if kept is None or (
                     kept.error is None and (result.error or result.wall < kept.wall)
@@ -274,19 +297,27 @@ def split_metrics(prompts: list[Encoded], run: CellRun, baseline: CellRun) -> di
     return out
 
 
-def _detok(tokenizer, tokens: list[int] | None) -> str | None:
-    return None if tokens is None else tokenizer.decode(tokens)
+def _detok(tokenizer, tokens: list[int] | None, keep_special_tokens: bool) -> str | None:
+    return None if tokens is None else decode(tokenizer, tokens, keep_special_tokens)
 
 
-def quality(prompts: list[Encoded], run: CellRun, baseline: CellRun, tokenizer) -> dict:
-    """Greedy exact match against the baseline, check pass counts, and every divergence."""
+def quality(
+    prompts: list[Encoded],
+    run: CellRun,
+    baseline: CellRun,
+    tokenizer,
+    keep_special_tokens: bool = False,
+) -> dict:
+    """Greedy exact match against the baseline, check pass counts, and every divergence (checks
+    judge the outputs decoded without special tokens unless `keep_special_tokens`)."""
     divergences, greedy, equal = [], 0, 0
     checked, base_pass, cell_pass, regressions = 0, 0, 0, 0
     for prompt in prompts:
         ours, theirs = run.outputs.get(prompt.index), baseline.outputs.get(prompt.index)
         if ours is None or theirs is None:
             continue
-        ours_text, theirs_text = _detok(tokenizer, ours), _detok(tokenizer, theirs)
+        ours_text = _detok(tokenizer, ours, keep_special_tokens)
+        theirs_text = _detok(tokenizer, theirs, keep_special_tokens)
         regressed = False
         if prompt.record.check is not None:
             checked += 1
@@ -309,7 +340,7 @@ def quality(prompts: list[Encoded], run: CellRun, baseline: CellRun, tokenizer) 
                 {
                     "prompt_id": prompt.record.id,
                     "task": prompt.record.task,
-                    "prompt": prompt.record.prompt,
+                    "prompt": prompt.record.text,
                     "baseline_output": theirs_text,
                     "speculative_output": ours_text,
                     "first_differing_token": first,
@@ -362,23 +393,32 @@ def run_sweep(
 ) -> dict:
     """Run the whole sweep and return the report as a JSON-ready dict (see `harness.report`).
 
-    make_drafter(spec, size): builds a drafter for the target (default: `spec.build`)."""
-    make_drafter = make_drafter or (lambda spec, size: spec.build(model, size))
-    prompts = encode_prompts(records, tokenizer, config.max_new_tokens)
+    make_drafter(spec, size): builds a drafter for the target (default: the spec's factory,
+    which loads each spec's checkpoint once)."""
+    if make_drafter is None:
+        factories: dict[DrafterSpec, Callable] = {}
+
+        def make_drafter(spec: DrafterSpec, size: int) -> Drafter | None:
+            if spec not in factories:
+                factories[spec] = spec.factory(model)
+            return factories[spec](size)
+
+    prompts = encode_prompts(records, tokenizer, config.max_new_tokens, config.chat)
+    stop = stop_token_ids(model, tokenizer)
     cells = config.cells()
     total = len(config.batches) * (1 + len(cells))
     repeats = config.repeats
-    bar = Progress(total, desc="bench cells", min_interval_s=0.0 if progress else 1e9)
+    bar = Progress(total, desc="bench cells", unit="cell", enabled=progress)
     cost_model = None
     if any(adaptive for *_, adaptive in cells):
-        largest = max(size for _, _, size, adaptive in cells if adaptive)
+        largest = max(spec.nodes(size) for _, spec, size, adaptive in cells if adaptive)
         budgets = [b for b in BUDGETS if b < largest] + [largest]
-        cost_model = CostModel().calibrate(model, config.batches, [b + 1 for b in budgets])
+        cost_model = CostModel().calibrate(model, config.batches, budgets)
 
     def warm(drafter: Drafter | None, batch: int) -> None:
         if config.warmup:
             short = [replace_tokens(p, 8) for p in prompts[:batch]]
-            decode_paired(model, short, batch, [drafter], 0)
+            decode_paired(model, short, batch, [drafter], 0, stop=stop)
 
     baseline_metrics: dict[int, dict] = {}
     noise: dict[int, float] = {}
@@ -388,7 +428,9 @@ def run_sweep(
         warm(None, batch)
         # Plain against plain, paired like every cell: how far from 1.0 a ratio strays by
         # chance is the noise that every speed-up at this batch size is judged against.
-        baseline, again = decode_paired(model, prompts, batch, [None, None], config.seed, repeats)
+        baseline, again = decode_paired(
+            model, prompts, batch, [None, None], config.seed, repeats, stop
+        )
         bar.update(1, cell=f"baseline b={batch}")
         rates = [baseline.stats.tokens_per_second or 0.0, again.stats.tokens_per_second or 0.0]
         noise[batch] = max(config.noise_floor, abs(1.0 - min(rates) / max(max(rates), 1e-9)))
@@ -408,7 +450,7 @@ def run_sweep(
             warm_steps = len(drafter.chosen) if adaptive else 0
             warm_explorations = drafter.explorations if adaptive else 0
             reference, run = decode_paired(
-                model, prompts, batch, [None, drafter], config.seed, repeats
+                model, prompts, batch, [None, drafter], config.seed, repeats, stop
             )
             if adaptive:
                 run.budgets = drafter.chosen[warm_steps:]
@@ -432,6 +474,8 @@ def run_sweep(
             "repeats": config.repeats,
             "noise_floor": config.noise_floor,
             "seed": config.seed,
+            "chat": use_chat(tokenizer, config.chat),
+            "keep_special_tokens": config.keep_special_tokens,
         },
         "prompts": [p.record.to_dict() | {"prompt_tokens": len(p.ids)} for p in prompts],
         "noise": {str(b): n for b, n in noise.items()},
@@ -459,7 +503,7 @@ def _cell_record(
     """The report entry of one cell; `baseline`: its paired plain run."""
     metrics = cell_metrics(run, len(prompts), config.price_per_hour)
     base_metrics = cell_metrics(baseline, len(prompts), config.price_per_hour)
-    q = quality(prompts, run, baseline, tokenizer)
+    q = quality(prompts, run, baseline, tokenizer, config.keep_special_tokens)
     metrics["quality_regressions"] = q["quality_regressions"]
     splits = split_metrics(prompts, run, baseline)
     base_rate = base_metrics["tokens_per_second"]
@@ -468,6 +512,7 @@ def _cell_record(
         "name": name,
         "drafter": str(spec),
         "size": size,
+        "nodes": spec.nodes(size),
         "batch": batch,
         "adaptive": adaptive,
         "metrics": metrics,
@@ -484,7 +529,7 @@ def _cell_record(
         chosen = run.budgets
         record["adaptive_budgets"] = {
             "steps": len(chosen),
-            "plain_steps": sum(1 for b in chosen if b == 0),
+            "plain_steps": sum(1 for b in chosen if b == PLAIN),
             "mean_budget": _mean([float(b) for b in chosen]),
             "explorations": run.explorations,
         }

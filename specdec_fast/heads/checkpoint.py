@@ -16,14 +16,13 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
+from specdec_fast.loading import resolve_path
+
 CONFIG_NAME = "config.json"
 
 
 def resolve_folder(name_or_path: str | os.PathLike) -> Path:
     """A checkpoint folder, or the folder of the bundled checkpoint of that name."""
-    # Imported here: `loading` imports the drafters, which import these heads.
-    from specdec_fast.loading import resolve_path
-
     return Path(resolve_path(str(name_or_path)))
 
 

@@ -1,4 +1,4 @@
-"""`python -m specdec_fast.train COMMAND`: tokenizer, lm, eval.
+"""`python -m specdec_fast.train COMMAND`: tokenizer, lm, eval, the head commands, prompts.
 
 Each command is a registrar that adds its subparser and sets `run`; further commands (drafter
 heads) append their registrar to `REGISTRARS`.
@@ -6,15 +6,12 @@ heads) append their registrar to `REGISTRARS`.
 
 import argparse
 import json
-import shlex
 import sys
 from collections.abc import Callable
 
 import torch
 
-
-def _command_line() -> str:
-    return shlex.join(["python", "-m", "specdec_fast.train", *sys.argv[1:]])
+from .options import add_run_arguments, command_line, run_settings
 
 
 def _run_tokenizer(args) -> int:
@@ -58,7 +55,7 @@ def _run_lm(args) -> int:
     if steps_done < settings.steps or args.out is None:
         return 0
     info = {
-        "command": _command_line(),
+        "command": command_line(),
         "preset": args.preset,
         "settings": dataclasses.asdict(settings),
         "tokens_trained": steps_done * settings.batch_size * settings.seq_len,
@@ -68,49 +65,6 @@ def _run_lm(args) -> int:
     export_checkpoint(model, args.tokenizer, args.out, info)
     print(f"model exported to {args.out}", file=sys.stderr)
     return 0
-
-
-def add_run_arguments(
-    parser: argparse.ArgumentParser,
-    *,
-    batch_size: int,
-    seq_len: int,
-    lr: float,
-    warmup_steps: int,
-    checkpoint_minutes: float,
-    log_every: int = 10,
-) -> None:
-    """The options every training command shares: folders, schedule, seed, resume (read back
-    with `run_settings`)."""
-    parser.add_argument("--run-dir", required=True, help="checkpoint and log folder")
-    parser.add_argument("--out", help="export the finished model to this folder")
-    parser.add_argument("--data-dir", default="runs/data", help="token stream cache")
-    parser.add_argument("--steps", type=int, required=True)
-    parser.add_argument("--batch-size", type=int, default=batch_size)
-    parser.add_argument("--seq-len", type=int, default=seq_len)
-    parser.add_argument("--lr", type=float, default=lr)
-    parser.add_argument("--warmup-steps", type=int, default=warmup_steps)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--log-every", type=int, default=log_every)
-    parser.add_argument("--checkpoint-minutes", type=float, default=checkpoint_minutes)
-    parser.add_argument("--resume", action="store_true", help="continue from run-dir's checkpoint")
-    parser.add_argument("--stop-at", type=int, help="stop (checkpointed) at this step")
-
-
-def run_settings(args: argparse.Namespace):
-    """The `TrainSettings` of options added by `add_run_arguments`."""
-    from .lm import TrainSettings
-
-    return TrainSettings(
-        steps=args.steps,
-        batch_size=args.batch_size,
-        seq_len=args.seq_len,
-        lr=args.lr,
-        warmup_steps=args.warmup_steps,
-        seed=args.seed,
-        log_every=args.log_every,
-        checkpoint_minutes=args.checkpoint_minutes,
-    )
 
 
 def register_lm(sub) -> None:
@@ -126,7 +80,7 @@ def register_lm(sub) -> None:
 def _run_eval(args) -> int:
     from .evaluate import evaluate_models
 
-    record_command = _command_line() if args.record else None
+    record_command = command_line() if args.record else None
     results = evaluate_models(
         args.model, args.draft, args.data_dir, args.seq_len, args.max_windows, record_command
     )
@@ -155,7 +109,19 @@ def register_heads(sub) -> None:
     register_head_commands(sub)
 
 
-REGISTRARS: list[Callable] = [register_tokenizer, register_lm, register_eval, register_heads]
+def register_prompts(sub) -> None:
+    from .prompts import register_prompts as register
+
+    register(sub)
+
+
+REGISTRARS: list[Callable] = [
+    register_tokenizer,
+    register_lm,
+    register_eval,
+    register_heads,
+    register_prompts,
+]
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -33,6 +33,7 @@ from transformers import DynamicCache
 
 from specdec_fast.heads.eagle import Eagle3Head, EagleHead
 from specdec_fast.heads.medusa import MedusaHeads
+from specdec_fast.progress import Progress
 
 from .data import batch_at_step
 from .export import write_info
@@ -45,7 +46,8 @@ from .lm import (
     _save_checkpoint,
     lr_at,
 )
-from .progress import Progress
+from .options import add_run_arguments, command_line, run_settings
+from .progress import LOG_EVERY_S
 
 KINDS = ("medusa", "eagle", "eagle3")
 FINAL_NORM = -1
@@ -288,7 +290,14 @@ def train_heads(
         step = _load_checkpoint(checkpoint, head, optimizer, settings, options)
     end = settings.steps if stop_at is None else min(stop_at, settings.steps)
     tokens_per_step = settings.batch_size * settings.seq_len
-    progress = Progress(settings.steps, initial=step, desc=f"train {options.kind}")
+    progress = Progress(
+        settings.steps,
+        initial=step,
+        desc=f"train {options.kind}",
+        unit="step",
+        min_interval_s=LOG_EVERY_S,
+        log_every_s=LOG_EVERY_S,
+    )
     last_checkpoint = time.monotonic()
     window_start, window_steps, loss_sum = time.monotonic(), 0, 0.0
     correct = counts = None
@@ -369,7 +378,6 @@ DESCRIPTIONS = {
 def _run_heads(args) -> int:
     from specdec_fast.loading import load_model, resolve_path
 
-    from .cli import _command_line, run_settings
     from .data import token_stream
     from .evaluate import _windows
 
@@ -401,7 +409,7 @@ def _run_heads(args) -> int:
         layers=list(target_layers(head)),
     )
     info = {
-        "command": _command_line(),
+        "command": command_line(),
         "kind": options.kind,
         "description": description,
         "target": args.target,
@@ -418,8 +426,6 @@ def _run_heads(args) -> int:
 
 def register_head_commands(sub) -> None:
     """Add the `medusa`, `eagle` and `eagle3` commands to the training CLI."""
-    from .cli import add_run_arguments
-
     helps = {
         "medusa": "self-distill Medusa heads for a target",
         "eagle": "self-distill an EAGLE-1/2 head for a target",

@@ -1,51 +1,12 @@
-"""Progress reporting: a bar (tqdm when installed, otherwise a plain stderr line every few
-seconds) and the per-window JSONL training log."""
+"""The per-window JSONL training log, with progress on stderr (`specdec_fast.progress`)."""
 
 import json
-import sys
 import time
 
+from specdec_fast.progress import Progress
 
-class Progress:
-    """Counts steps from `initial` to `total` and shows `postfix` fields with an ETA."""
-
-    def __init__(self, total: int, initial: int = 0, desc: str = "", min_interval_s: float = 5.0):
-        self.total = total
-        self.count = initial
-        self.desc = desc
-        self.min_interval_s = min_interval_s
-        self._start = time.monotonic()
-        self._start_count = initial
-        self._last_print = 0.0
-        try:
-            from tqdm import tqdm
-        except ImportError:
-            self._bar = None
-        else:
-            self._bar = tqdm(total=total, initial=initial, desc=desc, mininterval=min_interval_s)
-
-    def update(self, steps: int = 1, **postfix) -> None:
-        self.count += steps
-        if self._bar is not None:
-            self._bar.set_postfix(postfix, refresh=False)
-            self._bar.update(steps)
-            return
-        now = time.monotonic()
-        if now - self._last_print < self.min_interval_s and self.count < self.total:
-            return
-        self._last_print = now
-        rate = (self.count - self._start_count) / max(now - self._start, 1e-9)
-        eta_s = (self.total - self.count) / rate if rate > 0 else float("inf")
-        fields = " ".join(f"{key}={value}" for key, value in postfix.items())
-        print(
-            f"{self.desc} {self.count}/{self.total} {fields} eta={eta_s / 60:.1f}min",
-            file=sys.stderr,
-            flush=True,
-        )
-
-    def close(self) -> None:
-        if self._bar is not None:
-            self._bar.close()
+# Training runs in the background: where stderr is a log file, a status line this often.
+LOG_EVERY_S = 5.0
 
 
 class StepLog:
@@ -58,7 +19,14 @@ class StepLog:
 
     def __init__(self, path, total_steps: int, start_step: int, tokens_per_step: int, desc: str):
         self._file = open(path, "a")  # noqa: SIM115 (closed by close())
-        self._progress = Progress(total_steps, initial=start_step, desc=desc)
+        self._progress = Progress(
+            total_steps,
+            initial=start_step,
+            desc=desc,
+            unit="step",
+            min_interval_s=LOG_EVERY_S,
+            log_every_s=LOG_EVERY_S,
+        )
         self._tokens_per_step = tokens_per_step
         self._reset()
 

@@ -1,0 +1,26 @@
+"""The engine's transfers between host and device, in one place.
+
+`to_host` is the blocking read: the engine calls it once per step (the emitted tokens), and
+nothing else in the step loop or the drafters reads device tensors (tests/test_transfers.py
+counts). `to_device` uploads host data (lists, numpy arrays) without making the host wait: on
+CUDA through pinned memory with a non-blocking copy, on the CPU as is.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def to_host(tensor: torch.Tensor) -> list:
+    """`tensor`'s values as (nested) Python lists: a blocking device-to-host read."""
+    return tensor.tolist()
+
+
+def to_device(data, device: torch.device, dtype: torch.dtype = torch.int64) -> torch.Tensor:
+    """Host `data` (a list, nested lists or a numpy array) as a tensor on `device`, copied
+    without blocking the host."""
+    # A copy, never a view: the caller may reuse its array while a non-blocking copy runs.
+    host = torch.tensor(data, dtype=dtype)
+    if device.type != "cuda":
+        return host
+    return host.pin_memory().to(device, non_blocking=True)

@@ -1,0 +1,95 @@
+"""Compiled steps: `generate(compile=True)` gives HF's greedy output, compiles each step kind once,
+and a later call (other prompts, lengths, batch size) compiles nothing; the model comes out of
+every call, errors included, with its own attention.
+
+The other engine tests run eagerly (conftest sets SPECDEC_COMPILE=0); these compile tiny models
+with inductor, a few seconds per graph.
+"""
+
+import pytest
+import torch
+from tiny_models import repetitive_prompts, tiny_llama
+from torch._dynamo.utils import counters
+
+from specdec_fast import DraftModelDrafter, NGramDrafter, generate
+from specdec_fast.runner import RUNNER_ATTRIBUTE
+
+VOCAB = 96
+NEW_TOKENS = 20
+
+pytestmark = pytest.mark.slow
+
+
+def hf_greedy(model, prompts, max_new_tokens=NEW_TOKENS):
+    with torch.no_grad():
+        return [
+            model.generate(torch.tensor([p]), do_sample=False, max_new_tokens=max_new_tokens)[
+                0
+            ].tolist()
+            for p in prompts
+        ]
+
+
+@pytest.fixture(scope="module")
+def models():
+    return tiny_llama(VOCAB, seed=11), tiny_llama(VOCAB, hidden_size=32, layers=1, seed=12)
+
+
+def graphs_compiled() -> int:
+    return counters["stats"]["unique_graphs"]
+
+
+def test_compiled_generate_equals_hf_greedy_and_recompiles_nothing(models):
+    """Per drafter: a batch of 3, then one of 2 with other prompts and lengths (no new graph),
+    then two single prompts (the compiler keeps batch size 1 apart: at most the first compiles).
+    Every output equals HF's greedy decoding."""
+    target, draft = models
+    drafters = {
+        "plain": lambda: None,
+        "ngram": lambda: NGramDrafter(max_nodes=6),
+        "draft chain": lambda: DraftModelDrafter(draft, num_tokens=3),
+    }
+    calls = [
+        repetitive_prompts([5, 17, 9], VOCAB, seed=1),
+        repetitive_prompts([12, 3], VOCAB, seed=2),
+        repetitive_prompts([7], VOCAB, seed=3),
+        repetitive_prompts([14], VOCAB, seed=4),
+    ]
+    expected = [hf_greedy(target, prompts) for prompts in calls]
+    for name, make in drafters.items():
+        compiled = []
+        for prompts, want in zip(calls, expected, strict=True):
+            before = graphs_compiled()
+            out = generate(target, prompts, drafter=make(), max_new_tokens=NEW_TOKENS, compile=True)
+            assert [s.tolist() for s in out.sequences] == want, name
+            compiled.append(graphs_compiled() - before)
+        assert compiled[1] == 0 and compiled[3] == 0, (name, compiled)
+    runner = target.__dict__[RUNNER_ATTRIBUTE]
+    assert runner.compile and runner.compile_seconds  # the first calls' compilations, reported
+    assert target.config._attn_implementation != "specdec_tree"
+
+
+def test_compiled_rows_that_finish_early_shrink_the_batch(models):
+    """Rows stopping at different steps (an EOS token, max tokens) shrink the batch down to one
+    row, with the compiled step serving each batch size."""
+    target, _ = models
+    prompts = repetitive_prompts([4, 11, 6, 8], VOCAB, seed=3)
+    expected = hf_greedy(target, prompts, 24)
+    eos = expected[2][len(prompts[2]) + 5]  # row 2 stops at its 6th new token at the latest
+
+    def cut(sequence, prompt):
+        generated = sequence[len(prompt) :]
+        return sequence[: len(prompt) + generated.index(eos) + 1] if eos in generated else sequence
+
+    out = generate(
+        target,
+        prompts,
+        drafter=NGramDrafter(max_nodes=5),
+        max_new_tokens=24,
+        eos_token_id=eos,
+        compile=True,
+    )
+    assert [s.tolist() for s in out.sequences] == [
+        cut(sequence, prompt) for sequence, prompt in zip(expected, prompts, strict=True)
+    ]
+    assert len({len(s) for s in out.sequences}) > 1  # the rows did finish at different steps

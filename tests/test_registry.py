@@ -1,0 +1,148 @@
+"""The drafter registry: spec parsing, one tree per budget everywhere, and every registered kind
+walked through parse -> build -> a greedy exactness check on a tiny model."""
+
+import pytest
+import torch
+from test_medusa import random_heads
+from tiny_models import repetitive_prompts, tiny_llama
+
+from specdec_fast import bundled, generate
+from specdec_fast.drafters.registry import (
+    KINDS,
+    REGISTRY,
+    DrafterSpec,
+    bundled_specs,
+    spec_help,
+)
+from specdec_fast.heads.eagle import EagleHead
+from specdec_fast.trees import default_tree
+
+VOCAB = 32
+HIDDEN = 48
+
+
+@pytest.fixture(scope="module")
+def target():
+    return tiny_llama(vocab_size=VOCAB, hidden_size=HIDDEN, layers=3)
+
+
+def _draft_folder(folder, target):
+    tiny_llama(vocab_size=VOCAB, hidden_size=32, seed=1).save_pretrained(folder)
+
+
+def _medusa_folder(folder, target):
+    random_heads(HIDDEN, VOCAB, num_heads=3).save_pretrained(folder)
+
+
+def _eagle_folder(folder, target):
+    torch.manual_seed(0)
+    EagleHead.for_target(target).save_pretrained(folder)
+
+
+# A checkpoint writer per kind that takes a PATH; a new kind without one fails the walk below.
+CHECKPOINTS = {
+    "draft": _draft_folder,
+    "draft-tree": _draft_folder,
+    "medusa": _medusa_folder,
+    "eagle": _eagle_folder,
+}
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    return repetitive_prompts([13, 7], VOCAB, seed=3)
+
+
+@pytest.fixture(scope="module")
+def plain(target, prompts):
+    with torch.no_grad():
+        out = generate(target, prompts, drafter=None, max_new_tokens=24)
+    return [s.tolist() for s in out.sequences]
+
+
+@pytest.mark.parametrize("kind", list(REGISTRY))
+@pytest.mark.parametrize("sized", [False, True], ids=["default-size", "size-5"])
+def test_every_kind_parses_builds_and_is_exact(kind, sized, target, prompts, plain, tmp_path):
+    info = REGISTRY[kind]
+    text = kind
+    if info.load is not None:
+        assert kind in CHECKPOINTS, f"the walk needs a checkpoint writer for {kind!r}"
+        CHECKPOINTS[kind](tmp_path, target)
+        text = f"{kind}:{tmp_path}"
+    if sized:
+        text += ":5"
+    spec = DrafterSpec.parse(text)
+    assert str(spec) == text and DrafterSpec.parse(str(spec)) == spec
+    size = 5 if sized else info.default_size
+    drafter = spec.build(target)
+    # The budget is the verified N everywhere: a chain of k verifies k + 1.
+    assert drafter.max_nodes == spec.nodes() == (size + 1 if info.chain else size)
+    with torch.no_grad():
+        out = generate(target, prompts, drafter=drafter, max_new_tokens=24)
+    assert [s.tolist() for s in out.sequences] == plain
+    assert out.stats.drafted_tokens > 0
+
+
+def test_a_budget_is_the_same_tree_for_every_static_kind(target, tmp_path):
+    _medusa_folder(tmp_path / "medusa", target)
+    _draft_folder(tmp_path / "draft", target)
+    medusa = DrafterSpec.parse(f"medusa:{tmp_path / 'medusa'}:8").build(target)
+    draft_tree = DrafterSpec.parse(f"draft-tree:{tmp_path / 'draft'}:8").build(target)
+    # Medusa's tree is the default tree of the budget, capped at its 3 heads, not a trimmed one.
+    assert medusa.tree == default_tree(8, max_depth=3) and medusa.tree.num_nodes == 8
+    assert draft_tree.tree == default_tree(8) and draft_tree.tree.num_nodes == 8
+
+
+@pytest.mark.parametrize(
+    ("spec", "kind", "path", "size"),
+    [
+        ("ngram", "ngram", None, None),
+        ("suffix:32", "suffix", None, 32),
+        ("draft:/a/b", "draft", "/a/b", None),
+        ("draft:/a/b:3", "draft", "/a/b", 3),
+        ("draft:model.gguf", "draft", "model.gguf", None),
+        ("draft-tree:tiny-code-draft:16", "draft-tree", "tiny-code-draft", 16),
+        ("medusa:some/heads:8", "medusa", "some/heads", 8),
+        ("eagle:tiny-code-eagle3", "eagle", "tiny-code-eagle3", None),
+        ("none", "none", None, None),
+        ("plain", "none", None, None),
+    ],
+)
+def test_spec_parsing(spec, kind, path, size):
+    parsed = DrafterSpec.parse(spec)
+    assert (parsed.kind, parsed.path, parsed.size) == (kind, path, size)
+
+
+@pytest.mark.parametrize(
+    ("spec", "message"),
+    [
+        ("magic", "expected none \\| ngram\\[:N\\] \\| suffix"),
+        ("draft", "expected draft:PATH\\[:K\\]"),
+        ("ngram:0", "size must be a positive integer"),
+        ("ngram:x", "size must be a positive integer"),
+    ],
+)
+def test_bad_specs_name_the_spec_and_the_syntax(spec, message):
+    with pytest.raises(ValueError, match=f"drafter spec {spec!r}: {message}"):
+        DrafterSpec.parse(spec)
+
+
+def test_help_and_labels_come_from_the_registry():
+    text = spec_help()
+    for kind in KINDS:
+        assert kind.syntax in text and kind.help in text
+    assert DrafterSpec.parse("ngram").label() == "ngram N=8"
+    assert DrafterSpec.parse("draft:x/tiny-draft").label(3) == "draft:tiny-draft k=3 (N=4)"
+    assert DrafterSpec("none").label() == "plain" and DrafterSpec("none").nodes() == 1
+
+
+def test_bundled_specs_cover_every_kind_with_its_installed_checkpoints():
+    specs = bundled_specs()
+    available = set(bundled.available())
+    expected = [
+        (kind.name, name)
+        for kind in KINDS
+        for name in ((None,) if kind.load is None else kind.bundled)
+        if name is None or name in available
+    ]
+    assert [(s.kind, s.path) for s in specs] == expected
