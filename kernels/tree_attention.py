@@ -192,47 +192,52 @@ class KernelConfig:
 
 
 # fp16/bf16 launch shapes per (K/V width BLOCK_D, row block BLOCK_M): (the plain kernel's tile,
-# the windowed or soft-capped one's). Every launch the launcher makes with them compiles for
-# sm_90 without spilling and holds at least two programs per SM (bench/results/
-# sm90_compile_table.md lists each, tests/test_sm90_compile.py enforces it):
+# the windowed or soft-capped one's). Every launch the launcher makes with them over the model
+# sweep compiles for sm_90 without spilling (bench/results/sm90_compile_table.md lists each,
+# tests/test_sm90_compile.py enforces it), at `programs_per_sm` programs per SM or more:
 # - 128 rows: 8 warps capped at 128 registers (two programs per SM: one's softmax overlaps the
-#   other's MMA) on 32-key tiles (64 keys at D 64); wider tiles spill under the cap. The
-#   variants' per-row state, and trees of more than 96 nodes (four mask words per row), spill
-#   there too: they take 64-row blocks.
-# - 64 rows: one warpgroup (4 warps); any count up to 255 registers keeps two programs per SM.
-# - D 256: 32-key tiles on 4 warps (252-255 registers); the windowed and soft-capped variant
-#   spills there and takes 16-key tiles.
+#   other's MMA) on 32-key tiles (64 keys at D 64); wider tiles spill under the cap, and so do
+#   the variants' per-row state, GQA groups that are not powers of two and trees of more than
+#   96 nodes (four mask words per row): those take 64-row blocks.
+# - 64 rows and fewer: one warpgroup (4 warps), allowed all 255 registers (left to itself ptxas
+#   stopped at 128 and spilled); any count keeps two programs per SM.
+# - D 256: 32-key tiles on 4 warps (252-255 registers). The windowed or soft-capped variant
+#   (every layer of Gemma2) spills on 4 warps with 16- or 32-key tiles and under a 128-register
+#   cap on 8 warps: it runs 8 warps at one program per SM.
 HALF_PRECISION_TILES = {
-    (64, 16): (Tile(64, 4, 3), Tile(32, 4, 3)),
-    (64, 32): (Tile(64, 4, 3), Tile(32, 4, 3)),
-    (64, 64): (Tile(64, 4, 3), Tile(32, 4, 3)),
-    (64, 128): (Tile(64, 8, 3, max_registers=128), None),
-    (128, 16): (Tile(64, 4, 3), Tile(64, 4, 3)),
-    (128, 32): (Tile(64, 4, 3), Tile(32, 4, 3)),
-    (128, 64): (Tile(64, 4, 2), Tile(32, 4, 2)),
-    (128, 128): (Tile(32, 8, 3, max_registers=128), None),
-    (256, 16): (Tile(32, 4, 2), Tile(32, 4, 2)),
-    (256, 64): (Tile(32, 4, 2), Tile(16, 4, 2)),
+    (64, 16): (Tile(64, 4, 3, 255), Tile(32, 4, 3, 255)),
+    (64, 32): (Tile(64, 4, 3, 255), Tile(32, 4, 3, 255)),
+    (64, 64): (Tile(64, 4, 3, 255), Tile(32, 4, 3, 255)),
+    (64, 128): (Tile(64, 8, 3, 128), None),
+    (128, 16): (Tile(64, 4, 3, 255), Tile(64, 4, 3, 255)),
+    (128, 32): (Tile(64, 4, 3, 255), Tile(32, 4, 3, 255)),
+    (128, 64): (Tile(64, 4, 2, 255), Tile(32, 4, 2, 255)),
+    (128, 128): (Tile(32, 8, 3, 128), None),
+    (256, 16): (Tile(32, 4, 2, 255), Tile(32, 4, 2, 255)),
+    (256, 64): (Tile(32, 4, 2, 255), Tile(32, 8, 2, 255, programs_per_sm=1)),
 }
 # Trees deeper than this many nodes keep four mask words per row: too many for 128 rows under
 # the 128-register cap.
 MAX_NODES_FOR_128_ROWS = 96
 
 
-def row_block(rows: int, head_dim_block: int, num_new: int, windowed_or_capped: bool) -> int:
-    """Query rows per program for `rows` = GROUP * N rows per KV head (fp16/bf16).
+def row_block(group: int, num_new: int, head_dim_block: int, windowed_or_capped: bool) -> int:
+    """Query rows per program for GROUP * N rows per KV head (fp16/bf16).
 
     Up to 64 rows, the next power of two (16 at least; at D 256, 16 or 64). Beyond, 128-row
     blocks unless the last one would be at most half full: then 64-row blocks, so no block is
     mostly padding. A 65-node tree at GQA 4 (260 rows) takes 5 blocks of 64 (320 rows of MMA)
-    rather than 3 of 128 (384) with a third holding 4 live rows.
+    rather than 3 of 128 (384) with a third holding 4 live rows. The variants, groups that are
+    not powers of two and trees over 96 nodes always take 64 (see HALF_PRECISION_TILES).
     """
+    rows = group * num_new
     if head_dim_block > 128:
         return 16 if rows <= 16 else 64
     if rows <= 64:
         return max(16, triton.next_power_of_2(rows))
     half_full_tail = triton.cdiv(rows, 64) % 2 == 1
-    if windowed_or_capped or num_new > MAX_NODES_FOR_128_ROWS or half_full_tail:
+    odd_group = group & (group - 1) != 0
+    if windowed_or_capped or num_new > MAX_NODES_FOR_128_ROWS or half_full_tail or odd_group:
         return 64
     return 128
 
@@ -254,7 +259,7 @@ def kernel_config(
         if narrow:
             return KernelConfig(16, block_n, block_d, num_warps=4, num_stages=2)
         return KernelConfig(16, block_n, block_d, num_warps=8, num_stages=1, max_registers=255)
-    block_m = row_block(group * num_new, block_d, num_new, windowed_or_capped)
+    block_m = row_block(group, num_new, block_d, windowed_or_capped)
     plain, variant = HALF_PRECISION_TILES[max(block_d, 64), block_m]
     tile = variant if windowed_or_capped else plain
     return KernelConfig(

@@ -128,32 +128,32 @@ def test_every_half_precision_config_is_reachable_and_known():
         plain, windowed = HALF_PRECISION_TILES[max(config.block_d, 64), config.block_m]
         tile = windowed if variant else plain
         assert tile is not None, (variant, config)
-        assert (config.block_n, config.num_warps, config.num_stages) == (
-            tile.block_n,
-            tile.num_warps,
-            tile.num_stages,
+        expected = (tile.block_n, tile.num_warps, tile.num_stages, tile.max_registers)
+        assert (config.block_n, config.num_warps, config.num_stages, config.max_registers) == (
+            expected
         )
 
 
 @pytest.mark.parametrize(
-    ("rows", "num_new", "variant", "expected"),
+    ("group", "num_new", "variant", "expected"),
     [
         (4, 1, False, 16),  # decode at GQA 4
-        (33, 33, False, 64),
-        (128, 32, False, 128),  # B32/N32 at GQA 4: one full block
-        (132, 33, False, 64),  # N + 1: 3 x 64 rows, not 2 x 128 with 4 live rows in one
-        (256, 64, False, 128),
-        (260, 65, False, 64),  # 5 x 64 = 320 rows of MMA, not 3 x 128 = 384
-        (448, 64, False, 64),  # GQA 7: 7 x 64 exactly
-        (512, 64, False, 128),  # GQA 8
-        (520, 65, False, 64),  # GQA 8, N + 1: 9 x 64, not 5 x 128 with 8 live rows in one
-        (200, 50, False, 128),  # 2 x 128: the last block more than half full
-        (256, 64, True, 64),  # windowed / soft-capped variants keep 64 rows
-        (388, 97, False, 64),  # trees over 96 nodes: 4 mask words per row
+        (1, 33, False, 64),
+        (4, 32, False, 128),  # B32/N32 at GQA 4: one full block
+        (4, 33, False, 64),  # N + 1: 3 x 64 rows, not 2 x 128 with 4 live rows in one
+        (4, 64, False, 128),
+        (4, 65, False, 64),  # 5 x 64 = 320 rows of MMA, not 3 x 128 = 384
+        (8, 64, False, 128),  # GQA 8
+        (8, 65, False, 64),  # GQA 8, N + 1: 9 x 64, not 5 x 128 with 8 live rows in one
+        (2, 50, False, 128),  # 2 x 128: the last block more than half full
+        (4, 64, True, 64),  # windowed / soft-capped variants keep 64 rows
+        (4, 97, False, 64),  # trees over 96 nodes: 4 mask words per row
+        (7, 64, False, 64),  # GQA 7 (Qwen2.5-7B): 7 x 64 exactly, and 128 rows spill
     ],
 )
-def test_row_blocks_avoid_mostly_empty_blocks(rows, num_new, variant, expected):
-    assert row_block(rows, 128, num_new, variant) == expected
+def test_row_blocks_avoid_mostly_empty_blocks(group, num_new, variant, expected):
+    assert row_block(group, num_new, 128, variant) == expected
+    rows = group * num_new
     assert triton.cdiv(rows, expected) * expected - rows < 64  # no block is mostly padding
 
 
@@ -164,7 +164,7 @@ def test_llama3_verify_tiles():
         128, 32, 128, num_warps=8, num_stages=3, max_registers=128, programs_per_sm=2
     )
     assert kernel_config(128, 4, 65, BF16) == KernelConfig(
-        64, 64, 128, num_warps=4, num_stages=2, programs_per_sm=2
+        64, 64, 128, num_warps=4, num_stages=2, max_registers=255, programs_per_sm=2
     )
 
 
