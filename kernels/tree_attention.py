@@ -22,6 +22,12 @@ MAX_TREE_NODES = 128
 MAX_SPLITS = 64
 # A split must own a few K/V tiles, or its prologue and the combine cost more than it saves.
 MIN_TILES_PER_SPLIT = 4
+# The split heuristic's costs, in K/V tiles of one program: a program's prologue and epilogue
+# (Q and the first tiles loaded, the output written), and the combine launch (its gap and its
+# read of the partials).
+SPLIT_PROLOGUE_TILES = 2
+COMBINE_TILES = 4
+SPLIT_GAIN = 0.9
 # The combine launch takes small token blocks until its programs fill the GPU this many times over
 # (at B1, 32 heads x 64 tokens in blocks of 32 would be 64 programs on 132 SMs).
 COMBINE_WAVES = 2
@@ -273,18 +279,30 @@ def kernel_config(
     )
 
 
+@cache
 def choose_num_splits(programs: int, max_prefix: int, block_n: int, slots: int) -> int:
-    """How many ways to split the prefix so that `programs` (B * Hkv * row blocks) fill the
-    GPU's `slots` (SMs x programs per SM).
+    """How many ways to split the prefix for `programs` (B * Hkv * row blocks) on a GPU of
+    `slots` (SMs x programs per SM).
 
-    Splits multiply the programs up to one full wave; each split keeps at least
-    MIN_TILES_PER_SPLIT tiles of the longest possible visible prefix (`max_prefix`, known on the
-    host without reading the lengths: the capacity, or the window). Shorter prefixes are divided
-    on the device, in the kernel.
+    The count minimizing a wave model: waves (`programs * splits / slots`, rounded up) times the
+    tiles of a split plus SPLIT_PROLOGUE_TILES, plus COMBINE_TILES for the combine launch when
+    split; ties go to fewer splits, and a split must save 10% (SPLIT_GAIN). Each split keeps at least MIN_TILES_PER_SPLIT tiles of the
+    longest possible visible prefix (`max_prefix`, known on the host without reading the
+    lengths: the capacity, or the window); shorter prefixes are divided on the device. So a
+    batch that fills one wave is not split, and one that spills a little past a wave (B8 with a
+    65-node tree: 320 programs on 264 slots) is split into several shorter waves.
     """
-    by_occupancy = slots // max(programs, 1)
-    by_length = triton.cdiv(max_prefix, block_n) // MIN_TILES_PER_SPLIT
-    return max(1, min(by_occupancy, by_length, MAX_SPLITS))
+    tiles = triton.cdiv(max_prefix, block_n)
+    most = max(1, min(tiles // MIN_TILES_PER_SPLIT, MAX_SPLITS))
+
+    def cost(splits: int) -> int:
+        waves = triton.cdiv(max(programs, 1) * splits, slots)
+        combine = COMBINE_TILES if splits > 1 else 0
+        return waves * (triton.cdiv(tiles, splits) + SPLIT_PROLOGUE_TILES) + combine
+
+    best = min(range(1, most + 1), key=cost)
+    # Splitting writes and reads partials the model does not count: only for a clear gain.
+    return best if cost(best) <= SPLIT_GAIN * cost(1) else 1
 
 
 def combine_block_t(batch_heads: int, num_new: int, block_d: int, slots: int) -> int:

@@ -168,13 +168,19 @@ def test_llama3_verify_tiles():
     )
 
 
-def test_splits_fill_every_program_slot():
+def test_splits_follow_the_wave_model():
     # Llama-3-8B, B1/L4096/N64: 8 KV heads x 2 row blocks on 132 SMs x 2 programs per SM.
     assert choose_num_splits(16, 4096, 32, 264) == 16
-    # The engine's N = 65: 8 x 5 row blocks.
+    # The engine's N = 65: 8 x 5 row blocks of 64.
     assert choose_num_splits(40, 4096, 64, 264) == 6
-    # B8/L4096/N64: 128 programs already fill half the slots.
+    # B8/L4096/N64: 128 programs fill half the slots.
     assert choose_num_splits(128, 4096, 32, 264) == 2
+    # B8/L4096/N65: 320 programs, 1.2 waves unsplit (2 x 66 tiles); 4 splits make 5 waves of
+    # 18 tiles plus the combine.
+    assert choose_num_splits(320, 4096, 64, 264) == 4
+    # B32/L2048/N32: 256 programs fill one wave; B32/N33: 768 are 3 waves either way.
+    assert choose_num_splits(256, 2048, 32, 264) == 1
+    assert choose_num_splits(768, 2048, 64, 264) == 1
 
 
 def test_combine_fills_the_gpu():
