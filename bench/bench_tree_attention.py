@@ -17,6 +17,8 @@ B1/L16384/N64 <= 30 us, B8/L4096/N64 <= 55 us, B32/L2048/N32 <= 95 us.
 Peers:
 - `ours tree`: `tree_attention` with the packed tree mask (Triton on CUDA, the configured
   backend elsewhere); `ours causal`: the same call without a mask (chain verification);
+- `ours tree, 128-row blocks` (the N + 1 shapes): the Triton launcher forced to 128-row
+  blocks, which `row_block` turns down there for 64-row ones;
 - `sdpa dense mask`: SDPA over the prefix and the tree with a dense bool mask `[B, 1, N, keys]`;
 - `sdpa no mask`: the same attention without a mask (a lower bound for any SDPA tree path);
 - `sdpa decode`: SDPA for one new token over the prefix and itself, what a plain decode step
@@ -40,6 +42,7 @@ Run as `pytest bench/bench_tree_attention.py --benchmark-only` or
 code at small sizes.
 """
 
+import dataclasses
 import importlib.util
 from dataclasses import dataclass
 
@@ -50,6 +53,12 @@ from common import Case, bench_device, device_generator, main, run_in_pytest
 
 from specdec_fast.kernels import pack_tree_mask, tree_attention
 from specdec_fast.kernels.reference.tree_attention import key_visibility
+from specdec_fast.kernels.tree_attention import (
+    HALF_PRECISION_TILES,
+    KernelConfig,
+    kernel_config,
+    launch_tree_attention,
+)
 from specdec_fast.tree_mask import ancestor_mask, node_depths
 
 
@@ -65,6 +74,9 @@ class Shape:
     window: int | None = None
     softcap: float | None = None
     model: str | None = None  # names the heads when they are not Llama-3-8B's
+    # Also time 128-row blocks: at N + 1 the launcher takes 64-row blocks (fewer rows of MMA,
+    # more K/V reads from L2); the GPU run says which wins.
+    compare_rows: bool = False
 
     @property
     def label(self) -> str:
@@ -114,10 +126,11 @@ FEATURE_SHAPES = [
 def shapes_for(device: torch.device, quick: bool) -> list[Shape]:
     if device.type == "cuda":
         dims = QUICK_SHAPES if quick else ANCHOR_SHAPES + ENGINE_SHAPES + SWEEP_SHAPES
-        return [Shape(*dim) for dim in dims] + (FEATURE_SHAPES[:1] if quick else FEATURE_SHAPES)
+        shapes = [Shape(*dim, compare_rows=dim in ENGINE_SHAPES) for dim in dims]
+        return shapes + (FEATURE_SHAPES[:1] if quick else FEATURE_SHAPES)
     small = dict(num_q_heads=4, num_kv_heads=2, head_dim=32, dtype=torch.float32)
     shapes = [
-        Shape(1, 64, 8, **small),
+        Shape(1, 64, 9, compare_rows=True, **small),
         Shape(1, 100, 8, window=24, **small),
         Shape(1, 48, 8, softcap=5.0, **small),
     ]
@@ -213,6 +226,27 @@ def flash_attn_call(q, k_cache, v_cache, shape: Shape):
     )
 
 
+ROWS_128 = "ours tree, 128-row blocks"
+
+
+def rows128_config(shape: Shape) -> KernelConfig:
+    """`kernel_config`'s tiling with 128-row blocks (what `row_block` turns down at N + 1)."""
+    group = shape.num_q_heads // shape.num_kv_heads
+    config = kernel_config(shape.head_dim, group, shape.num_new, shape.dtype)
+    if shape.dtype == torch.float32:
+        return dataclasses.replace(config, block_m=128)
+    tile = HALF_PRECISION_TILES[max(config.block_d, 64), 128][0]
+    return KernelConfig(
+        128,
+        tile.block_n,
+        config.block_d,
+        tile.num_warps,
+        tile.num_stages,
+        tile.max_registers,
+        tile.programs_per_sm,
+    )
+
+
 def _builder(shape: Shape, device: torch.device, peer: str):
     def build():
         q, k_cache, v_cache, cache_lens, tree = make_inputs(shape, device)
@@ -222,6 +256,13 @@ def _builder(shape: Shape, device: torch.device, peer: str):
             depths = None if shape.window is None else node_depths(tree).to(torch.int32)
             return lambda: tree_attention(
                 q, k_cache, v_cache, cache_lens, packed, q_depths=depths, **features
+            )
+        if peer == ROWS_128:
+            config = rows128_config(shape)
+            packed = pack_tree_mask(tree)
+            scale = shape.head_dim**-0.5
+            return lambda: launch_tree_attention(
+                q, k_cache, v_cache, cache_lens, packed, None, scale, config=config
             )
         if peer == "ours causal":
             return lambda: tree_attention(q, k_cache, v_cache, cache_lens, **features)
@@ -253,6 +294,8 @@ def _builder(shape: Shape, device: torch.device, peer: str):
 
 def peers_for(shape: Shape, device: torch.device, quick: bool = False) -> list[str]:
     peers = ["ours tree", "ours causal", "sdpa dense mask", "sdpa no mask", "sdpa decode"]
+    if shape.compare_rows:
+        peers.insert(1, ROWS_128)
     if shape.softcap is not None:
         peers.append("eager dense mask")
     if device.type == "cuda":
