@@ -211,10 +211,7 @@ def _recording(module, kernels, launches):
 def _launch_attention(point: dict) -> None:
     meta = dict(device="meta")
     batch, kv_heads, num_new, head_dim = (
-        point["batch"],
-        point["num_kv_heads"],
-        point["num_new"],
-        point["head_dim"],
+        point[key] for key in ("batch", "num_kv_heads", "num_new", "head_dim")
     )
     dtype = getattr(torch, point["dtype"])
     capacity = point["prefix"] + num_new
@@ -244,12 +241,7 @@ def _launch_verify(point: dict) -> None:
     """The engine's call: fp32 (or bf16) logits, per-sequence temperature, filters and seeds
     where the kind has them; scalars for the greedy tree."""
     meta = dict(device="meta")
-    batch, num_nodes, vocab, kind = (
-        point["batch"],
-        point["num_nodes"],
-        point["vocab"],
-        point["kind"],
-    )
+    batch, num_nodes, vocab, kind = (point[key] for key in ("batch", "num_nodes", "vocab", "kind"))
     dtype = getattr(torch, point["dtype"])
     logits = torch.empty(batch, num_nodes, vocab, dtype=dtype, **meta)
     tokens = torch.empty(batch, num_nodes, dtype=torch.int64, **meta)

@@ -7,6 +7,7 @@ workspace; and the launcher picks the split for batch-1 chains on a GPU.
 
 import pytest
 import torch
+from test_tree_attention import poisoned_allocations
 from test_verify import assert_same, run_kernel, sampling_case
 
 from specdec_fast.kernels import verify_reference
@@ -80,24 +81,17 @@ def test_residual_without_positive_weight_falls_back_to_the_node_sample():
         assert_same(result, expected)
 
 
-def test_every_race_cell_is_written_before_it_is_read(monkeypatch):
-    """The race workspace and the arrival counters come from torch.empty: poisoned (NaN, -7),
+def test_every_race_cell_is_written_before_it_is_read():
+    """The race workspace and the arrival counters come from torch.empty: poisoned (NaN, -77),
     the split walk still agrees with the reference."""
-    empty = torch.empty
-
-    def poisoned(*args, **kwargs):
-        tensor = empty(*args, **kwargs)
-        return tensor.fill_(float("nan") if tensor.is_floating_point() else -7)
-
     generator = torch.Generator().manual_seed(14)
     logits, tokens, parents, draft_probs, params = sampling_case(
         "chain+probs", 5, 6, 40, torch.float32, generator
     )
     params.pop("top_k")
     params.pop("top_p")
-    monkeypatch.setattr(torch, "empty", poisoned)
-    result = run_kernel(logits, tokens, parents, draft_probs, split_config(3), **params)
-    monkeypatch.undo()
+    with poisoned_allocations():
+        result = run_kernel(logits, tokens, parents, draft_probs, split_config(3), **params)
     assert_same(result, verify_reference(logits, tokens, parents, draft_probs, **params))
 
 
