@@ -286,11 +286,12 @@ def choose_num_splits(programs: int, max_prefix: int, block_n: int, slots: int) 
 
     The count minimizing a wave model: waves (`programs * splits / slots`, rounded up) times the
     tiles of a split plus SPLIT_PROLOGUE_TILES, plus COMBINE_TILES for the combine launch when
-    split; ties go to fewer splits, and a split must save 10% (SPLIT_GAIN). Each split keeps at least MIN_TILES_PER_SPLIT tiles of the
-    longest possible visible prefix (`max_prefix`, known on the host without reading the
-    lengths: the capacity, or the window); shorter prefixes are divided on the device. So a
-    batch that fills one wave is not split, and one that spills a little past a wave (B8 with a
-    65-node tree: 320 programs on 264 slots) is split into several shorter waves.
+    split; ties go to fewer splits, and a split must save 10% (SPLIT_GAIN). Each split keeps at
+    least MIN_TILES_PER_SPLIT tiles of the longest possible visible prefix (`max_prefix`, known
+    on the host without reading the lengths: the capacity, or the window); shorter prefixes are
+    divided on the device. So a batch that fills one wave is not split, and one that spills a
+    little past a wave (B8 with a 65-node tree: 320 programs on 264 slots) is split into several
+    shorter waves. One slot (the interpreter) never splits.
     """
     tiles = triton.cdiv(max_prefix, block_n)
     most = max(1, min(tiles // MIN_TILES_PER_SPLIT, MAX_SPLITS))
@@ -315,10 +316,11 @@ def combine_block_t(batch_heads: int, num_new: int, block_d: int, slots: int) ->
 
 
 @cache
-def _sm_count(device: torch.device) -> int:
-    """Streaming multiprocessors; the interpreter counts as one (splits only when asked)."""
+def _sm_count(device: torch.device) -> int | None:
+    """Streaming multiprocessors of a CUDA device; None elsewhere (the interpreter, which counts
+    as one program slot: it splits only when asked)."""
     if device.type != "cuda":
-        return 1
+        return None
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
@@ -364,12 +366,13 @@ def launch_tree_attention(
         )
     row_blocks = triton.cdiv(group * num_new, config.block_m)
     sm_count = _sm_count(q.device)
+    slots = 1 if sm_count is None else sm_count * config.programs_per_sm
     if num_splits is None:
         num_splits = choose_num_splits(
             batch * num_kv_heads * row_blocks,
             capacity - num_new if window is None else min(capacity - num_new, window),
             config.block_n,
-            sm_count * config.programs_per_sm,
+            slots,
         )
     if num_splits > 1:
         part_out = torch.empty(
@@ -422,7 +425,7 @@ def launch_tree_attention(
         maxnreg=config.max_registers,
     )
     if num_splits > 1:
-        block_t = combine_block_t(batch * num_q_heads, num_new, config.block_d, sm_count)
+        block_t = combine_block_t(batch * num_q_heads, num_new, config.block_d, sm_count or 1)
         tree_attention_combine_kernel[(batch * num_q_heads, triton.cdiv(num_new, block_t))](
             part_out,
             part_lse,
