@@ -69,6 +69,7 @@ def run(
         record, out = run_ours(name, target, prompts, make, new_tokens, 1)
         records.append(record)
         outputs[name] = out
+        print(f"{record.peer}: {record.tokens_per_s:.1f} tokens/s", flush=True)
     for name, kwargs in (
         ("HF generate", {}),
         ("HF assisted (draft model)", {"assistant_model": draft}),
@@ -77,6 +78,7 @@ def run(
         record, out = run_hf(name, target, prompts, new_tokens, **kwargs)
         records.append(record)
         outputs[name] = out
+        print(f"{record.peer}: {record.tokens_per_s:.1f} tokens/s", flush=True)
     compare(records, outputs)
     setup = {"prompts": len(prompts), "max_new_tokens": new_tokens, "batch": 1}
     return records, setup

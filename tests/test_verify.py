@@ -1,12 +1,8 @@
 """verify: the Triton kernels (interpreted on the CPU) against the torch reference and against a
-brute-force greedy walk; the shared random numbers; the top-k/top-p tie rule; validation errors;
-the GPU build. Distributional (losslessness) checks are in test_verify_lossless.py.
+brute-force greedy walk; the shared random numbers; the top-k/top-p tie rule; validation errors.
+Distributional (losslessness) checks are in test_verify_lossless.py; the sm_90 build of every
+launch in test_sm90_compile.py.
 """
-
-import os
-import subprocess
-import sys
-import textwrap
 
 import pytest
 import torch
@@ -540,54 +536,6 @@ def test_empty_batch():
     inputs = valid_inputs()
     result = verify(**{k: v[:0] for k, v in inputs.items()}, temperature=1.0)
     assert result.accepted_nodes.shape == (0, 5) and result.next_tokens.shape == (0,)
-
-
-# ------------------------------------------------------------------------------------------------
-# The GPU build
-
-
-@pytest.mark.slow
-def test_kernels_compile_for_an_h200_from_this_machine():
-    """Triton's interpreter accepts code that the compiler rejects (non-constexpr globals,
-    inconsistent loop-carried types, fp64 literals): build the full-featured kernels for sm_90a
-    in a fresh process without TRITON_INTERPRET and check that nothing spills heavily."""
-    script = textwrap.dedent(
-        """
-        import triton
-        from triton.backends.compiler import GPUTarget
-        from specdec_fast.kernels.jit.verify import verify_stats_kernel, verify_walk_kernel
-
-        pointers = {"stats_ptr": "*fp32", "accepted_ptr": "*i32", "num_accepted_ptr": "*i32",
-                    "logits_ptr": "*bf16", "draft_probs_ptr": "*bf16", "temperature_ptr": "*fp32",
-                    "top_p_ptr": "*fp32", "temperature_value": "fp32", "top_p_value": "fp32"}
-        flags = {"TEMPERATURE_PER_SEQUENCE": True, "SEED_PER_SEQUENCE": True,
-                 "TOP_K_PER_SEQUENCE": True, "TOP_P_PER_SEQUENCE": False, "ALL_GREEDY": False,
-                 "NEED_SUMEXP": True, "RACE_LEAVES_ONLY": True, "HAS_FILTERS": True,
-                 "HAS_DRAFT_PROBS": True, "BLOCK_R": 1, "BLOCK_V": 1024, "BLOCK_N": 64,
-                 "BLOCK_B": 1, "BLOCK_S": 64, "SEARCH_BLOCK_V": 128, "NUM_THRESHOLDS": 16}
-        for kernel, warps in ((verify_stats_kernel, 8), (verify_walk_kernel, 8)):
-            constexprs = {name: flags[name] for name in kernel.arg_names if name in flags}
-            signature = {
-                name: "constexpr" if name in constexprs
-                else pointers.get(name, "*i64" if name.endswith("_ptr") else "i64")
-                for name in kernel.arg_names
-            }
-            compiled = triton.compile(
-                triton.compiler.ASTSource(kernel, signature, constexprs),
-                target=GPUTarget("cuda", 90, 32),
-                options={"num_warps": warps},
-            )
-            print(kernel.__name__, len(compiled.asm["cubin"]), compiled.metadata.shared)
-        """
-    )
-    environment = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
-    done = subprocess.run(
-        [sys.executable, "-c", script], capture_output=True, text=True, env=environment, timeout=300
-    )
-    if "ptxas" in done.stderr and "not found" in done.stderr:
-        pytest.skip("this Triton build has no ptxas")
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert "verify_stats_kernel" in done.stdout and "verify_walk_kernel" in done.stdout
 
 
 # ------------------------------------------------------------------------------------------------
