@@ -6,7 +6,9 @@ Parts, in order (`--part NAME`, repeatable; all by default):
     tree_attention  bench/bench_tree_attention.py (peers side by side; N = 64/65 and 32/33)
     verify          bench/bench_verify.py
     kv_compact      bench/bench_kv_compact.py
-    step            bench/bench_step.py (8B-shaped Llama decode and verify steps, HF's decode)
+    step            bench/bench_step.py (8B-shaped Llama decode and verify steps, our eager
+                    steps under CUDA graphs; HF's compiled decode in the full plan)
+    compiled_step   bench/bench_step.py --compile (our compiled steps under CUDA graphs)
     e2e             bench/bench_e2e_tiny.py (the bundled pair, every drafter)
 `--quick` runs each part's quick plan (all parts predicted under 8 minutes); without it each part
 runs its full plan (each predicted under 4 minutes, so run them one `--part` at a time).
@@ -45,6 +47,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -69,6 +72,7 @@ COSTS = {
     "inductor_case": 2.0,  # the same, each later shape (dynamic shapes: guards, rare recompiles)
     "model_build": 20.0,  # an 8B-shaped Llama with random bf16 weights drawn on the device
     "runner_graph": 5.0,  # our runner capturing one (B, N) step of 32 layers
+    "runner_compile": 45.0,  # inductor compiling one of our runner's step graphs, 32 layers
     "hf_compile": 60.0,  # HF's static-cache decode compiled (reduce-overhead) for one shape
     "gpu_test": 3.0,  # one gpu-marked test, its kernel compiles included
     "e2e_run": 2.0,  # one drafter (or HF mode) on the tiny pair: load, graphs, first step
@@ -142,10 +146,19 @@ def tests_plan(quick: bool) -> dict[str, float]:
     return {"process": COSTS["process"], f"{count} gpu tests": count * COSTS["gpu_test"]}
 
 
-def step_plan(quick: bool) -> dict[str, float]:
-    _, points, _ = _bench_module("bench_step").plan(tiny=False, quick=quick)
+def step_plan(quick: bool, compiled: bool = False) -> dict[str, float]:
+    _, points, _ = _bench_module("bench_step").plan(tiny=False, quick=quick, compiled=compiled)
     steps = sum(len(point.nodes) for point in points)
     hf = sum(point.hf for point in points)
+    if compiled:
+        # One graph per step kind (decode, tree) and batch class (1, 2+), compiled once.
+        graphs = {(point.batch > 1, nodes > 1) for point in points for nodes in point.nodes}
+        return {
+            "process": COSTS["process"],
+            "model": COSTS["model_build"],
+            f"{len(graphs)} compiles": len(graphs) * COSTS["runner_compile"],
+            f"{steps} step graphs": steps * (COSTS["runner_graph"] + COSTS["case"]),
+        }
     return {
         "process": COSTS["process"],
         "model": COSTS["model_build"],
@@ -160,14 +173,13 @@ HF_MODES = 3  # generate, assisted, prompt lookup
 
 
 def e2e_plan(quick: bool) -> dict[str, float]:
-    from specdec_fast import bundled
-    from specdec_fast.drafters.bundled_heads import EAGLE_HEADS
+    from specdec_fast.drafters.registry import bundled_specs
 
     bench = _bench_module("bench_e2e_tiny")
-    budgets = len(bench.BUDGETS[:2] if quick else bench.BUDGETS)
-    heads = ["tiny-code-medusa", *EAGLE_HEADS]
-    runs = len(bench.drafter_grid(None, quick))
-    runs += budgets * sum(name in bundled.available() for name in heads) + HF_MODES
+    runs = 1 + HF_MODES  # our plain decoding, then HF's modes
+    for spec in bundled_specs():
+        sizes = bench.CHAIN_LENGTHS if spec.info.chain else bench.BUDGETS
+        runs += len(sizes[:2] if quick else sizes)
     prompts, tokens = E2E_QUICK if quick else (int(E2E_FULL_ARGS[1]), int(E2E_FULL_ARGS[3]))
     per_run = COSTS["e2e_run"] + prompts * tokens * COSTS["e2e_token"]
     return {"process": COSTS["process"], f"{runs} runs": runs * per_run}
@@ -177,9 +189,9 @@ def _mode(quick: bool) -> list[str]:
     return ["--quick"] if quick else []
 
 
-def bench_command(script: str, json_name: str):
+def bench_command(script: str, json_name: str, *options: str):
     def command(work: Path, quick: bool, dry_run: bool) -> list[str]:
-        return [PYTHON, f"bench/{script}", *_mode(quick), "--json", str(work / json_name)]
+        return [PYTHON, f"bench/{script}", *options, *_mode(quick), "--json", str(work / json_name)]
 
     return command
 
@@ -227,6 +239,12 @@ PARTS = {
             step_plan,
             _json_files("bench_step.json"),
         ),
+        Part(
+            "compiled_step",
+            bench_command("bench_step.py", "bench_step_compiled.json", "--compile"),
+            partial(step_plan, compiled=True),
+            _json_files("bench_step_compiled.json"),
+        ),
         Part("e2e", e2e_command, e2e_plan, _json_files("e2e.json")),
     )
 }
@@ -251,9 +269,12 @@ def versions() -> dict:
     }
 
 
-def run_part(part: Part, command: list[str], work: Path, timeout: float) -> dict:
-    """Run one part in its own process group, streaming its output to stdout and its log;
-    on timeout the whole group is killed and the part recorded as timed out."""
+def run_part(
+    part: Part, command: list[str], work: Path, timeout: float, env: dict | None = None
+) -> dict:
+    """Run one part in its own process group (environment `env`, default ours), streaming its
+    output to stdout and its log; on timeout the whole group is killed and the part recorded
+    as timed out."""
     print(f"\n=== {part.name}: {' '.join(command)} (timeout {timeout:.0f} s)", flush=True)
     log_path = work / f"{part.name}.log"
     start = time.perf_counter()
@@ -266,6 +287,7 @@ def run_part(part: Part, command: list[str], work: Path, timeout: float) -> dict
             stderr=subprocess.STDOUT,
             text=True,
             start_new_session=True,
+            env=env,
         )
         timer = _Deadline(process, timeout)
         for line in process.stdout:
@@ -364,9 +386,13 @@ def main(argv: list[str] | None = None) -> int:
             result = {"name": part.name, "status": f"skipped ({left:.0f} s left)", "seconds": 0}
         else:
             timeout = min(2 * estimate, PART_LIMIT_S, max(left, 1.0))
+            env = None
             if args.dry_run:
                 timeout = PART_LIMIT_S  # the CPU plays tiny shapes, at its own pace
-            result = run_part(part, part.command(work, args.quick, args.dry_run), work, timeout)
+                # Compiling every step shape would take the CPU minutes: it plays them eagerly.
+                env = {**os.environ, "SPECDEC_COMPILE": "0"}
+            command = part.command(work, args.quick, args.dry_run)
+            result = run_part(part, command, work, timeout, env)
             result["results"] = {
                 path.name: json.loads(path.read_text())
                 for path in part.result_files(work)

@@ -77,7 +77,7 @@ def _param_tensor(name: str, value: torch.Tensor, batch: int, floating: bool, de
     check_tensor(name, value, shape=(batch,), dims="[B]", dtypes=dtypes, device=device)
 
 
-def sampling_params(batch, device, temperature, top_k, top_p, seed) -> SamplingParams:
+def sampling_params(batch, num_nodes, device, temperature, top_k, top_p, seed) -> SamplingParams:
     """Scalars are checked here, tensors for shape, dtype and device (values: `_check_values`)."""
     if temperature is None:
         temperature = 0.0
@@ -116,9 +116,21 @@ def sampling_params(batch, device, temperature, top_k, top_p, seed) -> SamplingP
             )
         seed = draw_seed()
     if isinstance(seed, torch.Tensor):
-        _param_tensor("seed", seed, batch, False, device)
+        if seed.dim() == 2:
+            check_tensor(
+                "seed",
+                seed,
+                shape=(batch, num_nodes),
+                dims="[B, N] (per-node seeds)",
+                dtypes=(torch.int64,),
+                device=device,
+            )
+        else:
+            _param_tensor("seed", seed, batch, False, device)
     elif not isinstance(seed, int) or isinstance(seed, bool) or not -(2**63) <= seed < 2**63:
-        raise ValueError(f"seed: expected an int64 or an int [B] tensor, got {seed!r}")
+        raise ValueError(
+            f"seed: expected an int64, an int [B] tensor or an int64 [B, N] tensor, got {seed!r}"
+        )
     return SamplingParams(temperature, top_k, top_p, seed)
 
 
@@ -375,6 +387,8 @@ def launch_verify(
     top_k = _scalar_or_tensor(params.top_k, parents)
     top_p = _scalar_or_tensor(params.top_p, parents)
     seed = _scalar_or_tensor(params.seed, parents)
+    per_node_seeds = isinstance(params.seed, torch.Tensor) and params.seed.dim() == 2
+    seed_node_stride = params.seed.stride(1) if per_node_seeds else 0
     block_n = triton.next_power_of_2(num_nodes)
 
     verify_stats_kernel[(triton.cdiv(rows, config.block_rows), num_splits)](
@@ -394,10 +408,12 @@ def launch_verify(
         *parents.stride(),
         temperature[1],
         seed[1],
+        seed_node_stride,
         stats.stride(0),
         stats.stride(1),
         TEMPERATURE_PER_SEQUENCE=temperature[3],
         SEED_PER_SEQUENCE=seed[3],
+        SEED_PER_NODE=per_node_seeds,
         ALL_GREEDY=params.all_greedy,
         NEED_SUMEXP=params.has_filters or draft_probs is not None,
         RACE_LEAVES_ONLY=draft_probs is not None,
@@ -441,6 +457,7 @@ def launch_verify(
         top_k[1],
         top_p[1],
         seed[1],
+        seed_node_stride,
         stats.stride(0),
         stats.stride(1),
         race.stride(0),
@@ -450,6 +467,7 @@ def launch_verify(
         TOP_K_PER_SEQUENCE=top_k[3],
         TOP_P_PER_SEQUENCE=top_p[3],
         SEED_PER_SEQUENCE=seed[3],
+        SEED_PER_NODE=per_node_seeds,
         HAS_FILTERS=params.has_filters,
         HAS_DRAFT_PROBS=draft_probs is not None,
         SPLIT_RACE=race_splits > 1,
@@ -542,7 +560,11 @@ def verify(
             `torch.manual_seed` fixes the outcome). Same inputs and seed give the same result on
             either backend up to float rounding at near-ties. An int seed is mixed with each
             sequence's batch index; a `[B]` seed alone keys its sequence's draws, which then do
-            not depend on the batch slot (equal seeds on equal rows draw alike). Reusing a seed
+            not depend on the batch slot (equal seeds on equal rows draw alike). An int64
+            `[B, N]` seed keys each node by its own seed alone, whatever its index: the engine
+            passes (row seed + the node's position), so a token sampled at a given position
+            draws the same numbers in any tree, and sampled speculation with deterministic
+            drafts emits exactly what plain sampling with the same seed emits. Reusing a seed
             reuses the random numbers: change it every step. Under CUDA graph capture pass a
             tensor and update it in place between replays.
         validate: read the trees, parameter tensors and (after the launch) the outcome to raise
@@ -563,7 +585,7 @@ def verify(
     """
     _check_shapes(logits, draft_tokens, parents, draft_probs)
     batch = logits.shape[0]
-    params = sampling_params(batch, logits.device, temperature, top_k, top_p, seed)
+    params = sampling_params(batch, logits.shape[1], logits.device, temperature, top_k, top_p, seed)
     checking = validate and values_checkable(logits)
     if checking and batch > 0:
         _check_values(logits, draft_tokens, parents, draft_probs, params)

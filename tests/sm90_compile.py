@@ -309,7 +309,10 @@ def describe(kernel, binding) -> dict:
     names = kernel.arg_names
     constants = {names[path[0]]: value for path, value in constexprs.items()}
     divisible = sorted(names[path[0]] for path, attr in attrs.items() if attr)
-    full = repr((kernel.__name__, signature, constexprs, attrs, sorted(options.__dict__.items())))
+    # Library paths depend on where Triton is installed, not on the launch: file names only.
+    settings = dict(options.__dict__)
+    settings["extern_libs"] = tuple((name, Path(path).name) for name, path in options.extern_libs)
+    full = repr((kernel.__name__, signature, constexprs, attrs, sorted(settings.items())))
     return dict(
         id=hashlib.sha1(full.encode()).hexdigest()[:12],
         kernel=kernel.__name__,

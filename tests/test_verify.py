@@ -90,6 +90,7 @@ def run_kernel(logits, tokens, parents, draft_probs=None, config=None, **params)
     batch = logits.shape[0]
     values = sampling_params(
         batch,
+        logits.shape[1],
         logits.device,
         params.get("temperature"),
         params.get("top_k"),
@@ -253,6 +254,26 @@ def test_sampling_kernel_agrees_with_reference(
     expected = verify_reference(logits, tokens, parents, draft_probs, **params)
     assert_same(result, expected)
     assert filters or batch < 8 or int(result.num_accepted.max()) >= 2  # walks go deep
+
+
+@pytest.mark.parametrize("kind", ["tree", "chain+probs"])
+def test_per_node_seeds_agree_across_backends(monkeypatch, kind):
+    """int64 [B, N] seeds (the engine's row seed + node position): the kernel, the reference and
+    the fused implementation draw the same numbers, and the numbers do depend on the seeds."""
+    generator = torch.Generator().manual_seed(71)
+    logits, tokens, parents, draft_probs, params = sampling_case(
+        kind, 9, 6, 40, torch.float32, generator
+    )
+    params["seed"] = params["seed"][:, None] + torch.arange(6)  # a position per node
+    results = {}
+    for backend in ("torch", "fused", "triton"):
+        monkeypatch.setenv("SPECDEC_BACKEND", backend)
+        results[backend] = verify(logits, tokens, parents, draft_probs, **params)
+    assert_same(results["fused"], results["torch"])
+    assert_same(results["triton"], results["torch"])
+    params["seed"] = params["seed"] + 1
+    other = verify(logits, tokens, parents, draft_probs, **params)
+    assert not torch.equal(other.next_tokens, results["torch"].next_tokens)
 
 
 def test_every_output_and_workspace_cell_is_written_before_it_is_read(monkeypatch):
@@ -480,7 +501,7 @@ INVALID = [
     (_put(top_k=2.5), r"top_k: expected an int >= 0"),
     (_put(top_k=torch.tensor([0, -2, 3])), r"top_k\[1\] = -2: expected >= 0"),
     (_put(top_k=torch.tensor([0.0, 2.0, 3.0])), r"top_k: expected dtype in \(int32, int64\)"),
-    (_put(seed="7"), r"seed: expected an int64 or an int \[B\] tensor"),
+    (_put(seed="7"), r"seed: expected an int64, an int \[B\] tensor or an int64 \[B, N\] tensor"),
     (_set("logits", (2, 3, 4), float("nan")), r"logits\[2, 3\]: expected finite values .* 1 NaN"),
     (_set("logits", (0, 0, 1), float("inf")), r"logits\[0, 0\]: expected finite .* 1 \+inf"),
     (_set("logits", (1, 0), float("-inf")), r"logits\[1, 0\]: expected .* 11 -inf of V = 11"),

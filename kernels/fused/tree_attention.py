@@ -3,10 +3,14 @@
 Unlike the reference, it never touches the cache beyond the longest live row (`max(cache_lens) +
 N` slots, read from the lengths, which costs nothing on the CPU), makes no fp32 copy of K/V, and
 builds no mask at all for a decode step whose rows share one length (plain decoding at batch 1).
-GQA query heads are packed as rows of their KV head, as the Triton kernel packs them, so SDPA
-reads each K/V once per KV head. Soft-capping, which SDPA cannot apply, runs explicit math in the
-cache's dtype with an fp32 softmax, as HF's eager attention does.
+A decode step packs GQA query heads as rows of their KV head, as the Triton kernel does, so SDPA
+reads each K/V once per KV head; masked steps broadcast one `[N, span]` mask over the heads
+(SDPA's GQA mode), and build it once per step for all layers (the plan of `_plan`).
+Soft-capping, which SDPA cannot apply, runs explicit math in the cache's dtype with an fp32
+softmax, as HF's eager attention does.
 """
+
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -58,6 +62,61 @@ def _visibility(
     return visible
 
 
+@dataclass(frozen=True)
+class _Plan:
+    """What one call's masking needs, the same for every layer of a step.
+
+    visible: bool `[B', 1, N, span]` (B' is 1 when every row agrees), None for a decode step
+        at one shared length; rows that see nothing are let see everything (zeroed after).
+    unread: bool `[B', 1, span, 1]`, slots no row sees (they may hold NaN), or None.
+    empty: bool `[B', 1, N, 1]`, rows that see no key (padding), or None.
+    """
+
+    visible: torch.Tensor | None
+    unread: torch.Tensor | None
+    empty: torch.Tensor | None
+
+
+# The last plan and what it was made from. A step's layers pass the very same metadata tensors,
+# so all but the first reuse it; the inputs are held (their ids cannot be reused while held) and
+# their version counters catch in-place changes.
+_last_plan: tuple[tuple, _Plan] | None = None
+
+
+def _plan_key(tensors: tuple, scalars: tuple) -> tuple | None:
+    try:
+        versions = tuple(None if t is None else t._version for t in tensors)
+    except RuntimeError:  # inference tensors keep no version counter: plan afresh
+        return None
+    return (tensors, versions, scalars)
+
+
+def _same_key(a: tuple, b: tuple) -> bool:
+    return all(x is y for x, y in zip(a[0], b[0], strict=True)) and a[1] == b[1] and a[2] == b[2]
+
+
+def _plan(cache_lens, lens, tree_mask, q_lens, num_new, span, window, q_depths) -> _Plan:
+    global _last_plan
+    key = _plan_key((cache_lens, tree_mask, q_lens, q_depths), (num_new, span, window))
+    last = _last_plan
+    if key is not None and last is not None and _same_key(key, last[0]):
+        return last[1]
+    visible = _visibility(cache_lens, lens, tree_mask, q_lens, num_new, span, window, q_depths)
+    if visible is None:
+        plan = _Plan(None, None, None)
+    else:
+        unread = ~visible.any(dim=1)[:, None, :, None]
+        empty = ~visible.any(dim=-1, keepdim=True)[:, None]
+        plan = _Plan(
+            (visible[:, None] | empty),
+            unread if bool(unread.any()) else None,
+            empty if bool(empty.any()) else None,
+        )
+    if key is not None:
+        _last_plan = (key, plan)
+    return plan
+
+
 def tree_attention_fused(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -85,33 +144,35 @@ def tree_attention_fused(
     lens = cache_lens.tolist()
     span = min(max(lens) + num_new, k_cache.shape[2])
     keys, values = k_cache[:, :, :span], v_cache[:, :, :span]
-    # Query head h = kv * group + g reads KV head kv: rows g * N + i of that KV head.
-    rows = q.reshape(batch, num_kv_heads, group * num_new, head_dim)
-    visible = _visibility(cache_lens, lens, tree_mask, q_lens, num_new, span, window, q_depths)
-    empty = None
-    if visible is not None:
+    plan = _plan(cache_lens, lens, tree_mask, q_lens, num_new, span, window, q_depths)
+    if plan.visible is None and softcap is None:
+        # Query head h = kv * group + g reads KV head kv: as rows g * N + i of that KV head,
+        # SDPA reads each K/V once per KV head.
+        rows = q.reshape(batch, num_kv_heads, group * num_new, head_dim)
+        out = F.scaled_dot_product_attention(rows, keys, values, scale=scale)
+        return out.view(batch, num_q_heads, num_new, head_dim)
+    if plan.unread is not None:
         # Slots that no row sees (past a shorter row's tokens, below every window) may hold
         # anything, NaN included, and SDPA would still multiply them: zero them (a copy only for
         # ragged rows; a batch-1 tree sees every slot of its span).
-        unread = ~visible.any(dim=1)[:, None, :, None]
-        if bool(unread.any()):
-            keys, values = keys.masked_fill(unread, 0.0), values.masked_fill(unread, 0.0)
-        empty = ~visible.any(dim=-1, keepdim=True)  # [B, N, 1]
-        if q_lens is not None:
-            # Padding rows may hold anything too, and blocked matmuls do not always keep a NaN
-            # row to itself (seen with bf16 at head dim 80): they become zeros before the math.
-            rows = rows.masked_fill(empty.repeat(1, group, 1)[:, None], 0.0)
-        # A row that sees nothing would make the softmax NaN: let it see everything, then zero it.
-        visible = (visible | empty).repeat(1, group, 1)[:, None]
+        keys, values = keys.masked_fill(plan.unread, 0.0), values.masked_fill(plan.unread, 0.0)
+    if plan.empty is not None:
+        # Padding rows may hold anything too, and blocked matmuls do not always keep a NaN row
+        # to itself (seen with bf16 at head dim 80): they become zeros before the math.
+        q = q.masked_fill(plan.empty, 0.0)
     if softcap is None:
-        out = F.scaled_dot_product_attention(rows, keys, values, attn_mask=visible, scale=scale)
+        out = F.scaled_dot_product_attention(
+            q, keys, values, attn_mask=plan.visible, scale=scale, enable_gqa=group > 1
+        )
     else:
-        scores = torch.matmul(rows, keys.transpose(-1, -2)).float() * scale
+        # Heads grouped by KV head: [B, Hkv, G, N, D] against [B, Hkv, 1, span, D].
+        grouped = q.reshape(batch, num_kv_heads, group, num_new, head_dim)
+        scores = torch.matmul(grouped, keys[:, :, None].transpose(-1, -2)).float() * scale
         scores = softcap * torch.tanh(scores / softcap)
-        if visible is not None:
-            scores = scores.masked_fill(~visible, float("-inf"))
-        out = torch.matmul(torch.softmax(scores, dim=-1).to(values.dtype), values)
-    out = out.view(batch, num_q_heads, num_new, head_dim)
-    if empty is not None:
-        out = out.masked_fill(empty[:, None], 0.0)
+        if plan.visible is not None:
+            scores = scores.masked_fill(~plan.visible[:, :, None], float("-inf"))
+        probs = torch.softmax(scores, dim=-1).to(values.dtype)
+        out = torch.matmul(probs, values[:, :, None]).reshape(q.shape)
+    if plan.empty is not None:
+        out = out.masked_fill(plan.empty, 0.0)
     return out

@@ -65,6 +65,19 @@ def _stream_sequence(seqs, SEED_PER_SEQUENCE: tl.constexpr):
 
 
 @triton.jit
+def _node_key(seed_ptr, node_stride, seed, seqs, stream_seqs, node, mask, stream,
+              SEED_PER_NODE: tl.constexpr):  # fmt: skip
+    """uint32 key of `node`'s random stream `stream`: from (seed, sequence, node), or with
+    per-node seeds (`seed_ptr` int64 [B, N], rows at `seqs`) from the node's own seed alone."""
+    if SEED_PER_NODE:
+        node_seed = tl.load(seed_ptr + node * node_stride, mask=mask, other=0).to(tl.int64)
+        key = stream_key(node_seed, node * 0, node * 0, stream)
+    else:
+        key = stream_key(seed, stream_seqs, node, stream)
+    return key
+
+
+@triton.jit
 def _inverse_temperature(temperature, sampling):
     """1 / T, correctly rounded like torch's division, and 1 for greedy rows (never used)."""
     return tl.where(sampling, tl.math.div_rn(1.0, tl.where(sampling, temperature, 1.0)), 1.0)
@@ -109,10 +122,12 @@ def verify_stats_kernel(
     stride_pn,
     stride_temperature,
     stride_seed,
+    stride_seed_node,
     stride_sf,
     stride_sr,
     TEMPERATURE_PER_SEQUENCE: tl.constexpr,
     SEED_PER_SEQUENCE: tl.constexpr,
+    SEED_PER_NODE: tl.constexpr,
     ALL_GREEDY: tl.constexpr,
     NEED_SUMEXP: tl.constexpr,
     RACE_LEAVES_ONLY: tl.constexpr,
@@ -158,7 +173,17 @@ def verify_stats_kernel(
         has_child = tl.max((other_parents == nodes[:, None]).to(tl.int32), axis=1) > 0
         racing = sampling & ~has_child
     seed = _per_sequence(seed_ptr, stride_seed, seed_value, seqs, live, tl.int64, SEED_PER_SEQUENCE)
-    key = stream_key(seed, _stream_sequence(seqs, SEED_PER_SEQUENCE), nodes, STREAM_SAMPLE)
+    key = _node_key(
+        seed_ptr + seqs * stride_seed,
+        stride_seed_node,
+        seed,
+        seqs,
+        _stream_sequence(seqs, SEED_PER_SEQUENCE),
+        nodes,
+        live,
+        STREAM_SAMPLE,
+        SEED_PER_NODE,
+    )
     any_sampling = tl.max(sampling.to(tl.int32), axis=0) > 0
     any_racing = tl.max(racing.to(tl.int32), axis=0) > 0
 
@@ -529,6 +554,7 @@ def verify_walk_kernel(
     stride_top_k,
     stride_top_p,
     stride_seed,
+    stride_seed_node,
     stride_sf,
     stride_sr,
     stride_rf,
@@ -539,6 +565,7 @@ def verify_walk_kernel(
     TOP_K_PER_SEQUENCE: tl.constexpr,
     TOP_P_PER_SEQUENCE: tl.constexpr,
     SEED_PER_SEQUENCE: tl.constexpr,
+    SEED_PER_NODE: tl.constexpr,
     HAS_FILTERS: tl.constexpr,
     HAS_DRAFT_PROBS: tl.constexpr,
     SPLIT_RACE: tl.constexpr,
@@ -638,7 +665,11 @@ def verify_walk_kernel(
             NUM_THRESHOLDS,
         )
         children = real & (parents == current[:, None]) & (nodes[None, :] > current[:, None])
-        sample_key = stream_key(seed, stream_seqs, current, STREAM_SAMPLE)
+        seed_row = seed_ptr + seqs * stride_seed
+        sample_key = _node_key(
+            seed_row, stride_seed_node, seed, seqs, stream_seqs, current, seq_ok, STREAM_SAMPLE,
+            SEED_PER_NODE,
+        )  # fmt: skip
 
         chain = tl.zeros((BLOCK_B,), tl.int1)
         chain_accept = tl.zeros((BLOCK_B,), tl.int1)
@@ -659,7 +690,11 @@ def verify_walk_kernel(
             )
             child_probs_ptr = draft_probs_ptr + seqs * stride_db + first_child * stride_dn
             q_draft = tl.load(child_probs_ptr + draft * stride_dv, mask=draft_ok, other=1.0)
-            u = uniform(stream_key(seed, stream_seqs, first_child, STREAM_ACCEPT), first_child * 0)
+            accept_key = _node_key(
+                seed_row, stride_seed_node, seed, seqs, stream_seqs, first_child, chain,
+                STREAM_ACCEPT, SEED_PER_NODE,
+            )  # fmt: skip
+            u = uniform(accept_key, first_child * 0)
             chain_accept = draft_ok & (u * q_draft.to(tl.float32) < p_draft)
             rejected = chain & ~chain_accept
             slice_best, residual_token = _race_pass(
@@ -768,7 +803,17 @@ def verify_walk_kernel(
             inv_t,
             threshold,
             kept_mass,
-            stream_key(seed, stream_seqs, current, STREAM_SAMPLE),
+            _node_key(
+                seed_ptr + seqs * stride_seed,
+                stride_seed_node,
+                seed,
+                seqs,
+                stream_seqs,
+                current,
+                seq_ok,
+                STREAM_SAMPLE,
+                SEED_PER_NODE,
+            ),  # fmt: skip
             fallback,
             sampling,
             argmax,

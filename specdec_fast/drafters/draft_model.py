@@ -253,7 +253,7 @@ def _sample(logits, greedy_next, state: DraftState, position):
     scaled = logits / torch.where(sampled, state.temperature, 1.0)[:, None]
     dist = torch.softmax(scaled, dim=-1)
     vocab = torch.arange(logits.shape[-1], device=logits.device)
-    noise = gumbel(stream_key(state.seed[:, None], 0, position[:, None], STREAM_DRAFT), vocab)
+    noise = gumbel(stream_key((state.seed + position)[:, None], 0, 0, STREAM_DRAFT), vocab)
     drawn = (scaled + noise).argmax(dim=-1)
     one_hot = torch.nn.functional.one_hot(greedy_next, dist.shape[-1]).to(dist.dtype)
     return torch.where(sampled, drawn, greedy_next), torch.where(sampled[:, None], dist, one_hot)
