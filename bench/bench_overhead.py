@@ -41,7 +41,7 @@ from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
 
 from specdec_fast import DraftModelDrafter, NGramDrafter, bundled, generate
 from specdec_fast.cache import SpecKVCache
-from specdec_fast.runner import RUNNER_ATTRIBUTE, ModelRunner
+from specdec_fast.runner import ModelRunner, kept_runner
 
 HF_PROMPT_LOOKUP_TOKENS = 10
 NGRAM_NODES = 8
@@ -278,7 +278,7 @@ def breakdown(setup: Model, config: str, make, batch: int, threads: int, tokens:
     }
     parts["engine"] = parts["step"] - sum(v for k, v in parts.items() if k != "step")
     ms = {key: value / steps * 1e3 for key, value in parts.items()}
-    runner = setup.model.__dict__.get(RUNNER_ATTRIBUTE)
+    runner = kept_runner(setup.model)
     return Breakdown(
         setup.name,
         config,

@@ -193,6 +193,28 @@ def _switch_attention(model: PreTrainedModel, on: bool) -> None:
         _SWITCHED[model] = _Switched(threading.get_ident(), 1, original)
 
 
+def kept_runner(
+    model: PreTrainedModel, *, use_cuda_graphs: bool | None = None, compile: bool | None = None
+) -> "ModelRunner | None":
+    """The runner `ModelRunner.for_model` keeps on `model` for these options, if any (its
+    `compile_seconds`, its cache)."""
+    compile = compile_by_default() if compile is None else compile
+    graphs = model.device.type == "cuda" if use_cuda_graphs is None else use_cuda_graphs
+    kept = model.__dict__.get(RUNNER_ATTRIBUTE) or {}
+    return kept.get((str(model.device), compile, graphs))
+
+
+class _KeptRunners(dict):
+    """A model's runners by (device, compile, CUDA graphs), kept between calls. A copied or
+    pickled model starts with none (compiled steps belong to their model)."""
+
+    def __deepcopy__(self, memo) -> "_KeptRunners":
+        return _KeptRunners()
+
+    def __reduce__(self):
+        return (_KeptRunners, ())
+
+
 def _decoder_modules(model: PreTrainedModel) -> tuple[nn.ModuleList, nn.Module | None]:
     """The decoder layers and the final norm of a causal LM (`model.get_decoder()`)."""
     decoder = model.get_decoder()
@@ -269,36 +291,25 @@ class ModelRunner:
         use_cuda_graphs: bool | None = None,
         compile: bool | None = None,
     ) -> "ModelRunner":
-        """The model's own runner, opened for `max_cache_len`: the one an earlier call left on the
-        model (its compiled steps, graphs and cache storage kept) when the options agree, else
+        """The model's own runner for these options, opened for `max_cache_len`: the one an
+        earlier call left on the model (its compiled steps, graphs and cache storage kept), else
         a new one kept for the next call; while the kept one is open (a model drafting for
         itself), a second, transient one."""
-        runner = model.__dict__.get(RUNNER_ATTRIBUTE)
         compile = compile_by_default() if compile is None else compile
         graphs = model.device.type == "cuda" if use_cuda_graphs is None else use_cuda_graphs
-        reusable = (
-            isinstance(runner, cls)
-            and runner.model is model
-            and runner.device == model.device
-            and runner.compile == compile
-            and runner.use_cuda_graphs == graphs
-        )
-        if reusable and not runner._open:
+        kept = model.__dict__.get(RUNNER_ATTRIBUTE)
+        if not isinstance(kept, _KeptRunners):
+            # In the instance dict, not through nn.Module.__setattr__: runners are no submodules.
+            kept = model.__dict__[RUNNER_ATTRIBUTE] = _KeptRunners()
+        key = (str(model.device), compile, graphs)
+        runner = kept.get(key)
+        if runner is not None and runner.model is model and not runner._open:
             runner.open(max_cache_len)
             return runner
-        if reusable:  # the kept runner is busy (a model drafting for itself): a second one
-            return cls(model, max_cache_len, use_cuda_graphs=graphs, compile=compile)
-        runner = cls(model, max_cache_len, use_cuda_graphs=graphs, compile=compile)
-        # In the instance dict, not through nn.Module.__setattr__: a runner is no submodule.
-        model.__dict__[RUNNER_ATTRIBUTE] = runner
-        return runner
-
-    def __deepcopy__(self, memo) -> None:
-        """A copied model starts without a runner (compiled steps belong to their model)."""
-        return None
-
-    def __reduce__(self):
-        return (type(None), ())
+        fresh = cls(model, max_cache_len, use_cuda_graphs=graphs, compile=compile)
+        if runner is None or runner.model is not model:
+            kept[key] = fresh
+        return fresh
 
     def __enter__(self) -> "ModelRunner":
         return self

@@ -12,7 +12,7 @@ from tiny_models import repetitive_prompts, tiny_llama
 from torch._dynamo.utils import counters
 
 from specdec_fast import DraftModelDrafter, NGramDrafter, generate
-from specdec_fast.runner import RUNNER_ATTRIBUTE
+from specdec_fast.runner import kept_runner
 
 VOCAB = 96
 NEW_TOKENS = 20
@@ -66,7 +66,7 @@ def test_compiled_generate_equals_hf_greedy_and_recompiles_nothing(models):
             # The call reports what it compiled (its first runs of new graphs), nothing else.
             assert bool(out.stats.compiled) == (compiled[-1] > 0), (name, out.stats.compiled)
         assert compiled[1] == 0 and compiled[3] == 0, (name, compiled)
-    runner = target.__dict__[RUNNER_ATTRIBUTE]
+    runner = kept_runner(target, compile=True)
     assert runner.compile and runner.compile_seconds  # the first calls' compilations
     assert target.config._attn_implementation != "specdec_tree"
 
