@@ -5,6 +5,7 @@ exact target, the public checkpoint layouts and the errors of a bad fit, and the
 command (loss, resume, export)."""
 
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -479,3 +480,25 @@ def test_the_command_line_and_its_defaults():
         parser.parse_args(["block", "--flavour", "medusa", "--run-dir", "r", "--steps", "3"])
     with pytest.raises(ValueError, match="flavour: expected one of"):
         BlockOptions("medusa")
+
+
+# --- the bundled block drafters (shipped once trained for the bundled target) --------------------
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["tiny-code-dflash", "tiny-code-pard"])
+def test_bundled_block_drafters_keep_their_recorded_acceptance(name):
+    """Exact, and within a BLAS-sized margin of the acceptance recorded at export on the same
+    held-out prompts: a damaged, swapped or retrained-badly checkpoint fails."""
+    if name not in bundled.available() or "tiny-code" not in bundled.available():
+        pytest.skip(f"{name} is not installed")
+    from specdec_fast.loading import load_model
+    from specdec_fast.train.block import engine_acceptance, eval_prompts
+    from specdec_fast.train.export import read_info
+
+    recorded = read_info(bundled.path(name))["engine"]
+    target = load_model("tiny-code", torch.device("cpu"))
+    measured = engine_acceptance(name, target, eval_prompts("tiny-code", recorded["prompts"]))
+    assert measured["identical"]
+    assert measured["mean_accepted_per_step"] >= recorded["mean_accepted_per_step"] - 0.1
+    assert "Held-out top-1" in (Path(bundled.path(name)) / "README.md").read_text()

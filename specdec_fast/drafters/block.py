@@ -87,8 +87,8 @@ class PardDraft:
             )
 
     def save_pretrained(self, folder: str | os.PathLike) -> None:
-        """Write the public layout: the model's HF folder (safetensors) with `pard_token`,
-        `spd_type` and `block_size` in its config."""
+        """Write the public layout: the model's HF folder (safetensors), after recording
+        `pard_token`, `spd_type` and `block_size` in the model's config."""
         config = self.model.config
         config.pard_token, config.spd_type, config.block_size = (
             self.mask_token_id,
@@ -136,7 +136,7 @@ def load_block_model(name_or_path: str | os.PathLike, target) -> DFlashHead | Pa
     if any(field in fields for field in PARD_TOKEN_FIELDS) or fields.get("spd_type") == PARD_TYPE:
         return load_pard(name_or_path, target)
     raise ValueError(
-        f"{Path(name_or_path)}: config.json is neither a DFlash head's ({'dflash_config'} or a "
+        f"{Path(name_or_path)}: config.json is neither a DFlash head's (dflash_config, or a "
         f"DFlash architecture) nor a PARD model's ({' or '.join(PARD_TOKEN_FIELDS)})"
     )
 

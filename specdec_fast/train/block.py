@@ -103,6 +103,9 @@ def build_block_model(options: BlockOptions, target) -> nn.Module:
         module = DFlashHead.for_target(
             target, options.num_layers, options.block_size, mask, options.target_layers
         )
+        # The head's outputs feed the target's LM head: start its final norm as the target's.
+        with torch.no_grad():
+            module.norm.weight.copy_(target.get_decoder().norm.weight)
     else:
         from specdec_fast.loading import load_model
 
@@ -307,8 +310,21 @@ def export_block(
         weights.chmod(0o644)
 
 
+def eval_prompts(target_name: str, count: int) -> list[list[int]]:
+    """The first `count` held-out code prompts, encoded for the target (BOS first)."""
+    from specdec_fast.loading import load_tokenizer
+    from specdec_fast.prompts import load_code_prompts
+
+    tokenizer = load_tokenizer(target_name)
+    return [
+        [tokenizer.bos_token_id, *tokenizer.encode(r["prompt"], add_special_tokens=False)]
+        for r in load_code_prompts(count)
+    ]
+
+
 def engine_acceptance(out_dir: str | Path, target, prompts: list[list[int]]) -> dict:
-    """Greedy acceptance of the exported drafter (a 16-node best-first tree) on `prompts`."""
+    """Greedy acceptance of an exported drafter (a 16-node best-first tree) on `prompts`, and
+    whether its output equals plain decoding."""
     from specdec_fast.engine import generate
 
     drafter = BlockDrafter.from_pretrained(out_dir, target, max_nodes=EVAL_NODES)
@@ -316,8 +332,12 @@ def engine_acceptance(out_dir: str | Path, target, prompts: list[list[int]]) -> 
         out = generate(
             target, prompts, drafter=drafter, max_new_tokens=EVAL_NEW_TOKENS, eos_token_id=[]
         )
+        plain = generate(
+            target, prompts, drafter=None, max_new_tokens=EVAL_NEW_TOKENS, eos_token_id=[]
+        )
     stats = out.stats
     return {
+        "identical": [s.tolist() for s in out.sequences] == [s.tolist() for s in plain.sequences],
         "nodes": EVAL_NODES,
         "prompts": len(prompts),
         "new_tokens": EVAL_NEW_TOKENS,
@@ -345,7 +365,8 @@ def write_readme(out_dir: Path, info: dict) -> None:
         f"Greedy speculation with a {engine['nodes']}-node best-first tree on "
         f"{engine['prompts']} held-out code prompts x {engine['new_tokens']} tokens: "
         f"{engine['mean_accepted_per_step']:.2f} tokens per step (bonus included); "
-        f"acceptance by position: {positions}.\n"
+        f"acceptance by position: {positions}; output identical to plain decoding: "
+        f"{'yes' if engine['identical'] else 'NO'}.\n"
     )
 
 
@@ -357,9 +378,6 @@ DESCRIPTIONS = {
 
 
 def _run_block(args) -> int:
-    from specdec_fast.loading import load_tokenizer
-    from specdec_fast.prompts import load_code_prompts
-
     options = BlockOptions(
         flavour=args.flavour,
         block_size=args.block_size,
@@ -382,11 +400,7 @@ def _run_block(args) -> int:
     agreement = heldout_block_top1(options, module, target, rows)
     out_dir = Path(args.out)
     export_block(options, module, target_dir, out_dir)
-    tokenizer = load_tokenizer(args.target)
-    prompts = [
-        [tokenizer.bos_token_id, *tokenizer.encode(r["prompt"], add_special_tokens=False)]
-        for r in load_code_prompts(args.eval_prompts)
-    ]
+    prompts = eval_prompts(args.target, args.eval_prompts)
     layers = list(module.target_layers) if options.flavour == "dflash" else []
     info = {
         "command": command_line(),
