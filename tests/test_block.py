@@ -80,6 +80,19 @@ def test_greedy_equals_hf_generate(target, ragged, references, flavour, tree, ba
     assert out.stats.accepted_tokens > 0 or batch < 16
 
 
+@pytest.mark.parametrize("flavour", list(MODELS))
+def test_sampled_trees_emit_what_plain_sampling_emits(target, flavour):
+    """Best-first trees carry no draft probabilities: with randomness keyed by (row seed,
+    position), sampled speculation emits exactly what plain sampling with the same seeds does."""
+    prompts = repetitive_prompts([9, 5, 13], VOCAB, seed=4)
+    options = dict(max_new_tokens=24, temperature=0.9, top_k=8, top_p=0.95, seed=[11, 12, 13])
+    plain = generate(target, prompts, drafter=None, **options)
+    drafter = BlockDrafter(MODELS[flavour](target), max_nodes=10)
+    speculative = generate(target, prompts, drafter=drafter, **options)
+    assert [s.tolist() for s in speculative.sequences] == [s.tolist() for s in plain.sequences]
+    assert speculative.stats.accepted_tokens > 0
+
+
 class RecordingDrafter(BlockDrafter):
     """Keeps, per step, row 0's tokens so far and its block distributions."""
 
