@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 from specdec_fast.drafters.registry import DrafterSpec, spec_help
@@ -47,6 +48,14 @@ def add_model_options(parser: argparse.ArgumentParser, default_model: str | None
         "--keep-special-tokens",
         action="store_true",
         help="keep special tokens (end of turn, ...) in decoded outputs",
+    )
+    parser.add_argument(
+        "--compile",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="run the model's steps through torch.compile (each step shape compiles once per "
+        "process, seconds to minutes; later calls are faster). Default: on a GPU always; on the "
+        "CPU for bench, which makes many calls, and not for demo and generate",
     )
 
 
@@ -264,7 +273,20 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
 
+def _choose_compile(args: argparse.Namespace) -> None:
+    """Set SPECDEC_COMPILE for this process from --compile/--no-compile, or the command's default:
+    compiled on a GPU, and on the CPU only for `bench` (a one-shot `demo` or `generate` would
+    spend longer compiling than decoding)."""
+    from specdec_fast.loading import pick_device
+
+    compile = args.compile
+    if compile is None:
+        compile = args.command == "bench" or pick_device(args.device).type == "cuda"
+    os.environ["SPECDEC_COMPILE"] = "1" if compile else "0"
+
+
 def _dispatch(args: argparse.Namespace) -> int:
+    _choose_compile(args)
     if args.command == "generate":
         return run_generate(args)
     if args.command == "demo":

@@ -32,6 +32,7 @@ from specdec_fast.engine import generate
 from specdec_fast.loading import load_model, load_tokenizer, pick_device
 from specdec_fast.progress import Progress
 from specdec_fast.prompts import load_chat_prompts, load_code_prompts
+from specdec_fast.runner import compile_by_default
 from specdec_fast.text import decode, encode_prompt, stop_token_ids, use_chat
 
 BUNDLED_TARGET = "tiny-code"
@@ -163,7 +164,8 @@ def main(
     print(
         f"specdec-fast demo: {which} ({name}) on {device}, {len(prompts)} {kind}, "
         f"{max_new_tokens} new tokens each, greedy; then one sample at temperature "
-        f"{SAMPLE_TEMPERATURE}, seed {SAMPLE_SEED}\n"
+        f"{SAMPLE_TEMPERATURE}, seed {SAMPLE_SEED}; model steps "
+        f"{'compiled' if compile_by_default() else 'eager (--compile compiles them)'}\n"
     )
     table = demo_drafters(target, drafters)
     rows = []

@@ -93,6 +93,12 @@ def _graphs_compiled() -> int:
     return torch._dynamo.utils.counters["stats"]["unique_graphs"]
 
 
+def _step_kind(tokens: torch.Tensor) -> str:
+    """ "decode" for one node per row, else "verify": each kind compiles its own code, so the
+    compiled-code lookup of a step checks the guards of its own kind's graphs only."""
+    return "decode" if tokens.shape[1] == 1 else "verify"
+
+
 def compile_by_default() -> bool:
     """`SPECDEC_COMPILE` (default on): whether runners compile their steps when not told."""
     value = os.environ.get(COMPILE_ENV, "1").strip().lower()
@@ -489,7 +495,9 @@ class ModelRunner:
         self.cache.ensure_room(tokens.shape[1])
         if self.use_cuda_graphs:
             return self._replay(tokens, parents, q_lens)
-        return VerifyOutput(*self._run("verify", self._verify_step, tokens, parents, q_lens))
+        return VerifyOutput(
+            *self._run(_step_kind(tokens), self._verify_step, tokens, parents, q_lens)
+        )
 
     def keep(self, rows: Sequence[int] | torch.Tensor) -> None:
         """Keep only the sequences `rows` (indices into the batch, in that order): finished
@@ -661,12 +669,18 @@ class ModelRunner:
         side_stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(side_stream):
             for _ in range(GRAPH_WARMUP_STEPS):
-                self._run("verify", self._verify_step, static_tokens, static_parents, static_q_lens)
+                self._run(
+                    _step_kind(tokens),
+                    self._verify_step,
+                    static_tokens,
+                    static_parents,
+                    static_q_lens,
+                )
         torch.cuda.current_stream(self.device).wait_stream(side_stream)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._graph_pool):
             output = self._run(
-                "verify", self._verify_step, static_tokens, static_parents, static_q_lens
+                _step_kind(tokens), self._verify_step, static_tokens, static_parents, static_q_lens
             )
         return _VerifyGraph(
             graph, static_tokens, static_parents, static_q_lens, VerifyOutput(*output)

@@ -55,8 +55,8 @@ def test_a_changed_step_gets_a_new_plan(change):
     check(q, k_cache, v_cache, cache_lens, tree_mask, q_lens)
 
 
-def test_inference_mode_tensors_are_planned_afresh():
-    """Inference tensors keep no version counter: no reuse, still right."""
+def test_inference_mode_tensors_are_planned_too():
+    """Inference tensors (no version counter) are compared by value like any other."""
     with torch.inference_mode():
         q, k_cache, v_cache, cache_lens, tree_mask = inputs(2)
         check(q, k_cache, v_cache, cache_lens, tree_mask)

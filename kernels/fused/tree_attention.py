@@ -77,29 +77,39 @@ class _Plan:
     empty: torch.Tensor | None
 
 
-# The last plan and what it was made from. A step's layers pass the very same metadata tensors,
-# so all but the first reuse it; the inputs are held (their ids cannot be reused while held) and
-# their version counters catch in-place changes.
+# The last plan and copies of what it was made from. A step's layers pass the same metadata
+# (under torch.compile, as fresh views of one buffer), so all but the first reuse the plan; the
+# inputs are compared by value, a few small tensors, which is always right.
 _last_plan: tuple[tuple, _Plan] | None = None
 
 
-def _plan_key(tensors: tuple, scalars: tuple) -> tuple | None:
-    try:
-        versions = tuple(None if t is None else t._version for t in tensors)
-    except RuntimeError:  # inference tensors keep no version counter: plan afresh
-        return None
-    return (tensors, versions, scalars)
+def _plan_key(lens, tree_mask, q_lens, q_depths, scalars) -> tuple:
+    tensors = tuple(
+        None if t is None else t.detach().clone() for t in (tree_mask, q_lens, q_depths)
+    )
+    return (tuple(lens), tensors, scalars)
 
 
-def _same_key(a: tuple, b: tuple) -> bool:
-    return all(x is y for x, y in zip(a[0], b[0], strict=True)) and a[1] == b[1] and a[2] == b[2]
+def _same_key(key: tuple, lens, tree_mask, q_lens, q_depths, scalars) -> bool:
+    if key[0] != tuple(lens) or key[2] != scalars:
+        return False
+    for stored, given in zip(key[1], (tree_mask, q_lens, q_depths), strict=True):
+        if (stored is None) != (given is None):
+            return False
+        if stored is not None and (
+            stored.shape != given.shape
+            or stored.dtype != given.dtype
+            or not torch.equal(stored, given)
+        ):
+            return False
+    return True
 
 
 def _plan(cache_lens, lens, tree_mask, q_lens, num_new, span, window, q_depths) -> _Plan:
     global _last_plan
-    key = _plan_key((cache_lens, tree_mask, q_lens, q_depths), (num_new, span, window))
+    scalars = (num_new, span, window, str(cache_lens.device))
     last = _last_plan
-    if key is not None and last is not None and _same_key(key, last[0]):
+    if last is not None and _same_key(last[0], lens, tree_mask, q_lens, q_depths, scalars):
         return last[1]
     visible = _visibility(cache_lens, lens, tree_mask, q_lens, num_new, span, window, q_depths)
     if visible is None:
@@ -112,8 +122,7 @@ def _plan(cache_lens, lens, tree_mask, q_lens, num_new, span, window, q_depths) 
             unread if bool(unread.any()) else None,
             empty if bool(empty.any()) else None,
         )
-    if key is not None:
-        _last_plan = (key, plan)
+    _last_plan = (_plan_key(lens, tree_mask, q_lens, q_depths, scalars), plan)
     return plan
 
 
