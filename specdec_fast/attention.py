@@ -17,6 +17,7 @@ from torch import nn
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 
+from specdec_fast.kernels.batch_invariant import tree_attention_exact
 from specdec_fast.kernels.tree_attention import run_tree_attention
 
 ATTENTION_NAME = "specdec_tree"
@@ -38,6 +39,8 @@ class StepMetadata:
         layer_windows: None, or each decoder layer's sliding window (None for full attention)
             as the config's layer types give it, for layers whose attention call does not pass
             `sliding_window` (see `layer_window`).
+        exact: run `tree_attention_exact` (exact mode: each row's result independent of N,
+            B and the other rows) instead of the backend's kernel.
     """
 
     cache_lens: torch.Tensor
@@ -46,6 +49,7 @@ class StepMetadata:
     max_cache_len: int
     q_depths: torch.Tensor | None = None
     layer_windows: tuple[int | None, ...] | None = None
+    exact: bool = False
 
 
 def check_attention_features(model_type: str, *, sinks: torch.Tensor | None = None) -> None:
@@ -120,7 +124,9 @@ def tree_attention_forward(
         window,
         None if window is None else metadata.q_depths,
     )
-    if torch.compiler.is_compiling():
+    if metadata.exact:
+        output = tree_attention_exact(*args)
+    elif torch.compiler.is_compiling():
         output = torch.ops.specdec_fast.tree_attention(*args)
     else:
         output = run_tree_attention(*args)

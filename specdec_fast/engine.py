@@ -77,6 +77,7 @@ def generate(
     on_tokens: TokenCallback | None = None,
     use_cuda_graphs: bool | None = None,
     compile: bool | None = None,
+    exact: bool = False,
 ) -> GenerateOutput:
     """Generate up to `max_new_tokens` tokens per sequence with speculative decoding.
 
@@ -101,6 +102,11 @@ def generate(
         compile: run the model's forwards through `torch.compile` (default: `SPECDEC_COMPILE`,
             on). Each new step shape compiles once per process; the compiled steps are kept on
             the model for later calls (`ModelRunner.for_model`).
+        exact: make every target forward batch-invariant (`specdec_fast.exact`): each token's
+            logits are then the same bits whether it is verified in a tree or decoded alone, at
+            any batch size, so speculative output equals plain output of this mode bit for bit
+            in any dtype. Runs eagerly (compile and CUDA graphs must be left unset or off);
+            costs speed (README, "Exact mode").
     """
     start = time.perf_counter()
     prompts = prompts_from_input(input_ids, attention_mask)
@@ -133,7 +139,7 @@ def generate(
         # compiled steps and CUDA graphs carry over; the stop rule still uses `capacity`.
         storage = -(-capacity // CACHE_BLOCK) * CACHE_BLOCK
         runner = ModelRunner.for_model(
-            model, storage, use_cuda_graphs=use_cuda_graphs, compile=compile
+            model, storage, use_cuda_graphs=use_cuda_graphs, compile=compile, exact=exact
         )
         compiled_before = len(COMPILE_LOG)
         try:

@@ -70,6 +70,7 @@ from specdec_fast.attention import (
     register_attention,
 )
 from specdec_fast.cache import SpecKVCache, attention_windows
+from specdec_fast.exact import switch_exact
 from specdec_fast.kernels import pack_tree_mask
 from specdec_fast.kernels.validation import check_tensor
 from specdec_fast.tree_mask import ancestor_mask, node_depths
@@ -199,19 +200,40 @@ def _switch_attention(model: PreTrainedModel, on: bool) -> None:
         _SWITCHED[model] = _Switched(threading.get_ident(), 1, original)
 
 
+def _runner_options(
+    model: PreTrainedModel, use_cuda_graphs: bool | None, compile: bool | None, exact: bool
+) -> tuple[bool, bool]:
+    """(compile, CUDA graphs) as a runner of these options resolves them. Exact mode runs
+    eagerly (its attention reads the step's lengths on the host), so it takes neither."""
+    if exact:
+        for name, value in (("compile", compile), ("use_cuda_graphs", use_cuda_graphs)):
+            if value:
+                raise ValueError(
+                    f"{name}: exact mode runs the model eagerly; pass {name}=None or False "
+                    "with exact=True"
+                )
+        return False, False
+    compile = compile_by_default() if compile is None else compile
+    graphs = model.device.type == "cuda" if use_cuda_graphs is None else use_cuda_graphs
+    return compile, graphs
+
+
 def kept_runner(
-    model: PreTrainedModel, *, use_cuda_graphs: bool | None = None, compile: bool | None = None
+    model: PreTrainedModel,
+    *,
+    use_cuda_graphs: bool | None = None,
+    compile: bool | None = None,
+    exact: bool = False,
 ) -> "ModelRunner | None":
     """The runner `ModelRunner.for_model` keeps on `model` for these options, if any (its
     `compile_seconds`, its cache)."""
-    compile = compile_by_default() if compile is None else compile
-    graphs = model.device.type == "cuda" if use_cuda_graphs is None else use_cuda_graphs
+    compile, graphs = _runner_options(model, use_cuda_graphs, compile, exact)
     kept = model.__dict__.get(RUNNER_ATTRIBUTE) or {}
-    return kept.get((str(model.device), compile, graphs))
+    return kept.get((str(model.device), compile, graphs, exact))
 
 
 class _KeptRunners(dict):
-    """A model's runners by (device, compile, CUDA graphs), kept between calls. A copied or
+    """A model's runners by (device, compile, CUDA graphs, exact), kept between calls. A copied or
     pickled model starts with none (compiled steps belong to their model)."""
 
     def __deepcopy__(self, memo) -> "_KeptRunners":
@@ -247,9 +269,14 @@ class ModelRunner:
         compile: run the model forwards through `torch.compile`; default `SPECDEC_COMPILE`
             (on). The first call of each new shape pays the compilation (`compile_seconds`
             records it); later ones, in this call or a later one, do not.
+        exact: exact mode (`specdec_fast.exact`): while open, the model's linear layers, norms
+            and MLPs run batch-invariant forms and attention runs `tree_attention_exact`, so a
+            token's logits do not depend on N or B. Runs eagerly, without CUDA graphs.
 
     Raises:
-        ValueError: naming the model type, for attention this runner cannot serve.
+        ValueError: naming the model type, for attention this runner cannot serve, or for a
+            model exact mode cannot serve; naming the option, for compile or CUDA graphs
+            asked for with exact mode.
         RuntimeError: when a runner of another thread is open on the model.
     """
 
@@ -260,20 +287,19 @@ class ModelRunner:
         *,
         use_cuda_graphs: bool | None = None,
         compile: bool | None = None,
+        exact: bool = False,
     ):
         config = model.config.get_text_config(decoder=True)
         # Also refuses, before the attention is switched, layer kinds the cache cannot hold.
         self._layer_windows = tuple(attention_windows(config))
         self.model = model
         self.device = model.device
-        self.use_cuda_graphs = (
-            self.device.type == "cuda" if use_cuda_graphs is None else use_cuda_graphs
-        )
+        self.exact = exact
+        self.compile, self.use_cuda_graphs = _runner_options(model, use_cuda_graphs, compile, exact)
         if self.use_cuda_graphs and self.device.type != "cuda":
             raise ValueError(
                 f"use_cuda_graphs needs a model on CUDA, the model is on {self.device}"
             )
-        self.compile = compile_by_default() if compile is None else compile
         self._layers, self._final_norm = _decoder_modules(model)
         self.cache: SpecKVCache | None = None
         self._captured: dict[int, torch.Tensor] = {}
@@ -296,23 +322,23 @@ class ModelRunner:
         *,
         use_cuda_graphs: bool | None = None,
         compile: bool | None = None,
+        exact: bool = False,
     ) -> "ModelRunner":
         """The model's own runner for these options, opened for `max_cache_len`: the one an
         earlier call left on the model (its compiled steps, graphs and cache storage kept), else
         a new one kept for the next call; while the kept one is open (a model drafting for
         itself), a second, transient one."""
-        compile = compile_by_default() if compile is None else compile
-        graphs = model.device.type == "cuda" if use_cuda_graphs is None else use_cuda_graphs
+        compile, graphs = _runner_options(model, use_cuda_graphs, compile, exact)
         kept = model.__dict__.get(RUNNER_ATTRIBUTE)
         if not isinstance(kept, _KeptRunners):
             # In the instance dict, not through nn.Module.__setattr__: runners are no submodules.
             kept = model.__dict__[RUNNER_ATTRIBUTE] = _KeptRunners()
-        key = (str(model.device), compile, graphs)
+        key = (str(model.device), compile, graphs, exact)
         runner = kept.get(key)
         if runner is not None and runner.model is model and not runner._open:
             runner.open(max_cache_len)
             return runner
-        fresh = cls(model, max_cache_len, use_cuda_graphs=graphs, compile=compile)
+        fresh = cls(model, max_cache_len, use_cuda_graphs=graphs, compile=compile, exact=exact)
         if runner is None or runner.model is not model:
             kept[key] = fresh
         return fresh
@@ -329,7 +355,15 @@ class ModelRunner:
             raise RuntimeError("this ModelRunner is already open")
         if max_cache_len < 1:
             raise ValueError(f"max_cache_len must be >= 1, got {max_cache_len}")
-        _switch_attention(self.model, on=True)
+        if self.exact:
+            # Before the attention switch: a model exact mode cannot serve leaves unchanged.
+            switch_exact(self.model, on=True)
+        try:
+            _switch_attention(self.model, on=True)
+        except BaseException:
+            if self.exact:
+                switch_exact(self.model, on=False)
+            raise
         self._open = True
         self.max_cache_len = max_cache_len
 
@@ -343,7 +377,11 @@ class ModelRunner:
             hook.remove()
         self._hooks.clear()
         self._capture_layers = ()
-        _switch_attention(self.model, on=False)
+        try:
+            _switch_attention(self.model, on=False)
+        finally:
+            if self.exact:
+                switch_exact(self.model, on=False)
 
     def capture_hidden(self, layers: Sequence[int]) -> None:
         """Return these layers' hidden states from now on.
@@ -624,6 +662,7 @@ class ModelRunner:
             self.max_cache_len,
             q_depths=q_depths,
             layer_windows=self._layer_windows,
+            exact=self.exact,
         )
         self._captured.clear()
         output = self.model(

@@ -1,0 +1,151 @@
+"""Batch-invariant forms of the ops a decoder forward reduces over: each output row is computed
+from that row's own inputs in an order that does not depend on how many rows share the call.
+
+This is what the engine's exact mode runs (`specdec_fast.exact`): with it, a token's logits are
+the same bits whether it is verified in a tree of N nodes among B sequences or decoded alone, so
+speculative output equals plain output bit for bit.
+
+- `row_tiled(fn, x)`: `fn` (a row-wise op: a linear layer, a norm, an MLP) on fixed tiles of
+  `ROW_TILE` rows, each a fresh 64-byte-aligned buffer with zero rows as padding. A CPU GEMM
+  picks its kernel (and so its reduction order) by the row count and the alignment of its
+  operands; at one tile shape it runs one kernel for every call, and a row's result is the same
+  at any position in the tile (tested).
+- `linear_exact(x, weight, bias)`: `F.linear` on row tiles; on CUDA the Triton matmul of
+  `jit/matmul.py` (one tile shape, no split-K) instead.
+- `tree_attention_exact(...)`: `tree_attention`'s arguments and semantics. Each query row
+  gathers the keys it sees, in slot order (the prefix, then its tree ancestors: the order a
+  plain decode step sees the same tokens in), and walks them in blocks of `KEY_BLOCK` keys with
+  an online softmax in fp32. Products are summed over D and over a block's keys by reductions of
+  fixed size, and blocks are folded in order; blocks past a row's last key change nothing
+  (exactly: their weights are 0), so neither N, nor B, nor the other rows' lengths reach a row's
+  result.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+from .reference.tree_attention import key_visibility
+
+ROW_TILE = 16
+KEY_BLOCK = 64
+ALIGNMENT_BYTES = 64
+
+
+def _aligned(rows: torch.Tensor) -> bool:
+    return rows.is_contiguous() and rows.data_ptr() % ALIGNMENT_BYTES == 0
+
+
+def row_tiled(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+    """`fn(x)` for a row-wise `fn` over the last dim of `x` `[..., K]`, run on tiles of exactly
+    `ROW_TILE` rows (zero rows pad the last one). Returns `[..., K']`, what `fn` returns per row."""
+    rows = x.reshape(-1, x.shape[-1])
+    count = rows.shape[0]
+    tiles = max(1, -(-count // ROW_TILE))
+    # Tile t starts t * ROW_TILE * K elements into an aligned buffer, aligned too for even K.
+    if count != tiles * ROW_TILE or not _aligned(rows) or rows.shape[1] % 2:
+        padded = rows.new_zeros(tiles * ROW_TILE, rows.shape[1])
+        padded[:count] = rows
+        rows = padded
+    out = torch.cat([fn(rows[t * ROW_TILE : (t + 1) * ROW_TILE]) for t in range(tiles)])
+    return out[:count].reshape(*x.shape[:-1], out.shape[-1])
+
+
+def linear_exact(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """`F.linear(x, weight, bias)` (x `[..., K]`, weight `[N, K]`, bias `[N]` or None) with each
+    output row independent of the other rows of `x`."""
+    if x.is_cuda:
+        from .matmul import matmul_fixed_tile
+
+        rows = x.reshape(-1, x.shape[-1])
+        out = matmul_fixed_tile(rows, weight, bias)
+        return out.reshape(*x.shape[:-1], weight.shape[0])
+    return row_tiled(lambda tile: F.linear(tile, weight, bias), x)
+
+
+def tree_attention_exact(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    cache_lens: torch.Tensor,
+    tree_mask: torch.Tensor | None = None,
+    q_lens: torch.Tensor | None = None,
+    scale: float | None = None,
+    softcap: float | None = None,
+    window: int | None = None,
+    q_depths: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """`tree_attention` (same arguments, validated, `tree_mask` packed or None) with each query
+    row's result independent of N, B and the other rows (see the module doc).
+
+    Returns `[B, Hq, N, D]` in the dtype of q; rows that see no key are zeros.
+    """
+    batch, num_q_heads, num_new, head_dim = q.shape
+    num_kv_heads, capacity = k_cache.shape[1], k_cache.shape[2]
+    group = num_q_heads // num_kv_heads
+    scale = head_dim**-0.5 if scale is None else scale
+    if q.numel() == 0:
+        return torch.empty_like(q, memory_format=torch.contiguous_format)
+    device = q.device
+    span = min(int(cache_lens.max()) + num_new, capacity)
+    if window is not None and window >= capacity:
+        window = None
+    visible = key_visibility(cache_lens, tree_mask, q_lens, num_new, span, window, q_depths)
+    counts = visible.sum(dim=-1)  # [B, N]
+    blocks = max(1, -(-int(counts.max()) // KEY_BLOCK))
+    width = blocks * KEY_BLOCK
+    # Each row's visible slots first, in slot order; then anything (masked below).
+    order = torch.sort((~visible).to(torch.int8), dim=-1, stable=True).indices
+    if width > span:
+        order = F.pad(order, (0, width - span))
+    slots = order[..., :width].reshape(batch, num_new, blocks, KEY_BLOCK)
+    slots = slots.permute(2, 0, 1, 3)[:, :, :, None, :]  # [blocks, B, N, 1, KEY_BLOCK]
+    valid = (torch.arange(width, device=device) < counts[..., None]).reshape(
+        batch, num_new, blocks, KEY_BLOCK
+    )
+    valid = valid.permute(2, 0, 1, 3)[:, :, :, None, None, :]  # [blocks, B, N, 1, 1, KEY_BLOCK]
+    seq = torch.arange(batch, device=device)[None, :, None, None, None]
+    head = torch.arange(num_kv_heads, device=device)[None, None, None, :, None]
+    # Gathered fresh and contiguous: [blocks, B, N, Hkv, KEY_BLOCK, D], V with D before the keys.
+    keys = k_cache[seq, head, slots]
+    values = v_cache[
+        seq[..., None],
+        head[..., None],
+        slots[..., None, :],
+        torch.arange(head_dim, device=device)[:, None],
+    ]
+    queries = (
+        q.reshape(batch, num_kv_heads, group, num_new, head_dim)
+        .permute(0, 3, 1, 2, 4)[:, :, :, :, None, :]
+        .to(torch.float32, memory_format=torch.contiguous_format)
+    )  # [B, N, Hkv, G, 1, D]
+    best = torch.full((batch, num_new, num_kv_heads, group), float("-inf"), device=device)
+    total = torch.zeros_like(best)
+    acc = torch.zeros(batch, num_new, num_kv_heads, group, head_dim, device=device)
+    for block in range(blocks):
+        block_keys = keys[block].float()[:, :, :, None]  # [B, N, Hkv, 1, KEY_BLOCK, D]
+        scores = (queries * block_keys).sum(dim=-1) * scale  # [B, N, Hkv, G, KEY_BLOCK]
+        if softcap is not None:
+            scores = softcap * torch.tanh(scores / softcap)
+        scores = scores.masked_fill(~valid[block], float("-inf"))
+        new_best = torch.maximum(best, scores.amax(dim=-1))
+        # Rows with no key yet keep -inf; their weights are then taken against 0.
+        reference = torch.where(torch.isinf(new_best), 0.0, new_best)
+        weights = torch.exp(scores - reference[..., None])
+        rescale = torch.exp(best - reference)
+        total = total * rescale + weights.sum(dim=-1)
+        block_values = values[block].float().masked_fill(~valid[block], 0.0)
+        mixed = (weights[..., None, :] * block_values[:, :, :, None]).sum(dim=-1)
+        acc = acc * rescale[..., None] + mixed
+        best = new_best
+    out = torch.where(counts[:, :, None, None, None] > 0, acc / total[..., None], 0.0)
+    return (
+        out.reshape(batch, num_new, num_q_heads, head_dim)
+        .transpose(1, 2)
+        .to(q.dtype, memory_format=torch.contiguous_format)
+    )

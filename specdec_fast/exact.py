@@ -1,0 +1,120 @@
+"""Exact mode: a model's row-wise layers switched to batch-invariant forms while a runner is open.
+
+In exact mode (`generate(..., exact=True)`) every target forward computes each token's logits
+in an order that depends on neither the number of tokens in the call nor the batch, so
+speculative output equals plain output of the same mode bit for bit, for every drafter:
+
+- every `nn.Linear` (projections, MLP, `lm_head`) runs `linear_exact`: fixed row tiles on the
+  CPU, a one-tile-shape Triton matmul without split-K on CUDA;
+- norms (`*RMSNorm`, `nn.LayerNorm`) and MLP blocks (`*MLP`) run on fixed row tiles
+  (`row_tiled`), so their reductions over the hidden size and their elementwise kernels see one
+  shape in every call;
+- attention runs `tree_attention_exact` (the runner flags the step metadata).
+
+Everything else in a decoder forward is elementwise (residual adds, rotary embeddings) or a
+gather (embeddings), which does not depend on the batch. Models that route tokens to experts
+(mixture-of-experts layers group a batch's tokens by expert) are refused.
+
+`ExactLayers(model)` finds the layers (raising ValueError for models exact mode cannot serve);
+`install()` sets each layer's `forward` on the instance and `remove()` puts back exactly what
+was there, so the model comes out as it went in. Runners open and close it through
+`switch_exact` (counted per model: runners of one thread nest).
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+import weakref
+
+from torch import nn
+from transformers import PreTrainedModel
+
+from specdec_fast.kernels.batch_invariant import linear_exact, row_tiled
+
+ROW_WISE_SUFFIXES = ("RMSNorm", "MLP")
+EXPERT_MARKERS = ("moe", "expert")
+_MISSING = object()
+_LOCK = threading.Lock()
+
+
+def _exact_linear_forward(module: nn.Linear, x):
+    return linear_exact(x, module.weight, module.bias)
+
+
+def _row_tiled_forward(forward, x, *args, **kwargs):
+    return row_tiled(lambda tile: forward(tile, *args, **kwargs), x)
+
+
+class ExactLayers:
+    """The layers of `model` that exact mode switches, and what their `forward` was.
+
+    Raises:
+        ValueError: naming the model type, for mixture-of-experts models and for linear layers
+            of other kinds than `nn.Linear` (quantized ones), whose reduction order exact mode
+            cannot fix.
+    """
+
+    def __init__(self, model: PreTrainedModel):
+        model_type = model.config.model_type
+        self.model = model
+        self._layers: list[tuple[nn.Module, object]] = []
+        self._saved: list[object] = []
+        for name, module in model.named_modules():
+            kind = type(module).__name__
+            if any(marker in kind.lower() for marker in EXPERT_MARKERS):
+                raise ValueError(
+                    f"exact: {model_type} routes tokens to experts ({name}: {kind}), which "
+                    "groups a batch's tokens by expert; exact mode supports dense models only"
+                )
+            if isinstance(module, nn.Linear):
+                if type(module) is not nn.Linear:
+                    raise ValueError(
+                        f"exact: {model_type} has a linear layer of kind {kind} ({name}); "
+                        "exact mode supports plain nn.Linear layers only"
+                    )
+                self._layers.append((module, functools.partial(_exact_linear_forward, module)))
+            elif isinstance(module, nn.LayerNorm) or kind.endswith(ROW_WISE_SUFFIXES):
+                self._layers.append(
+                    (
+                        module,
+                        functools.partial(_row_tiled_forward, type(module).forward.__get__(module)),
+                    )
+                )
+
+    def install(self) -> None:
+        """Switch the layers to their batch-invariant forms."""
+        self._saved = [module.__dict__.get("forward", _MISSING) for module, _ in self._layers]
+        for module, forward in self._layers:
+            module.forward = forward
+
+    def remove(self) -> None:
+        """Put back each layer's `forward` as it was before `install`."""
+        for (module, _), saved in zip(self._layers, self._saved, strict=True):
+            if saved is _MISSING:
+                del module.__dict__["forward"]
+            else:
+                module.__dict__["forward"] = saved
+        self._saved = []
+
+
+# Models switched to exact mode by open runners, with how many such runners are open.
+_SWITCHED: weakref.WeakKeyDictionary[PreTrainedModel, list] = weakref.WeakKeyDictionary()
+
+
+def switch_exact(model: PreTrainedModel, on: bool) -> None:
+    """Switch `model`'s layers to exact mode (`on`), or back when the last exact runner closes."""
+    with _LOCK:
+        entry = _SWITCHED.get(model)
+        if on:
+            if entry is None:
+                layers = ExactLayers(model)
+                layers.install()
+                _SWITCHED[model] = [layers, 1]
+            else:
+                entry[1] += 1
+            return
+        entry[1] -= 1
+        if entry[1] == 0:
+            del _SWITCHED[model]
+            entry[0].remove()
