@@ -9,6 +9,8 @@ from transformers import (
     LlamaForCausalLM,
     MistralConfig,
     MistralForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
 )
 
 from specdec_fast.drafters.base import Drafter, pack_trees
@@ -32,6 +34,22 @@ def tiny_llama(
         seed=seed,
         initializer_range=initializer_range,
         eos_token_id=eos_token_id,
+    )
+
+
+def tiny_qwen2(
+    vocab_size: int = 96, hidden_size: int = 48, seed: int = 0, initializer_range: float = 0.3
+) -> Qwen2ForCausalLM:
+    """`tiny_llama`'s shape as a Qwen2 (biased q/k/v projections)."""
+    return _tiny_causal_lm(
+        Qwen2Config,
+        Qwen2ForCausalLM,
+        vocab_size=vocab_size,
+        hidden_size=hidden_size,
+        layers=2,
+        seed=seed,
+        initializer_range=initializer_range,
+        eos_token_id=None,
     )
 
 
