@@ -59,6 +59,15 @@ def add_model_options(parser: argparse.ArgumentParser, default_model: str | None
     )
 
 
+def _add_exact(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--exact",
+        action="store_true",
+        help="exact mode: batch-invariant target forwards, so speculative output equals plain "
+        "output bit for bit in any dtype (eager, slower: see the README)",
+    )
+
+
 def _add_sampling(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-new-tokens", type=int, default=128, help="default: 128")
     parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
@@ -111,6 +120,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     gen.add_argument("--prompt", required=True, help="the prompt text (a user message in chat)")
     gen.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+    _add_exact(gen)
     _add_sampling(gen)
     _add_bench(sub)
     return parser
@@ -138,6 +148,7 @@ def _add_bench(sub) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     add_model_options(bench, "tiny-code")
+    _add_exact(bench)
     bench.add_argument(
         "--drafter",
         action="append",
@@ -211,6 +222,7 @@ def run_bench(args: argparse.Namespace) -> int:
         dtype=args.dtype,
         chat=args.chat,
         keep_special_tokens=args.keep_special_tokens,
+        exact=args.exact,
     )
     print(f"wrote {report['files']['markdown']} and {report['files']['json']}")
     return 0
@@ -244,6 +256,7 @@ def run_generate(args: argparse.Namespace) -> int:
             seed=args.seed,
             eos_token_id=stop_token_ids(model, tokenizer),
             on_tokens=lambda row, tokens: bar.update(len(tokens)),
+            exact=args.exact,
         )
     completion = decode(tokenizer, out.sequences[0][len(prompt_ids) :], args.keep_special_tokens)
     if args.json:
@@ -253,6 +266,7 @@ def run_generate(args: argparse.Namespace) -> int:
             "prompt_tokens": len(prompt_ids),
             "completion": completion,
             "drafter": str(args.drafter),
+            "exact": args.exact,
         }
         print(json.dumps(record | {"stats": out.stats.summary()}))
     else:
@@ -289,6 +303,10 @@ def _choose_compile(args: argparse.Namespace) -> None:
     from specdec_fast.loading import pick_device
 
     compile = args.compile
+    if getattr(args, "exact", False):
+        if compile:
+            raise ValueError("--compile: exact mode runs the model eagerly; drop --compile")
+        compile = False
     if compile is None:
         compile = args.command == "bench" or pick_device(args.device).type == "cuda"
     os.environ["SPECDEC_COMPILE"] = "1" if compile else "0"

@@ -226,3 +226,14 @@ def test_compile_choice_does_not_outlive_the_command(flag, tmp_path, capsys):
     )
     assert code == 2
     assert os.environ.get("SPECDEC_COMPILE") == before
+
+
+def test_generate_exact_mode(model_dir, capsys):
+    """--exact: speculative and plain completions are the same tokens; --compile is refused."""
+    exact, _ = generate_json(capsys, model_dir, "--drafter", "ngram:4", "--exact")
+    plain, _ = generate_json(capsys, model_dir, "--drafter", "none", "--exact")
+    assert exact["exact"] is True and exact["completion"] == plain["completion"]
+    code, _, err = cli_in_process(
+        capsys, "generate", "--model", str(model_dir), "--prompt", "x", "--exact", "--compile"
+    )
+    assert code == 2 and "--compile" in err

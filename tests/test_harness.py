@@ -16,8 +16,15 @@ from specdec_fast.guardrails import GuardrailPolicy, Guardrails
 from specdec_fast.harness import PromptRecord, default_prompts, load_prompts, run_sweep
 from specdec_fast.harness.checks import passes, validate_check
 from specdec_fast.harness.prompts import TASKS
-from specdec_fast.harness.report import write_report
-from specdec_fast.harness.sweep import BenchConfig, CellRun, Encoded, encode_prompts, quality
+from specdec_fast.harness.report import quality_section, write_report
+from specdec_fast.harness.sweep import (
+    BenchConfig,
+    CellRun,
+    Encoded,
+    encode_prompts,
+    logit_gap,
+    quality,
+)
 from specdec_fast.stats import SpecStats
 
 VOCAB = 96
@@ -150,6 +157,38 @@ def test_quality_reports_every_divergence_with_its_first_position():
     assert by_id["b"]["first_differing_token"] == 2 and by_id["b"]["greedy"]
     assert by_id["c"]["quality_regression"] and not by_id["c"]["greedy"]
     assert by_id["c"]["baseline_output"] == "{}" and by_id["c"]["prompt"] == "p2"
+
+
+def test_quality_tells_near_ties_from_real_divergences():
+    """With the target, a divergence whose two tokens' logits are within `near_tie_gap` under
+    the baseline's context is a near-tie; a wider gap, or an output that stopped, is real."""
+    model = tiny_llama(vocab_size=VOCAB)
+    context = [3, 4, 5]
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([context])).logits[0, -1].float()
+    ranked = logits.argsort(descending=True).tolist()
+    top, runner_up, last = ranked[0], ranked[1], ranked[-1]
+    close, far = logit_gap(model, context, top, runner_up), logit_gap(model, context, top, last)
+    assert close == pytest.approx(float(logits[top] - logits[runner_up]))
+    assert close < far
+    prompts = [Encoded(PromptRecord(f"p{i}", "qa", id=f"p{i}"), i, context, 3) for i in range(3)]
+    baseline = run_of({0: [top, 1], 1: [top, 1], 2: [top, 1]})
+    cell = run_of({0: [runner_up, 1], 1: [last, 1], 2: [top]})
+    gap = (close + far) / 2
+    q = quality(prompts, cell, baseline, CharTokenizer(), model=model, near_tie_gap=gap)
+    by_id = {d["prompt_id"]: d for d in q["divergences"]}
+    assert by_id["p0"]["near_tie"] and by_id["p0"]["logit_gap"] == pytest.approx(close)
+    assert not by_id["p1"]["near_tie"] and by_id["p1"]["logit_gap"] == pytest.approx(far)
+    assert not by_id["p2"]["near_tie"] and by_id["p2"]["logit_gap"] is None
+    assert (q["near_tie_divergences"], q["real_divergences"], q["near_tie_gap"]) == (1, 2, gap)
+    report = {
+        "config": {"exact": True, "near_tie_gap": gap},
+        "cells": [{"name": "ngram:3", "batch": 1, "quality": q}],
+    }
+    text = "\n".join(quality_section(report))
+    assert "Mode: exact" in text
+    assert "3 divergences" in text and "1 at near-ties" in text and "2 real" in text
+    assert "(near-tie)" in text
 
 
 class FailingDrafter(NGramDrafter):

@@ -70,6 +70,7 @@ def bench(
     dtype: str | None = None,
     chat: bool | None = None,
     keep_special_tokens: bool = False,
+    exact: bool = False,
     progress: bool = True,
 ) -> dict:
     """Benchmark drafters against plain decoding; returns the report and writes it to `out`.
@@ -85,6 +86,8 @@ def bench(
         device, dtype: where and how to load a `model` given by path (`specdec_fast.loading`).
         chat: apply the tokenizer's chat template (None: when it has one).
         keep_special_tokens: keep special tokens in the outputs the checks judge.
+        exact: decode every cell and the baseline in exact mode (`generate(..., exact=True)`);
+            the report states the mode.
     """
     from specdec_fast.loading import load_model, load_tokenizer, pick_device
 
@@ -114,6 +117,7 @@ def bench(
         guardrails=guardrails,
         chat=chat,
         keep_special_tokens=keep_special_tokens,
+        exact=exact,
     )
     report = run_sweep(model, tokenizer, records, config, progress=progress)
     report["meta"] = {

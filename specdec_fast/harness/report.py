@@ -97,6 +97,8 @@ def markdown(report: dict) -> str:
         "far plain decoding paired with itself strays from 1.0 "
         f"(at least {report['config']['noise_floor']:.0%}).",
         "",
+        f"Mode: {_mode(report['config'])}.",
+        "",
         "## Baseline (plain decoding)",
         "",
         "| batch | tok/s | req/s | TTFT ms p50/p95/p99 | TPOT ms p50/p95/p99 | ITL ms p50/p95/p99 "
@@ -184,7 +186,7 @@ def markdown(report: dict) -> str:
     else:
         lines.append("Adaptive cells were not run.")
     lines += _split_tables(report)
-    lines += _divergences(report)
+    lines += quality_section(report)
     if any("guardrails" in c for c in report["cells"]):
         lines += [
             "",
@@ -225,22 +227,42 @@ def _split_tables(report: dict) -> list[str]:
     return lines
 
 
-def _divergences(report: dict) -> list[str]:
+def _mode(config: dict) -> str:
+    if config.get("exact"):
+        return (
+            "exact (batch-invariant target forwards: every greedy output must equal the "
+            "baseline's bit for bit)"
+        )
+    return (
+        "default (reduction order depends on the tokens per call: low-precision near-ties may "
+        "flip; `--exact` rules that out)"
+    )
+
+
+def quality_section(report: dict) -> list[str]:
+    """The report's "Quality equivalence" lines: the mode, and every divergence from the
+    baseline (near-ties and real ones counted apart)."""
     found = [(c, d) for c in report["cells"] for d in c["quality"]["divergences"]]
-    lines = ["", "## Quality equivalence", ""]
+    lines = ["", "## Quality equivalence", "", f"Mode: {_mode(report['config'])}.", ""]
     if not found:
         lines.append("Every greedy output equals the baseline's, and no check regressed.")
         return lines
+    near_ties = sum(d["near_tie"] for _, d in found)
+    gap = report["config"]["near_tie_gap"]
     lines.append(
-        f"{len(found)} divergences (all in report.json); the first "
+        f"{len(found)} divergences (all in report.json): {near_ties} at near-ties (the target's "
+        f"logits of the two tokens at the first differing position, under the baseline's "
+        f"context, differ by less than {gap:g}), {len(found) - near_ties} real; the first "
         f"{min(len(found), MAX_DIVERGENCES_SHOWN)}:"
     )
     for cell, d in found[:MAX_DIVERGENCES_SHOWN]:
         kind = "quality regression" if d["quality_regression"] else "greedy mismatch"
+        tie = "" if d["logit_gap"] is None else f", logit gap {d['logit_gap']:.3g}"
+        tie += " (near-tie)" if d["near_tie"] else ""
         lines += [
             "",
             f"- **{cell['name']} b={cell['batch']}**, prompt `{d['prompt_id']}` ({d['task']}), "
-            f"{kind}, first differing token {d['first_differing_token']}",
+            f"{kind}, first differing token {d['first_differing_token']}{tie}",
             f"  - baseline: `{json.dumps(d['baseline_output'])[:200]}`",
             f"  - speculative: `{json.dumps(d['speculative_output'])[:200]}`",
         ]

@@ -4,10 +4,12 @@ Every cell decodes the whole prompt set with `generate`, `batch` prompts at a ti
 grouped by `max_new_tokens` first, in file order), taking turns chunk by chunk with plain decoding
 of the same prompts (a paired measurement, robust to a machine whose speed drifts), and is compared
 with that baseline: speed-up of tokens/s and of TPOT, exact match of greedy outputs, quality
-checks. Plain decoding paired with itself gives each batch size's noise. Adaptive cells (one
-`AdaptiveDrafter` around the largest size of each drafter, with a calibrated `CostModel`, serving
-the whole concurrency sweep as it would serve a service's traffic) run at every batch size; the
-report shows their ratio to the baseline next to the noise.
+checks (a greedy divergence is told apart as a near-tie when the target's logits of the two
+tokens at the first differing position, under the baseline's context, are closer than
+`BenchConfig.near_tie_gap`). Plain decoding paired with itself gives each batch size's noise.
+Adaptive cells (one `AdaptiveDrafter` around the largest size of each drafter, with a calibrated
+`CostModel`, serving the whole concurrency sweep as it would serve a service's traffic) run at
+every batch size; the report shows their ratio to the baseline next to the noise.
 """
 
 from __future__ import annotations
@@ -34,6 +36,9 @@ from specdec_fast.text import decode, encode_prompt, stop_token_ids, use_chat
 # Output-length and prompt-length buckets (tokens) of the report's splits.
 OUTPUT_BUCKETS = ((32, "<=32"), (128, "33-128"), (512, "129-512"))
 PROMPT_BUCKETS = ((128, "<=128"), (512, "129-512"), (2048, "513-2048"))
+# A greedy divergence whose two tokens' logits differ by less than this is a near-tie: a flip
+# that reduction order alone can cause (a bf16 logit near 10 is only resolved to 0.06).
+NEAR_TIE_GAP = 0.1
 
 
 @dataclass
@@ -55,6 +60,9 @@ class BenchConfig:
         plain decoding paired with itself strays from a ratio of 1.
     chat: apply the tokenizer's chat template (None: when it has one; see `specdec_fast.text`).
     keep_special_tokens: keep special tokens in the decoded outputs that checks judge.
+    exact: decode in exact mode (`generate(..., exact=True)`): every greedy output must then
+        equal the baseline's.
+    near_tie_gap: the logit gap under which a greedy divergence counts as a near-tie.
     """
 
     drafters: list[str]
@@ -71,6 +79,8 @@ class BenchConfig:
     guardrails: Guardrails | None = None
     chat: bool | None = None
     keep_special_tokens: bool = False
+    exact: bool = False
+    near_tie_gap: float = NEAR_TIE_GAP
 
     def cells(self) -> list[tuple[str, DrafterSpec, int, bool]]:
         """(name, spec, size, adaptive) of every speculative cell, batch excluded; `size` is the
@@ -156,7 +166,12 @@ class _Chunk:
 
 
 def _decode_chunk(
-    model, chunk: list[Encoded], drafter: Drafter | None, seed: int, stop: list[int] | None
+    model,
+    chunk: list[Encoded],
+    drafter: Drafter | None,
+    seed: int,
+    stop: list[int] | None,
+    exact: bool,
 ) -> _Chunk:
     start = time.perf_counter()
     try:
@@ -169,6 +184,7 @@ def _decode_chunk(
                 temperature=[p.record.temperature for p in chunk],
                 seed=[seed + p.index for p in chunk],
                 eos_token_id=stop,
+                exact=exact,
             )
     except Exception as error:  # noqa: BLE001 - a failed request is a measured error
         return _Chunk(time.perf_counter() - start, error=f"{type(error).__name__}: {error}")
@@ -210,6 +226,7 @@ def decode_paired(
     seed: int,
     repeats: int = 1,
     stop: list[int] | None = None,
+    exact: bool = False,
 ) -> list[CellRun]:
     """Decode every prompt `batch` at a time once per drafter (None: plain), the drafters taking
     turns chunk by chunk, so that all of them meet the same machine conditions (a paired
@@ -217,13 +234,14 @@ def decode_paired(
 
     Each drafter instance serves all its chunks (its state carries over, as in a service). With
     `repeats`, each chunk keeps its fastest run per drafter; a chunk that fails in any run counts
-    its prompts as errors (the sweep goes on). `stop`: EOS ids (None: the model's own)."""
+    its prompts as errors (the sweep goes on). `stop`: EOS ids (None: the model's own); `exact`:
+    exact mode."""
     chunks = batches_of(prompts, batch)
     best: list[list[_Chunk | None]] = [[None] * len(chunks) for _ in drafters]
     for _ in range(repeats):
         for index, chunk in enumerate(chunks):
             for side, drafter in enumerate(drafters):
-                result = _decode_chunk(model, chunk, drafter, seed, stop)
+                result = _decode_chunk(model, chunk, drafter, seed, stop, exact)
                 kept = best[side][index]
                 if kept is None or (
                     kept.error is None and (result.error or result.wall < kept.wall)
@@ -301,17 +319,32 @@ def _detok(tokenizer, tokens: list[int] | None, keep_special_tokens: bool) -> st
     return None if tokens is None else decode(tokenizer, tokens, keep_special_tokens)
 
 
+def logit_gap(model, context: list[int], first: int, second: int) -> float:
+    """|logit(first) - logit(second)| of the target's next-token logits after `context` (one
+    plain HF forward, fp32 logits)."""
+    ids = torch.tensor([context], device=model.device)
+    with torch.no_grad():
+        logits = model(input_ids=ids).logits[0, -1].float()
+    return abs(float(logits[first] - logits[second]))
+
+
 def quality(
     prompts: list[Encoded],
     run: CellRun,
     baseline: CellRun,
     tokenizer,
     keep_special_tokens: bool = False,
+    model=None,
+    near_tie_gap: float = NEAR_TIE_GAP,
 ) -> dict:
     """Greedy exact match against the baseline, check pass counts, and every divergence (checks
-    judge the outputs decoded without special tokens unless `keep_special_tokens`)."""
+    judge the outputs decoded without special tokens unless `keep_special_tokens`). With the
+    target `model`, each greedy divergence gets the logit gap of its two tokens at the first
+    differing position under the baseline's context, and counts as a near-tie below
+    `near_tie_gap` (a divergence where one output stopped has no gap: it counts as real)."""
     divergences, greedy, equal = [], 0, 0
     checked, base_pass, cell_pass, regressions = 0, 0, 0, 0
+    near_ties = 0
     for prompt in prompts:
         ours, theirs = run.outputs.get(prompt.index), baseline.outputs.get(prompt.index)
         if ours is None or theirs is None:
@@ -336,6 +369,11 @@ def quality(
                 (i for i, (a, b) in enumerate(zip(ours, theirs, strict=False)) if a != b),
                 min(len(ours), len(theirs)),
             )
+            gap = None
+            if model is not None and not same and first < min(len(ours), len(theirs)):
+                gap = logit_gap(model, prompt.ids + theirs[:first], theirs[first], ours[first])
+            near_tie = gap is not None and gap < near_tie_gap
+            near_ties += near_tie
             divergences.append(
                 {
                     "prompt_id": prompt.record.id,
@@ -346,6 +384,8 @@ def quality(
                     "first_differing_token": first,
                     "greedy": greedy_row,
                     "quality_regression": regressed,
+                    "logit_gap": gap,
+                    "near_tie": near_tie,
                 }
             )
     return {
@@ -355,6 +395,9 @@ def quality(
         "baseline_check_passes": base_pass,
         "speculative_check_passes": cell_pass,
         "quality_regressions": regressions,
+        "near_tie_gap": near_tie_gap,
+        "near_tie_divergences": near_ties,
+        "real_divergences": len(divergences) - near_ties,
         "divergences": divergences,
     }
 
@@ -418,7 +461,7 @@ def run_sweep(
     def warm(drafter: Drafter | None, batch: int) -> None:
         if config.warmup:
             short = [replace_tokens(p, 8) for p in prompts[:batch]]
-            decode_paired(model, short, batch, [drafter], 0, stop=stop)
+            decode_paired(model, short, batch, [drafter], 0, stop=stop, exact=config.exact)
 
     baseline_metrics: dict[int, dict] = {}
     noise: dict[int, float] = {}
@@ -429,7 +472,7 @@ def run_sweep(
         # Plain against plain, paired like every cell: how far from 1.0 a ratio strays by
         # chance is the noise that every speed-up at this batch size is judged against.
         baseline, again = decode_paired(
-            model, prompts, batch, [None, None], config.seed, repeats, stop
+            model, prompts, batch, [None, None], config.seed, repeats, stop, config.exact
         )
         bar.update(1, cell=f"baseline b={batch}")
         rates = [baseline.stats.tokens_per_second or 0.0, again.stats.tokens_per_second or 0.0]
@@ -450,7 +493,7 @@ def run_sweep(
             warm_steps = len(drafter.chosen) if adaptive else 0
             warm_explorations = drafter.explorations if adaptive else 0
             reference, run = decode_paired(
-                model, prompts, batch, [None, drafter], config.seed, repeats, stop
+                model, prompts, batch, [None, drafter], config.seed, repeats, stop, config.exact
             )
             if adaptive:
                 run.budgets = drafter.chosen[warm_steps:]
@@ -458,7 +501,17 @@ def run_sweep(
             bar.update(1, cell=f"{name} b={batch}")
             report_cells.append(
                 _cell_record(
-                    name, spec, size, adaptive, batch, prompts, run, tokenizer, config, reference
+                    name,
+                    spec,
+                    size,
+                    adaptive,
+                    batch,
+                    prompts,
+                    run,
+                    tokenizer,
+                    config,
+                    reference,
+                    model,
                 )
             )
     bar.close()
@@ -476,6 +529,8 @@ def run_sweep(
             "seed": config.seed,
             "chat": use_chat(tokenizer, config.chat),
             "keep_special_tokens": config.keep_special_tokens,
+            "exact": config.exact,
+            "near_tie_gap": config.near_tie_gap,
         },
         "prompts": [p.record.to_dict() | {"prompt_tokens": len(p.ids)} for p in prompts],
         "noise": {str(b): n for b, n in noise.items()},
@@ -498,12 +553,21 @@ def replace_tokens(prompt: Encoded, max_new_tokens: int) -> Encoded:
 
 
 def _cell_record(
-    name, spec, size, adaptive, batch, prompts, run, tokenizer, config, baseline
+    name, spec, size, adaptive, batch, prompts, run, tokenizer, config, baseline, model
 ) -> dict:
-    """The report entry of one cell; `baseline`: its paired plain run."""
+    """The report entry of one cell; `baseline`: its paired plain run; `model`: the target
+    (for the logit gaps of divergences)."""
     metrics = cell_metrics(run, len(prompts), config.price_per_hour)
     base_metrics = cell_metrics(baseline, len(prompts), config.price_per_hour)
-    q = quality(prompts, run, baseline, tokenizer, config.keep_special_tokens)
+    q = quality(
+        prompts,
+        run,
+        baseline,
+        tokenizer,
+        config.keep_special_tokens,
+        model=model,
+        near_tie_gap=config.near_tie_gap,
+    )
     metrics["quality_regressions"] = q["quality_regressions"]
     splits = split_metrics(prompts, run, baseline)
     base_rate = base_metrics["tokens_per_second"]
