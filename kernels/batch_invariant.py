@@ -50,7 +50,10 @@ def row_tiled(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> to
         padded = rows.new_zeros(tiles * ROW_TILE, rows.shape[1])
         padded[:count] = rows
         rows = padded
-    out = torch.cat([fn(rows[t * ROW_TILE : (t + 1) * ROW_TILE]) for t in range(tiles)])
+    if tiles == 1:
+        out = fn(rows)
+    else:
+        out = torch.cat([fn(rows[t * ROW_TILE : (t + 1) * ROW_TILE]) for t in range(tiles)])
     return out[:count].reshape(*x.shape[:-1], out.shape[-1])
 
 
@@ -66,6 +69,29 @@ def linear_exact(
         out = matmul_fixed_tile(rows, weight, bias)
         return out.reshape(*x.shape[:-1], weight.shape[0])
     return row_tiled(lambda tile: F.linear(tile, weight, bias), x)
+
+
+def _key_blocks(cache: torch.Tensor, first_slots: torch.Tensor | None, block: int, span: int):
+    """Block `block` of each row's keys (or values), fp32.
+
+    `first_slots` None: every row's keys are the slots from 0 (causal steps without a window),
+    so a block is one slice shared by a sequence's rows: `[B, 1, Hkv, KEY_BLOCK, D]`. Else the
+    int64 `[blocks, B, N, KEY_BLOCK]` slot of each row's dense keys: `[B, N, Hkv, KEY_BLOCK, D]`.
+    """
+    batch, num_kv_heads, capacity, head_dim = cache.shape
+    if first_slots is None:
+        start = block * KEY_BLOCK
+        keys = cache[:, None, :, start : min(start + KEY_BLOCK, span)]
+        keys = keys.to(torch.float32, memory_format=torch.contiguous_format)
+        return F.pad(keys, (0, 0, 0, KEY_BLOCK - keys.shape[3]))
+    slots = first_slots[block]  # [B, N, KEY_BLOCK]
+    rows = (
+        torch.arange(batch, device=cache.device)[:, None, None, None] * num_kv_heads
+        + torch.arange(num_kv_heads, device=cache.device)[None, None, :, None]
+    ) * capacity + slots[:, :, None, :]
+    flat = cache.reshape(batch * num_kv_heads * capacity, head_dim)
+    gathered = flat.index_select(0, rows.flatten()).view(*rows.shape, head_dim)
+    return gathered.float()
 
 
 def tree_attention_exact(
@@ -92,33 +118,32 @@ def tree_attention_exact(
     if q.numel() == 0:
         return torch.empty_like(q, memory_format=torch.contiguous_format)
     device = q.device
-    span = min(int(cache_lens.max()) + num_new, capacity)
     if window is not None and window >= capacity:
         window = None
-    visible = key_visibility(cache_lens, tree_mask, q_lens, num_new, span, window, q_depths)
-    counts = visible.sum(dim=-1)  # [B, N]
+    span = min(int(cache_lens.max()) + num_new, capacity)
+    gathered = tree_mask is not None or window is not None
+    if gathered:
+        visible = key_visibility(cache_lens, tree_mask, q_lens, num_new, span, window, q_depths)
+        counts = visible.sum(dim=-1)  # [B, N]
+    else:
+        # Causal: row i sees slots [0, cache_lens[b] + i], unless it is padding.
+        row = torch.arange(num_new, device=device)
+        counts = cache_lens.long()[:, None] + row + 1
+        if q_lens is not None:
+            counts = torch.where(row < q_lens.long()[:, None], counts, 0)
     blocks = max(1, -(-int(counts.max()) // KEY_BLOCK))
     width = blocks * KEY_BLOCK
-    # Each row's visible slots first, in slot order; then anything (masked below).
-    order = torch.sort((~visible).to(torch.int8), dim=-1, stable=True).indices
-    if width > span:
-        order = F.pad(order, (0, width - span))
-    slots = order[..., :width].reshape(batch, num_new, blocks, KEY_BLOCK)
-    slots = slots.permute(2, 0, 1, 3)[:, :, :, None, :]  # [blocks, B, N, 1, KEY_BLOCK]
-    valid = (torch.arange(width, device=device) < counts[..., None]).reshape(
-        batch, num_new, blocks, KEY_BLOCK
-    )
-    valid = valid.permute(2, 0, 1, 3)[:, :, :, None, None, :]  # [blocks, B, N, 1, 1, KEY_BLOCK]
-    seq = torch.arange(batch, device=device)[None, :, None, None, None]
-    head = torch.arange(num_kv_heads, device=device)[None, None, None, :, None]
-    # Gathered fresh and contiguous: [blocks, B, N, Hkv, KEY_BLOCK, D], V with D before the keys.
-    keys = k_cache[seq, head, slots]
-    values = v_cache[
-        seq[..., None],
-        head[..., None],
-        slots[..., None, :],
-        torch.arange(head_dim, device=device)[:, None],
-    ]
+    key_index = torch.arange(width, device=device)
+    # Row (b, i)'s dense key j is valid below its count; its slot, j itself when every row's
+    # keys start at slot 0 in order (causal, no window), else its j-th visible slot.
+    valid = key_index < counts[..., None]  # [B, N, width]
+    first_slots = None
+    if gathered:
+        order = torch.sort((~visible).to(torch.int8), dim=-1, stable=True).indices
+        order = F.pad(order, (0, max(0, width - span)))[..., :width]
+        first_slots = order.reshape(batch, num_new, blocks, KEY_BLOCK).permute(2, 0, 1, 3)
+    # Slots past a sequence's new tokens may hold anything (NaN): values there become 0.
+    written = (cache_lens.long() + num_new)[:, None, None, None, None]
     queries = (
         q.reshape(batch, num_kv_heads, group, num_new, head_dim)
         .permute(0, 3, 1, 2, 4)[:, :, :, :, None, :]
@@ -128,19 +153,27 @@ def tree_attention_exact(
     total = torch.zeros_like(best)
     acc = torch.zeros(batch, num_new, num_kv_heads, group, head_dim, device=device)
     for block in range(blocks):
-        block_keys = keys[block].float()[:, :, :, None]  # [B, N, Hkv, 1, KEY_BLOCK, D]
-        scores = (queries * block_keys).sum(dim=-1) * scale  # [B, N, Hkv, G, KEY_BLOCK]
+        block_valid = valid[:, :, None, None, block * KEY_BLOCK : (block + 1) * KEY_BLOCK]
+        keys = _key_blocks(k_cache, first_slots, block, span)[:, :, :, None]
+        scores = (queries * keys).sum(dim=-1) * scale  # [B, N, Hkv, G, KEY_BLOCK]
         if softcap is not None:
             scores = softcap * torch.tanh(scores / softcap)
-        scores = scores.masked_fill(~valid[block], float("-inf"))
+        scores = scores.masked_fill(~block_valid, float("-inf"))
         new_best = torch.maximum(best, scores.amax(dim=-1))
         # Rows with no key yet keep -inf; their weights are then taken against 0.
         reference = torch.where(torch.isinf(new_best), 0.0, new_best)
         weights = torch.exp(scores - reference[..., None])
         rescale = torch.exp(best - reference)
         total = total * rescale + weights.sum(dim=-1)
-        block_values = values[block].float().masked_fill(~valid[block], 0.0)
-        mixed = (weights[..., None, :] * block_values[:, :, :, None]).sum(dim=-1)
+        values = _key_blocks(v_cache, first_slots, block, span)
+        if first_slots is None:
+            slots = block * KEY_BLOCK + torch.arange(KEY_BLOCK, device=device)[:, None]
+            values = values.masked_fill(slots >= written, 0.0)
+        else:
+            values = values.masked_fill(~block_valid[:, :, :, 0, :, None], 0.0)
+        # [B, N', Hkv, 1, D, KEY_BLOCK]: the block's keys innermost, summed in a fixed order.
+        values = values.transpose(-1, -2).contiguous()[:, :, :, None]
+        mixed = (weights[..., None, :] * values).sum(dim=-1)
         acc = acc * rescale[..., None] + mixed
         best = new_best
     out = torch.where(counts[:, :, None, None, None] > 0, acc / total[..., None], 0.0)
