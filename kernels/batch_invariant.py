@@ -28,6 +28,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+from .matmul import matmul_fixed_tile
 from .reference.tree_attention import key_visibility
 
 ROW_TILE = 16
@@ -63,35 +64,22 @@ def linear_exact(
     """`F.linear(x, weight, bias)` (x `[..., K]`, weight `[N, K]`, bias `[N]` or None) with each
     output row independent of the other rows of `x`."""
     if x.is_cuda:
-        from .matmul import matmul_fixed_tile
-
         rows = x.reshape(-1, x.shape[-1])
         out = matmul_fixed_tile(rows, weight, bias)
         return out.reshape(*x.shape[:-1], weight.shape[0])
     return row_tiled(lambda tile: F.linear(tile, weight, bias), x)
 
 
-def _key_blocks(cache: torch.Tensor, first_slots: torch.Tensor | None, block: int, span: int):
-    """Block `block` of each row's keys (or values), fp32.
-
-    `first_slots` None: every row's keys are the slots from 0 (causal steps without a window),
-    so a block is one slice shared by a sequence's rows: `[B, 1, Hkv, KEY_BLOCK, D]`. Else the
-    int64 `[blocks, B, N, KEY_BLOCK]` slot of each row's dense keys: `[B, N, Hkv, KEY_BLOCK, D]`.
-    """
+def _gather_block(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """fp32 `[B, N, Hkv, KEY_BLOCK, D]`: the cache rows at `slots` (int64 `[B, N, KEY_BLOCK]`,
+    below the capacity) for every KV head, copied whole rows at a time."""
     batch, num_kv_heads, capacity, head_dim = cache.shape
-    if first_slots is None:
-        start = block * KEY_BLOCK
-        keys = cache[:, None, :, start : min(start + KEY_BLOCK, span)]
-        keys = keys.to(torch.float32, memory_format=torch.contiguous_format)
-        return F.pad(keys, (0, 0, 0, KEY_BLOCK - keys.shape[3]))
-    slots = first_slots[block]  # [B, N, KEY_BLOCK]
     rows = (
         torch.arange(batch, device=cache.device)[:, None, None, None] * num_kv_heads
         + torch.arange(num_kv_heads, device=cache.device)[None, None, :, None]
     ) * capacity + slots[:, :, None, :]
     flat = cache.reshape(batch * num_kv_heads * capacity, head_dim)
-    gathered = flat.index_select(0, rows.flatten()).view(*rows.shape, head_dim)
-    return gathered.float()
+    return flat.index_select(0, rows.flatten()).view(*rows.shape, head_dim).float()
 
 
 def tree_attention_exact(
@@ -121,41 +109,47 @@ def tree_attention_exact(
     if window is not None and window >= capacity:
         window = None
     span = min(int(cache_lens.max()) + num_new, capacity)
-    gathered = tree_mask is not None or window is not None
-    if gathered:
-        visible = key_visibility(cache_lens, tree_mask, q_lens, num_new, span, window, q_depths)
-        counts = visible.sum(dim=-1)  # [B, N]
-    else:
-        # Causal: row i sees slots [0, cache_lens[b] + i], unless it is padding.
+    if tree_mask is None and window is None:
+        # Causal: row i sees slots [0, cache_lens[b] + i] (none if it is padding), in order.
         row = torch.arange(num_new, device=device)
         counts = cache_lens.long()[:, None] + row + 1
         if q_lens is not None:
             counts = torch.where(row < q_lens.long()[:, None], counts, 0)
-    blocks = max(1, -(-int(counts.max()) // KEY_BLOCK))
-    width = blocks * KEY_BLOCK
-    key_index = torch.arange(width, device=device)
-    # Row (b, i)'s dense key j is valid below its count; its slot, j itself when every row's
-    # keys start at slot 0 in order (causal, no window), else its j-th visible slot.
-    valid = key_index < counts[..., None]  # [B, N, width]
-    first_slots = None
-    if gathered:
+        blocks = max(1, -(-int(counts.max()) // KEY_BLOCK))
+        order = torch.arange(blocks * KEY_BLOCK, device=device).clamp(max=capacity - 1)
+        order = order.expand(batch, num_new, -1)
+    else:
+        visible = key_visibility(cache_lens, tree_mask, q_lens, num_new, span, window, q_depths)
+        counts = visible.sum(dim=-1)
+        blocks = max(1, -(-int(counts.max()) // KEY_BLOCK))
+        # Each row's visible slots first, in slot order (the order a decode step sees them).
         order = torch.sort((~visible).to(torch.int8), dim=-1, stable=True).indices
-        order = F.pad(order, (0, max(0, width - span)))[..., :width]
-        first_slots = order.reshape(batch, num_new, blocks, KEY_BLOCK).permute(2, 0, 1, 3)
-    # Slots past a sequence's new tokens may hold anything (NaN): values there become 0.
-    written = (cache_lens.long() + num_new)[:, None, None, None, None]
+        order = F.pad(order, (0, max(0, blocks * KEY_BLOCK - span)))
+    # Row (b, i)'s j-th key is valid below its count; invalid ones may hold anything (NaN).
+    valid = torch.arange(blocks * KEY_BLOCK, device=device) < counts[..., None]  # [B, N, width]
+    items = batch * num_new * num_kv_heads
     queries = (
         q.reshape(batch, num_kv_heads, group, num_new, head_dim)
-        .permute(0, 3, 1, 2, 4)[:, :, :, :, None, :]
-        .to(torch.float32, memory_format=torch.contiguous_format)
-    )  # [B, N, Hkv, G, 1, D]
-    best = torch.full((batch, num_new, num_kv_heads, group), float("-inf"), device=device)
+        .permute(0, 3, 1, 2, 4)
+        .float()
+        .contiguous()
+        .view(items, group, head_dim)
+    )
+    best = torch.full((items, group), float("-inf"), device=device)
     total = torch.zeros_like(best)
-    acc = torch.zeros(batch, num_new, num_kv_heads, group, head_dim, device=device)
+    acc = torch.zeros(items, group, head_dim, device=device)
     for block in range(blocks):
-        block_valid = valid[:, :, None, None, block * KEY_BLOCK : (block + 1) * KEY_BLOCK]
-        keys = _key_blocks(k_cache, first_slots, block, span)[:, :, :, None]
-        scores = (queries * keys).sum(dim=-1) * scale  # [B, N, Hkv, G, KEY_BLOCK]
+        keys_in = slice(block * KEY_BLOCK, (block + 1) * KEY_BLOCK)
+        block_valid = valid[:, :, None, keys_in].expand(batch, num_new, num_kv_heads, KEY_BLOCK)
+        block_valid = block_valid.reshape(items, 1, KEY_BLOCK)
+        slots = order[:, :, keys_in]
+        keys = _gather_block(k_cache, slots).view(items, KEY_BLOCK, head_dim)
+        values = _gather_block(v_cache, slots).view(items, KEY_BLOCK, head_dim)
+        values = values.masked_fill(~block_valid.transpose(1, 2), 0.0)
+        # Every batched product is one GEMM of a fixed shape per (row, KV head): [G, D] x
+        # [D, KEY_BLOCK], then [G, KEY_BLOCK] x [KEY_BLOCK, D]; a batched GEMM computes each
+        # item alone, as the same GEMM whatever the number of items (tested).
+        scores = torch.bmm(queries, keys.transpose(1, 2)) * scale  # [items, G, KEY_BLOCK]
         if softcap is not None:
             scores = softcap * torch.tanh(scores / softcap)
         scores = scores.masked_fill(~block_valid, float("-inf"))
@@ -165,20 +159,7 @@ def tree_attention_exact(
         weights = torch.exp(scores - reference[..., None])
         rescale = torch.exp(best - reference)
         total = total * rescale + weights.sum(dim=-1)
-        values = _key_blocks(v_cache, first_slots, block, span)
-        if first_slots is None:
-            slots = block * KEY_BLOCK + torch.arange(KEY_BLOCK, device=device)[:, None]
-            values = values.masked_fill(slots >= written, 0.0)
-        else:
-            values = values.masked_fill(~block_valid[:, :, :, 0, :, None], 0.0)
-        # [B, N', Hkv, 1, D, KEY_BLOCK]: the block's keys innermost, summed in a fixed order.
-        values = values.transpose(-1, -2).contiguous()[:, :, :, None]
-        mixed = (weights[..., None, :] * values).sum(dim=-1)
-        acc = acc * rescale[..., None] + mixed
+        acc = acc * rescale[..., None] + torch.bmm(weights, values)
         best = new_best
-    out = torch.where(counts[:, :, None, None, None] > 0, acc / total[..., None], 0.0)
-    return (
-        out.reshape(batch, num_new, num_q_heads, head_dim)
-        .transpose(1, 2)
-        .to(q.dtype, memory_format=torch.contiguous_format)
-    )
+    out = torch.where(total[..., None] > 0, acc / total[..., None], 0.0)
+    return out.view(batch, num_new, num_q_heads, head_dim).transpose(1, 2).to(q.dtype).contiguous()

@@ -1,4 +1,4 @@
-"""The three kernels as `torch.library` custom ops, namespace `specdec_fast`, with fake kernels.
+"""The kernels as `torch.library` custom ops, namespace `specdec_fast`, with fake kernels.
 
 `torch.compile` (fullgraph) and CUDA graph capture hold them as single opaque calls: the fake
 implementations give output shapes without running anything, the real ones dispatch to the
@@ -13,6 +13,8 @@ both run the same code.
                                   top_p, top_p_value, seed, seed_value)
                                   -> (accepted_nodes, num_accepted, next_tokens)
     torch.ops.specdec_fast.kv_compact(kv, cache_lens, accepted_nodes, num_accepted) -> None
+    torch.ops.specdec_fast.linear_exact(x, weight, bias) -> out     (exact mode's linear layers:
+        the fixed-tile Triton matmul on CUDA, fixed row tiles on the CPU; `batch_invariant.py`)
 
 Arguments are those of the public functions after validation: the tree mask packed, the scale a
 float, and each sampling parameter as a `[B]` tensor or None plus the scalar used when it is None.
@@ -20,6 +22,7 @@ float, and each sampling parameter as a `[B]` tensor or None plus the scalar use
 
 import torch
 
+from .batch_invariant import linear_exact
 from .kv_compact import run_kv_compact
 from .tree_attention import run_tree_attention
 from .verify import SamplingParams, run_verify
@@ -41,6 +44,7 @@ SCHEMAS = {
         "kv_compact(Tensor(a!) kv, Tensor(b!) cache_lens, Tensor accepted_nodes, "
         "Tensor num_accepted) -> ()"
     ),
+    "linear_exact": "linear_exact(Tensor x, Tensor weight, Tensor? bias) -> Tensor",
 }
 
 
@@ -97,10 +101,15 @@ def kv_compact_fake(kv, cache_lens, accepted_nodes, num_accepted) -> None:
     return None
 
 
+def linear_exact_fake(x, weight, bias):
+    return x.new_empty((*x.shape[:-1], weight.shape[0]))
+
+
 IMPLEMENTATIONS = {
     "tree_attention": (tree_attention_impl, tree_attention_fake),
     "verify": (verify_impl, verify_fake),
     "kv_compact": (kv_compact_impl, kv_compact_fake),
+    "linear_exact": (linear_exact, linear_exact_fake),
 }
 
 

@@ -4,8 +4,9 @@ In exact mode (`generate(..., exact=True)`) every target forward computes each t
 in an order that depends on neither the number of tokens in the call nor the batch, so
 speculative output equals plain output of the same mode bit for bit, for every drafter:
 
-- every `nn.Linear` (projections, MLP, `lm_head`) runs `linear_exact`: fixed row tiles on the
-  CPU, a one-tile-shape Triton matmul without split-K on CUDA;
+- every `nn.Linear` (projections, MLP, `lm_head`) runs the custom op
+  `specdec_fast::linear_exact` (registered with `torch.library`): fixed row tiles on the CPU, a
+  one-tile-shape Triton matmul without split-K on CUDA;
 - norms (`*RMSNorm`, `nn.LayerNorm`) and MLP blocks (`*MLP`) run on fixed row tiles
   (`row_tiled`), so their reductions over the hidden size and their elementwise kernels see one
   shape in every call;
@@ -27,10 +28,11 @@ import functools
 import threading
 import weakref
 
+import torch
 from torch import nn
 from transformers import PreTrainedModel
 
-from specdec_fast.kernels.batch_invariant import linear_exact, row_tiled
+from specdec_fast.kernels.batch_invariant import row_tiled
 
 ROW_WISE_SUFFIXES = ("RMSNorm", "MLP")
 EXPERT_MARKERS = ("moe", "expert")
@@ -39,7 +41,7 @@ _LOCK = threading.Lock()
 
 
 def _exact_linear_forward(module: nn.Linear, x):
-    return linear_exact(x, module.weight, module.bias)
+    return torch.ops.specdec_fast.linear_exact(x, module.weight, module.bias)
 
 
 def _row_tiled_forward(forward, x, *args, **kwargs):
