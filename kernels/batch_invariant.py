@@ -24,10 +24,12 @@ speculative output equals plain output bit for bit.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
+from .fused.tree_attention import _plan_key, _same_key
 from .matmul import matmul_fixed_tile
 from .reference.tree_attention import key_visibility
 
@@ -48,9 +50,7 @@ def row_tiled(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> to
     tiles = max(1, -(-count // ROW_TILE))
     # Tile t starts t * ROW_TILE * K elements into an aligned buffer, aligned too for even K.
     if count != tiles * ROW_TILE or not _aligned(rows) or rows.shape[1] % 2:
-        padded = rows.new_zeros(tiles * ROW_TILE, rows.shape[1])
-        padded[:count] = rows
-        rows = padded
+        rows = F.pad(rows, (0, 0, 0, tiles * ROW_TILE - count))
     if tiles == 1:
         out = fn(rows)
     else:
@@ -70,16 +70,70 @@ def linear_exact(
     return row_tiled(lambda tile: F.linear(tile, weight, bias), x)
 
 
-def _gather_block(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-    """fp32 `[B, N, Hkv, KEY_BLOCK, D]`: the cache rows at `slots` (int64 `[B, N, KEY_BLOCK]`,
-    below the capacity) for every KV head, copied whole rows at a time."""
-    batch, num_kv_heads, capacity, head_dim = cache.shape
-    rows = (
-        torch.arange(batch, device=cache.device)[:, None, None, None] * num_kv_heads
-        + torch.arange(num_kv_heads, device=cache.device)[None, None, :, None]
-    ) * capacity + slots[:, :, None, :]
-    flat = cache.reshape(batch * num_kv_heads * capacity, head_dim)
-    return flat.index_select(0, rows.flatten()).view(*rows.shape, head_dim).float()
+@dataclass(frozen=True)
+class _Plan:
+    """What one step's exact attention needs besides q, K and V, the same for every layer.
+
+    rows: per key block, int64 `[B * N * Hkv * KEY_BLOCK]`, the rows of the cache viewed as
+        `[B * Hkv * Lmax, D]` that hold each (row, KV head)'s keys of that block, in order.
+    valid: per key block, bool `[B * N * Hkv, 1, KEY_BLOCK]`, which of them the row sees.
+    """
+
+    rows: tuple[torch.Tensor, ...]
+    valid: tuple[torch.Tensor, ...]
+
+
+def _make_plan(cache_lens, tree_mask, q_lens, num_new, num_kv_heads, capacity, window, q_depths):
+    batch = cache_lens.shape[0]
+    device = cache_lens.device
+    if tree_mask is None and window is None:
+        # Causal: row i sees slots [0, cache_lens[b] + i] (none if it is padding), in order.
+        row = torch.arange(num_new, device=device)
+        counts = cache_lens.long()[:, None] + row + 1
+        if q_lens is not None:
+            counts = torch.where(row < q_lens.long()[:, None], counts, 0)
+        blocks = max(1, -(-int(counts.max()) // KEY_BLOCK))
+        order = torch.arange(blocks * KEY_BLOCK, device=device).clamp(max=capacity - 1)
+        order = order.expand(batch, num_new, -1)
+    else:
+        span = min(int(cache_lens.max()) + num_new, capacity)
+        visible = key_visibility(cache_lens, tree_mask, q_lens, num_new, span, window, q_depths)
+        counts = visible.sum(dim=-1)
+        blocks = max(1, -(-int(counts.max()) // KEY_BLOCK))
+        # Each row's visible slots first, in slot order (the order a decode step sees them).
+        order = torch.sort((~visible).to(torch.int8), dim=-1, stable=True).indices
+        order = F.pad(order, (0, max(0, blocks * KEY_BLOCK - span)))
+    # Row (b, i)'s j-th key is valid below its count; invalid ones may hold anything (NaN).
+    valid = torch.arange(blocks * KEY_BLOCK, device=device) < counts[..., None]
+    valid = valid[:, :, None].expand(batch, num_new, num_kv_heads, -1)
+    heads = (
+        torch.arange(batch, device=device)[:, None, None, None] * num_kv_heads
+        + torch.arange(num_kv_heads, device=device)[None, None, :, None]
+    ) * capacity
+    rows, masks = [], []
+    for block in range(blocks):
+        keys_in = slice(block * KEY_BLOCK, (block + 1) * KEY_BLOCK)
+        rows.append((heads + order[:, :, None, keys_in]).flatten())
+        masks.append(valid[..., keys_in].reshape(-1, 1, KEY_BLOCK))
+    return _Plan(tuple(rows), tuple(masks))
+
+
+# The last plan and what it was made from (compared by value): a step's layers share it.
+_last_plan: tuple[tuple, _Plan] | None = None
+
+
+def _plan(cache_lens, tree_mask, q_lens, num_new, num_kv_heads, capacity, window, q_depths):
+    global _last_plan
+    lens = cache_lens.tolist()
+    scalars = (num_new, num_kv_heads, capacity, window, str(cache_lens.device))
+    last = _last_plan
+    if last is not None and _same_key(last[0], lens, tree_mask, q_lens, q_depths, scalars):
+        return last[1]
+    plan = _make_plan(
+        cache_lens, tree_mask, q_lens, num_new, num_kv_heads, capacity, window, q_depths
+    )
+    _last_plan = (_plan_key(lens, tree_mask, q_lens, q_depths, scalars), plan)
+    return plan
 
 
 def tree_attention_exact(
@@ -105,28 +159,9 @@ def tree_attention_exact(
     scale = head_dim**-0.5 if scale is None else scale
     if q.numel() == 0:
         return torch.empty_like(q, memory_format=torch.contiguous_format)
-    device = q.device
     if window is not None and window >= capacity:
         window = None
-    span = min(int(cache_lens.max()) + num_new, capacity)
-    if tree_mask is None and window is None:
-        # Causal: row i sees slots [0, cache_lens[b] + i] (none if it is padding), in order.
-        row = torch.arange(num_new, device=device)
-        counts = cache_lens.long()[:, None] + row + 1
-        if q_lens is not None:
-            counts = torch.where(row < q_lens.long()[:, None], counts, 0)
-        blocks = max(1, -(-int(counts.max()) // KEY_BLOCK))
-        order = torch.arange(blocks * KEY_BLOCK, device=device).clamp(max=capacity - 1)
-        order = order.expand(batch, num_new, -1)
-    else:
-        visible = key_visibility(cache_lens, tree_mask, q_lens, num_new, span, window, q_depths)
-        counts = visible.sum(dim=-1)
-        blocks = max(1, -(-int(counts.max()) // KEY_BLOCK))
-        # Each row's visible slots first, in slot order (the order a decode step sees them).
-        order = torch.sort((~visible).to(torch.int8), dim=-1, stable=True).indices
-        order = F.pad(order, (0, max(0, blocks * KEY_BLOCK - span)))
-    # Row (b, i)'s j-th key is valid below its count; invalid ones may hold anything (NaN).
-    valid = torch.arange(blocks * KEY_BLOCK, device=device) < counts[..., None]  # [B, N, width]
+    plan = _plan(cache_lens, tree_mask, q_lens, num_new, num_kv_heads, capacity, window, q_depths)
     items = batch * num_new * num_kv_heads
     queries = (
         q.reshape(batch, num_kv_heads, group, num_new, head_dim)
@@ -135,24 +170,22 @@ def tree_attention_exact(
         .contiguous()
         .view(items, group, head_dim)
     )
-    best = torch.full((items, group), float("-inf"), device=device)
+    keys_flat = k_cache.reshape(-1, head_dim)
+    values_flat = v_cache.reshape(-1, head_dim)
+    best = torch.full((items, group), float("-inf"), device=q.device)
     total = torch.zeros_like(best)
-    acc = torch.zeros(items, group, head_dim, device=device)
-    for block in range(blocks):
-        keys_in = slice(block * KEY_BLOCK, (block + 1) * KEY_BLOCK)
-        block_valid = valid[:, :, None, keys_in].expand(batch, num_new, num_kv_heads, KEY_BLOCK)
-        block_valid = block_valid.reshape(items, 1, KEY_BLOCK)
-        slots = order[:, :, keys_in]
-        keys = _gather_block(k_cache, slots).view(items, KEY_BLOCK, head_dim)
-        values = _gather_block(v_cache, slots).view(items, KEY_BLOCK, head_dim)
-        values = values.masked_fill(~block_valid.transpose(1, 2), 0.0)
+    acc = torch.zeros(items, group, head_dim, device=q.device)
+    for rows, valid in zip(plan.rows, plan.valid, strict=True):
+        keys = keys_flat.index_select(0, rows).view(items, KEY_BLOCK, head_dim).float()
+        values = values_flat.index_select(0, rows).view(items, KEY_BLOCK, head_dim).float()
+        values = values.masked_fill(~valid.transpose(1, 2), 0.0)
         # Every batched product is one GEMM of a fixed shape per (row, KV head): [G, D] x
         # [D, KEY_BLOCK], then [G, KEY_BLOCK] x [KEY_BLOCK, D]; a batched GEMM computes each
         # item alone, as the same GEMM whatever the number of items (tested).
         scores = torch.bmm(queries, keys.transpose(1, 2)) * scale  # [items, G, KEY_BLOCK]
         if softcap is not None:
             scores = softcap * torch.tanh(scores / softcap)
-        scores = scores.masked_fill(~block_valid, float("-inf"))
+        scores = scores.masked_fill(~valid, float("-inf"))
         new_best = torch.maximum(best, scores.amax(dim=-1))
         # Rows with no key yet keep -inf; their weights are then taken against 0.
         reference = torch.where(torch.isinf(new_best), 0.0, new_best)
