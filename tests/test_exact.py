@@ -186,3 +186,31 @@ def test_tree_attention_exact_rows_equal_decode_steps(dtype, window):
                 window=window,
             )
             assert torch.equal(decoded[0, :, 0], out[b, :, node]), (b, node)
+
+
+def test_tree_attention_exact_causal_rows_with_padding():
+    """A causal chunk with padded rows (`q_lens`), NaN past the written slots: live rows match
+    the reference and their own decode steps bit for bit, padding rows are zeros."""
+    torch.manual_seed(1)
+    batch, heads, kv_heads, head_dim, capacity, num_new = 3, 4, 2, 16, 150, 5
+    lens = torch.tensor([0, 70, 131], dtype=torch.int32)
+    q_lens = torch.tensor([5, 2, 3], dtype=torch.int32)
+    k = torch.randn(batch, kv_heads, capacity, head_dim, dtype=torch.bfloat16)
+    v = torch.randn(batch, kv_heads, capacity, head_dim, dtype=torch.bfloat16)
+    for b in range(batch):
+        k[b, :, int(lens[b]) + num_new :] = float("nan")
+        v[b, :, int(lens[b]) + num_new :] = float("nan")
+    q = torch.randn(batch, heads, num_new, head_dim, dtype=torch.bfloat16)
+    out = tree_attention_exact(q, k, v, lens, None, q_lens)
+    reference = tree_attention_reference(q, k, v, lens, None, q_lens)
+    torch.testing.assert_close(out.float(), reference.float(), atol=2e-2, rtol=2e-2)
+    for b in range(batch):
+        assert not out[b, :, int(q_lens[b]) :].any()
+        for row in range(int(q_lens[b])):
+            decoded = tree_attention_exact(
+                q[b : b + 1, :, row : row + 1].clone(),
+                k[b : b + 1],
+                v[b : b + 1],
+                torch.tensor([int(lens[b]) + row], dtype=torch.int32),
+            )
+            assert torch.equal(decoded[0, :, 0], out[b, :, row]), (b, row)
