@@ -24,6 +24,7 @@ import time
 from pathlib import Path
 
 import torch
+from bench_overhead import SMOLLM2_SHAPE
 from common import RESULTS_DIR, environment, write_results
 from transformers import AutoTokenizer, GenerationConfig, LlamaConfig, LlamaForCausalLM
 
@@ -37,15 +38,7 @@ from specdec_fast import (
 from specdec_fast.drafters.registry import bundled_specs
 from specdec_fast.loading import load_model
 
-SMOL_SHAPE = dict(
-    vocab_size=49152,
-    hidden_size=576,
-    intermediate_size=1536,
-    num_hidden_layers=30,
-    num_attention_heads=9,
-    num_key_value_heads=3,
-    head_dim=64,
-)
+SMOL_SHAPE = dict(SMOLLM2_SHAPE, vocab_size=49152)
 DRAFT_TREE = [(0,), (1,), (0, 0), (1, 0), (0, 1), (0, 0, 0)]
 BUNDLED, SMOL = "bundled tiny-code", "random SmolLM2-135M-shaped"
 # New tokens per prompt of the equality runs (the SmolLM2-shaped model is 30 layers deep).
