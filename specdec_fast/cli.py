@@ -264,13 +264,22 @@ def run_generate(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    # The command's compile choice travels through SPECDEC_COMPILE; an in-process caller (a test,
+    # a notebook) gets its environment back when the command returns.
+    saved = os.environ.get("SPECDEC_COMPILE")
     try:
+        _choose_compile(args)
         return _dispatch(args)
     except (ValueError, MissingExtra) as error:
         # Bad input (paths, specs, shapes) or a missing extra is reported as such, not as a
         # traceback.
         print(f"specdec-fast {args.command}: error: {error}", file=sys.stderr)
         return 2
+    finally:
+        if saved is None:
+            os.environ.pop("SPECDEC_COMPILE", None)
+        else:
+            os.environ["SPECDEC_COMPILE"] = saved
 
 
 def _choose_compile(args: argparse.Namespace) -> None:
@@ -286,7 +295,6 @@ def _choose_compile(args: argparse.Namespace) -> None:
 
 
 def _dispatch(args: argparse.Namespace) -> int:
-    _choose_compile(args)
     if args.command == "generate":
         return run_generate(args)
     if args.command == "demo":

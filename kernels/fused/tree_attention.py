@@ -10,6 +10,8 @@ Soft-capping, which SDPA cannot apply, runs explicit math in the cache's dtype w
 softmax, as HF's eager attention does.
 """
 
+from __future__ import annotations
+
 from dataclasses import dataclass
 
 import torch
@@ -62,19 +64,42 @@ def _visibility(
     return visible
 
 
+# Ragged batches up to this size attend row by row, each row over exactly its own span: no mask
+# for a decode step, and no slot a row does not see (so nothing to zero); beyond it one masked
+# call over the longest span beats a loop of small ones.
+PER_ROW_MAX_BATCH = 16
+
+
 @dataclass(frozen=True)
 class _Plan:
     """What one call's masking needs, the same for every layer of a step.
 
+    span: the slots read, `max(cache_lens) + N` (capped at the capacity).
     visible: bool `[B', 1, N, span]` (B' is 1 when every row agrees), None for a decode step
         at one shared length; rows that see nothing are let see everything (zeroed after).
     unread: bool `[B', 1, span, 1]`, slots no row sees (they may hold NaN), or None.
     empty: bool `[B', 1, N, 1]`, rows that see no key (padding), or None.
+    rows: for a ragged batch attended row by row, each row's own plan; else None.
     """
 
+    span: int
     visible: torch.Tensor | None
     unread: torch.Tensor | None
     empty: torch.Tensor | None
+    rows: tuple[_Plan, ...] | None = None
+
+
+def _mask_plan(span: int, visible: torch.Tensor | None) -> _Plan:
+    if visible is None:
+        return _Plan(span, None, None, None)
+    unread = ~visible.any(dim=1)[:, None, :, None]
+    empty = ~visible.any(dim=-1, keepdim=True)[:, None]
+    return _Plan(
+        span,
+        (visible[:, None] | empty),
+        unread if bool(unread.any()) else None,
+        empty if bool(empty.any()) else None,
+    )
 
 
 # The last plan and copies of what it was made from. A step's layers pass the same metadata
@@ -105,55 +130,46 @@ def _same_key(key: tuple, lens, tree_mask, q_lens, q_depths, scalars) -> bool:
     return True
 
 
-def _plan(cache_lens, lens, tree_mask, q_lens, num_new, span, window, q_depths) -> _Plan:
+def _make_plan(cache_lens, lens, tree_mask, q_lens, num_new, capacity, window, q_depths):
+    span = min(max(lens) + num_new, capacity)
+    ragged = min(lens) != max(lens)
+    if not ragged or q_lens is not None or len(lens) > PER_ROW_MAX_BATCH:
+        visible = _visibility(cache_lens, lens, tree_mask, q_lens, num_new, span, window, q_depths)
+        return _mask_plan(span, visible)
+    rows = []
+    for b, length in enumerate(lens):
+        row_span = min(length + num_new, capacity)
+        visible = _visibility(
+            cache_lens[b : b + 1],
+            [length],
+            None if tree_mask is None else tree_mask[b : b + 1],
+            None,
+            num_new,
+            row_span,
+            window,
+            None if q_depths is None else q_depths[b : b + 1],
+        )
+        rows.append(_mask_plan(row_span, visible))
+    return _Plan(span, None, None, None, tuple(rows))
+
+
+def _plan(cache_lens, lens, tree_mask, q_lens, num_new, capacity, window, q_depths) -> _Plan:
     global _last_plan
-    scalars = (num_new, span, window, str(cache_lens.device))
+    scalars = (num_new, capacity, window, str(cache_lens.device))
     last = _last_plan
     if last is not None and _same_key(last[0], lens, tree_mask, q_lens, q_depths, scalars):
         return last[1]
-    visible = _visibility(cache_lens, lens, tree_mask, q_lens, num_new, span, window, q_depths)
-    if visible is None:
-        plan = _Plan(None, None, None)
-    else:
-        unread = ~visible.any(dim=1)[:, None, :, None]
-        empty = ~visible.any(dim=-1, keepdim=True)[:, None]
-        plan = _Plan(
-            (visible[:, None] | empty),
-            unread if bool(unread.any()) else None,
-            empty if bool(empty.any()) else None,
-        )
+    plan = _make_plan(cache_lens, lens, tree_mask, q_lens, num_new, capacity, window, q_depths)
     _last_plan = (_plan_key(lens, tree_mask, q_lens, q_depths, scalars), plan)
     return plan
 
 
-def tree_attention_fused(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    cache_lens: torch.Tensor,
-    tree_mask: torch.Tensor | None = None,
-    q_lens: torch.Tensor | None = None,
-    scale: float | None = None,
-    *,
-    softcap: float | None = None,
-    window: int | None = None,
-    q_depths: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """`tree_attention` (same arguments, same semantics) on validated arguments.
-
-    `tree_mask` is None or packed int32 `[B, N, ceil(N/32)]`. Returns `[B, Hq, N, D]` in the dtype
-    of q; rows that see no key (padding rows) are zeros.
-    """
+def _attend(q, k_cache, v_cache, plan: _Plan, scale: float, softcap: float | None):
+    """Attention of `q` `[B, Hq, N, D]` over the first `plan.span` slots under `plan`'s mask."""
     batch, num_q_heads, num_new, head_dim = q.shape
     num_kv_heads = k_cache.shape[1]
     group = num_q_heads // num_kv_heads
-    scale = head_dim**-0.5 if scale is None else scale
-    if q.numel() == 0:
-        return torch.empty_like(q, memory_format=torch.contiguous_format)
-    lens = cache_lens.tolist()
-    span = min(max(lens) + num_new, k_cache.shape[2])
-    keys, values = k_cache[:, :, :span], v_cache[:, :, :span]
-    plan = _plan(cache_lens, lens, tree_mask, q_lens, num_new, span, window, q_depths)
+    keys, values = k_cache[:, :, : plan.span], v_cache[:, :, : plan.span]
     if plan.visible is None and softcap is None:
         # Query head h = kv * group + g reads KV head kv: as rows g * N + i of that KV head,
         # SDPA reads each K/V once per KV head.
@@ -162,8 +178,8 @@ def tree_attention_fused(
         return out.view(batch, num_q_heads, num_new, head_dim)
     if plan.unread is not None:
         # Slots that no row sees (past a shorter row's tokens, below every window) may hold
-        # anything, NaN included, and SDPA would still multiply them: zero them (a copy only for
-        # ragged rows; a batch-1 tree sees every slot of its span).
+        # anything, NaN included, and SDPA would still multiply them: zero them (a copy; a
+        # batch-1 tree, or a ragged batch attended row by row, sees every slot of its span).
         keys, values = keys.masked_fill(plan.unread, 0.0), values.masked_fill(plan.unread, 0.0)
     if plan.empty is not None:
         # Padding rows may hold anything too, and blocked matmuls do not always keep a NaN row
@@ -185,3 +201,37 @@ def tree_attention_fused(
     if plan.empty is not None:
         out = out.masked_fill(plan.empty, 0.0)
     return out
+
+
+def tree_attention_fused(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    cache_lens: torch.Tensor,
+    tree_mask: torch.Tensor | None = None,
+    q_lens: torch.Tensor | None = None,
+    scale: float | None = None,
+    *,
+    softcap: float | None = None,
+    window: int | None = None,
+    q_depths: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """`tree_attention` (same arguments, same semantics) on validated arguments.
+
+    `tree_mask` is None or packed int32 `[B, N, ceil(N/32)]`. Returns `[B, Hq, N, D]` in the dtype
+    of q; rows that see no key (padding rows) are zeros.
+    """
+    num_new, head_dim = q.shape[2], q.shape[3]
+    scale = head_dim**-0.5 if scale is None else scale
+    if q.numel() == 0:
+        return torch.empty_like(q, memory_format=torch.contiguous_format)
+    lens = cache_lens.tolist()
+    plan = _plan(cache_lens, lens, tree_mask, q_lens, num_new, k_cache.shape[2], window, q_depths)
+    if plan.rows is None:
+        return _attend(q, k_cache, v_cache, plan, scale, softcap)
+    return torch.cat(
+        [
+            _attend(q[b : b + 1], k_cache[b : b + 1], v_cache[b : b + 1], row, scale, softcap)
+            for b, row in enumerate(plan.rows)
+        ]
+    )
