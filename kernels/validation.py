@@ -6,7 +6,7 @@ the host; `values_checkable` says when reading them is allowed.
 """
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -139,3 +139,94 @@ def describe_draft_probs(draft_probs: torch.Tensor, b: int, i: int) -> str:
         f"{int(torch.isnan(row).sum())} NaN, {int((row < 0).sum())} negative, sum "
         f"{float(row.nan_to_num(0.0).sum()):.6g}"
     )
+
+
+def _first_node(bad_nodes: torch.Tensor, b: int) -> int:
+    return int(bad_nodes[b].nonzero()[0, 0])
+
+
+def tree_problems(
+    draft_tokens: torch.Tensor,
+    parents: torch.Tensor,
+    vocab: int,
+    draft_probs: torch.Tensor | None = None,
+) -> list[tuple[torch.Tensor, Callable[[int], str]]]:
+    """The rules a batch of draft trees must obey (the form `verify` takes), each as
+    `(bad, describe)`: `bad` bool `[B]` computed on the device, `describe(b)` the message for
+    sequence b (it reads values; call it only on failure). Rules: node 0 is the root (parent
+    -1); every other node is padding (-2) or has an existing parent of lower index; existing
+    nodes' tokens lie in `[0, vocab)`; with `draft_probs` `[B, N, V]`, trees are chains and the
+    rows of existing nodes after the root are distributions (`DRAFT_PROBS_RULE`)."""
+    num_nodes = parents.shape[1]
+    node = torch.arange(num_nodes, device=parents.device)
+    parent = parents.long()
+    token = draft_tokens.long()
+    later = (parent != -2) & (node >= 1)
+    parent_exists = (parent != -2).gather(1, parent.clamp(0, num_nodes - 1))
+    not_topological = later & ((parent < 0) | (parent >= node))
+    padded_parent = later & ~not_topological & ~parent_exists
+    out_of_vocab = later & ((token < 0) | (token >= vocab))
+
+    def parent_at(b: int, i: int) -> int:
+        return int(parents[b, i])
+
+    problems = [
+        (
+            parent[:, 0] != -1,
+            lambda b: (
+                f"parents[{b}, 0] = {parent_at(b, 0)}: the root must be node 0, with parent -1"
+            ),
+        ),
+        (
+            not_topological.any(dim=1),
+            lambda b: (
+                f"parents[{b}, {(i := _first_node(not_topological, b))}] = {parent_at(b, i)}: "
+                f"expected -2 (padding) or a parent in [0, {i}) (topological order, one root)"
+            ),
+        ),
+        (
+            padded_parent.any(dim=1),
+            lambda b: (
+                f"parents[{b}, {(i := _first_node(padded_parent, b))}] = {parent_at(b, i)}: "
+                f"that parent is a padded node (parent -2)"
+            ),
+        ),
+        (
+            out_of_vocab.any(dim=1),
+            lambda b: (
+                f"draft_tokens[{b}, {(i := _first_node(out_of_vocab, b))}] = "
+                f"{int(draft_tokens[b, i])} is outside the vocabulary [0, {vocab})"
+            ),
+        ),
+    ]
+    if draft_probs is not None:
+        not_chain = later & (parent != node - 1)
+        problems.append(
+            (
+                not_chain.any(dim=1),
+                lambda b: (
+                    f"draft_probs: only chains take draft probabilities, but sequence {b} has "
+                    f"parents[{b}, {(i := _first_node(not_chain, b))}] = {parent_at(b, i)} "
+                    f"(a chain has {i - 1})"
+                ),
+            )
+        )
+        not_distribution = later & draft_probs_invalid(draft_probs)
+        problems.append(
+            (
+                not_distribution.any(dim=1),
+                lambda b: describe_draft_probs(draft_probs, b, _first_node(not_distribution, b)),
+            )
+        )
+    return problems
+
+
+def raise_first_problem(problems: list[tuple[torch.Tensor, Callable[[int], str]]]) -> None:
+    """Read every `(bad, describe)` flag of `problems` in one host read; raise ValueError with
+    the first rule's message for its first failing sequence."""
+    if not problems:
+        return
+    flags = torch.stack([bad for bad, _ in problems]).cpu()
+    for (_, describe), bad in zip(problems, flags, strict=True):
+        if bool(bad.any()):
+            raise ValueError(describe(int(bad.nonzero()[0, 0])))

@@ -31,9 +31,9 @@ from .validation import (
     SAMPLING_RULES,
     check_sampling_scalar,
     check_tensor,
-    describe_draft_probs,
-    draft_probs_invalid,
+    raise_first_problem,
     sampling_values_valid,
+    tree_problems,
     values_checkable,
 )
 
@@ -154,73 +154,9 @@ def _check_shapes(logits, draft_tokens, parents, draft_probs) -> None:
         )
 
 
-def _first_node(bad_nodes: torch.Tensor, b: int) -> int:
-    return int(bad_nodes[b].nonzero()[0, 0])
-
-
 def _check_values(logits, draft_tokens, parents, draft_probs, params: SamplingParams) -> None:
     """Checks that read the trees and parameter tensors: one host read, more to word an error."""
-    batch, num_nodes, vocab = logits.shape
-    node = torch.arange(num_nodes, device=logits.device)
-    parent = parents.long()
-    token = draft_tokens.long()
-    later = (parent != -2) & (node >= 1)
-    parent_exists = (parent != -2).gather(1, parent.clamp(0, num_nodes - 1))
-    not_topological = later & ((parent < 0) | (parent >= node))
-    padded_parent = later & ~not_topological & ~parent_exists
-    out_of_vocab = later & ((token < 0) | (token >= vocab))
-
-    def parent_at(b: int, i: int) -> int:
-        return int(parents[b, i])
-
-    problems = [
-        (
-            parent[:, 0] != -1,
-            lambda b: (
-                f"parents[{b}, 0] = {parent_at(b, 0)}: the root must be node 0, with parent -1"
-            ),
-        ),
-        (
-            not_topological.any(dim=1),
-            lambda b: (
-                f"parents[{b}, {(i := _first_node(not_topological, b))}] = {parent_at(b, i)}: "
-                f"expected -2 (padding) or a parent in [0, {i}) (topological order, one root)"
-            ),
-        ),
-        (
-            padded_parent.any(dim=1),
-            lambda b: (
-                f"parents[{b}, {(i := _first_node(padded_parent, b))}] = {parent_at(b, i)}: "
-                f"that parent is a padded node (parent -2)"
-            ),
-        ),
-        (
-            out_of_vocab.any(dim=1),
-            lambda b: (
-                f"draft_tokens[{b}, {(i := _first_node(out_of_vocab, b))}] = "
-                f"{int(draft_tokens[b, i])} is outside the vocabulary [0, {vocab})"
-            ),
-        ),
-    ]
-    if draft_probs is not None:
-        not_chain = later & (parent != node - 1)
-        problems.append(
-            (
-                not_chain.any(dim=1),
-                lambda b: (
-                    f"draft_probs: only chains take draft probabilities, but sequence {b} has "
-                    f"parents[{b}, {(i := _first_node(not_chain, b))}] = {parent_at(b, i)} "
-                    f"(a chain has {i - 1})"
-                ),
-            )
-        )
-        not_distribution = later & draft_probs_invalid(draft_probs)
-        problems.append(
-            (
-                not_distribution.any(dim=1),
-                lambda b: describe_draft_probs(draft_probs, b, _first_node(not_distribution, b)),
-            )
-        )
+    problems = tree_problems(draft_tokens, parents, logits.shape[2], draft_probs)
     for name in SAMPLING_RULES:
         values = getattr(params, name)
         if isinstance(values, torch.Tensor):
@@ -232,10 +168,7 @@ def _check_values(logits, draft_tokens, parents, draft_probs, params: SamplingPa
                     ),
                 )
             )
-    flags = torch.stack([bad for bad, _ in problems]).cpu()
-    for (_, describe), bad in zip(problems, flags, strict=True):
-        if bool(bad.any()):
-            raise ValueError(describe(int(bad.nonzero()[0, 0])))
+    raise_first_problem(problems)
 
 
 def _raise_for_invalid_rows(logits: torch.Tensor, parents: torch.Tensor) -> None:
