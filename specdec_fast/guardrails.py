@@ -39,6 +39,7 @@ from pathlib import Path
 
 from specdec_fast.drafters.base import Drafter, DraftState, Proposal, StepOutcome, root_only
 from specdec_fast.drafters.checks import check_form, malformed_error, screen, screens_values
+from specdec_fast.files import FileFormatError, parse_yaml
 from specdec_fast.stats import percentile
 from specdec_fast.wrapping import WrappedDrafter
 
@@ -283,13 +284,20 @@ class Guardrails:
 
     @classmethod
     def from_yaml(cls, source: str | Path) -> Guardrails:
-        """From a YAML file path, or YAML text (anything holding a newline or a colon)."""
-        import yaml
-
-        text = str(source)
+        """From a YAML file path, or YAML text (anything holding a newline or a colon). Errors
+        (`FileFormatError`) name the file, and the line of a YAML syntax error."""
+        text, origin = str(source), "guardrails YAML"
         if isinstance(source, Path) or ("\n" not in text and ":" not in text):
-            text = Path(source).read_text()
-        return cls.from_mapping(yaml.safe_load(text))
+            origin = str(source)
+            try:
+                text = Path(source).read_text()
+            except (OSError, UnicodeDecodeError) as error:
+                raise FileFormatError(f"{origin}: cannot read it: {error}") from None
+        document = parse_yaml(text, origin)
+        try:
+            return cls.from_mapping(document)
+        except ValueError as error:
+            raise FileFormatError(f"{origin}: {error}") from None
 
     def policy(self, route: str) -> GuardrailPolicy:
         return self.policies.get(route, self.default)
