@@ -59,6 +59,14 @@ def _is_number(value) -> bool:
     return isinstance(value, (numbers.Real, np.number)) and not isinstance(value, (bool, np.bool_))
 
 
+def _as_float(value) -> float:
+    """`float(value)`, with ints beyond float range as large as infinity (the rules refuse it)."""
+    try:
+        return float(value)
+    except OverflowError:
+        return float("inf") if value > 0 else float("-inf")
+
+
 def _kind(value) -> str:
     if isinstance(value, torch.Tensor):
         return f"a {value.dtype} tensor of shape {tuple(value.shape)}"
@@ -184,7 +192,8 @@ def _per_row(name: str, value, batch: int) -> torch.Tensor:
         # Any Python int works: seeds are hashed per row (`row_seeds`), never stored as is.
         return values
     tensor = torch.tensor(
-        [min(int(v), 2**31 - 1) if integral else float(v) for v in values],
+        # top_k beyond int32 means the same as 2**31 - 1 (off), below 0 as -1 (refused).
+        [min(max(int(v), -1), 2**31 - 1) if integral else _as_float(v) for v in values],
         dtype=torch.int64 if integral else torch.float64,
     )
     bad = (~sampling_values_valid(name, tensor)).nonzero()
