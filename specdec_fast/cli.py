@@ -290,7 +290,6 @@ def run_generate(args: argparse.Namespace) -> int:
 # files, a missing extra): exit 2. Anything else failed while running: exit 1.
 USAGE_ERRORS = (
     ValueError,
-    TypeError,
     MissingExtra,
     FileNotFoundError,
     NotADirectoryError,
@@ -301,8 +300,8 @@ USAGE_ERRORS = (
 
 
 def _one_line(error: BaseException) -> str:
-    """`error` on one line: its message (its type when the message is empty or is a bare
-    OSError's), nothing of the traceback."""
+    """`error` on one line, nothing of the traceback: a usage error's message; otherwise the
+    error's type, then its message (an OSError's as `file: reason`)."""
     text = " ".join(str(error).split())
     if isinstance(error, OSError) and error.filename is not None:
         text = f"{error.filename}: {error.strerror or text}"
