@@ -170,20 +170,33 @@ BUILT_IN = [
 ]
 
 
+def _makers(target) -> dict:
+    """name -> a builder of fresh drafters, for every built-in kind; block drafters over an
+    untrained DFlash head (best-first trees, and chains that carry draft_probs when sampling)."""
+    from specdec_fast import BlockDrafter
+    from specdec_fast.heads.block import DFlashHead
+
+    makers = {spec: DrafterSpec.parse(spec).factory(target) for spec in BUILT_IN}
+    torch.manual_seed(0)
+    head = DFlashHead.for_target(target, num_layers=1, block_size=6)
+    for tree in ("ddtree", "chain"):
+        makers[f"block-{tree}"] = lambda tree=tree: BlockDrafter(head, max_nodes=6, tree=tree)
+    return makers
+
+
 @pytest.mark.skipif("tiny-code" not in bundled.available(), reason="bundled checkpoints missing")
 @pytest.mark.parametrize("temperature", [0.0, 0.8], ids=["greedy", "sampled"])
 def test_built_in_drafters_pass_the_screen_they_skip(temperature):
     """Every built-in drafter declares `proposals_valid`; screened, it raises no DrafterError
-    (the chain sampled from the draft model carries draft_probs) and emits the same tokens."""
+    (sampled chains carry draft_probs) and emits the same tokens."""
     from specdec_fast.loading import load_model
 
     target = load_model("tiny-code", torch.device("cpu"))
     prompt = repetitive_prompts([20], target.config.vocab_size, seed=5)
-    for spec in BUILT_IN:
-        make = DrafterSpec.parse(spec).factory(target)
+    for name, make in _makers(target).items():
         runs = []
         for drafter in (make(), _screened(make())):
-            assert drafter.proposals_valid is (len(runs) == 0), spec
+            assert drafter.proposals_valid is (len(runs) == 0), name
             out = generate(
                 target,
                 prompt,
@@ -194,4 +207,4 @@ def test_built_in_drafters_pass_the_screen_they_skip(temperature):
                 eos_token_id=[],
             )
             runs.append(out.sequences[0].tolist())
-        assert runs[0] == runs[1], spec
+        assert runs[0] == runs[1], name
