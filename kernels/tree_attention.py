@@ -358,6 +358,9 @@ def launch_tree_attention(
     if window is not None and window >= capacity:
         window = None
     tree_depths = q_depths if window is not None and packed_mask is not None else None
+    # The kernel indexes the lengths as dense [B] arrays (a no-op for the cache's own tensors).
+    cache_lens = cache_lens.contiguous()
+    q_lens = None if q_lens is None else q_lens.contiguous()
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
     if out.numel() == 0:
         return out
@@ -462,13 +465,14 @@ def tree_attention(
         q: `[B, Hq, N, D]`, fp16/bf16/fp32, unit stride on D, D <= 256.
         k_cache, v_cache: `[B, Hkv, Lmax, D]`, dtype and device of q, any strides with unit stride
             on D, `Hq % Hkv == 0`. New token i's K/V sit in slot `cache_lens[b] + i`.
-        cache_lens: int32 `[B]`, committed tokens before the new ones; `cache_lens[b] + N <= Lmax`.
+        cache_lens: int32 `[B]`, any stride, committed tokens before the new ones;
+            `cache_lens[b] + N <= Lmax`.
         tree_mask: None for causal among the new tokens (prefill, decode, chain verification), or
             bool `[B, N, N]` / packed int32 `[B, N, ceil(N/32)]` (see `pack_tree_mask`), N <= 128.
             Entry `[b, i, j]` means new token i sees new token j, taken literally: a row without its
             own diagonal does not see itself.
-        q_lens: optional int32 `[B]` in [0, N]: rows `i >= q_lens[b]` are padding (zeros out) and
-            new tokens `j >= q_lens[b]` are never read as keys.
+        q_lens: optional int32 `[B]` in [0, N], any stride: rows `i >= q_lens[b]` are padding
+            (zeros out) and new tokens `j >= q_lens[b]` are never read as keys.
         scale: softmax scale, `D ** -0.5` by default.
         softcap: None, or c > 0: the scaled scores s become `c * tanh(s / c)` before the mask
             and the softmax (Gemma2's attention logit soft-capping, in HF's eager order).

@@ -11,7 +11,6 @@ of (seed, sequence, node, stream, counter), so a call with a seed tensor can be 
 CUDA graph and replayed, and the Triton kernels and the reference draw the same numbers.
 """
 
-import math
 from dataclasses import dataclass
 from functools import cache
 
@@ -28,15 +27,21 @@ from .reference.verify import (
     invalid_rows,
     verify_reference,
 )
-from .validation import check_tensor, values_checkable
+from .validation import (
+    SAMPLING_RULES,
+    check_sampling_scalar,
+    check_tensor,
+    raise_first_problem,
+    sampling_values_valid,
+    tree_problems,
+    values_checkable,
+)
 
 LOGIT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 INDEX_DTYPES = (torch.int32, torch.int64)
 MAX_NODES = 1024
 # Token ids travel through the fp32 statistics workspace, exact below 2**24.
 MAX_VOCAB = 2**24
-# Positive temperatures below the smallest normal fp32 would make 1 / T overflow in the kernels.
-MIN_TEMPERATURE = 2.0**-126
 # Candidate keys tested per pass of the top-k/top-p threshold search (17-way bisection, about
 # 8 passes over the row); a power of two, as tl.arange requires.
 NUM_THRESHOLDS = 16
@@ -66,10 +71,6 @@ class SamplingParams:
         return not self.all_greedy and not (top_k_off and top_p_off)
 
 
-def _is_number(value) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
-
-
 def _param_tensor(name: str, value: torch.Tensor, batch: int, floating: bool, device) -> None:
     dtypes = (
         (torch.float32, torch.float64, torch.float16, torch.bfloat16) if floating else INDEX_DTYPES
@@ -78,36 +79,27 @@ def _param_tensor(name: str, value: torch.Tensor, batch: int, floating: bool, de
 
 
 def sampling_params(batch, num_nodes, device, temperature, top_k, top_p, seed) -> SamplingParams:
-    """Scalars are checked here, tensors for shape, dtype and device (values: `_check_values`)."""
+    """Scalars are checked here, tensors for shape, dtype and device (values: `_check_values`),
+    both by the rules of `validation.SAMPLING_RULES`."""
     if temperature is None:
         temperature = 0.0
     if isinstance(temperature, torch.Tensor):
         _param_tensor("temperature", temperature, batch, True, device)
-    elif not _is_number(temperature) or not (
-        temperature == 0 or MIN_TEMPERATURE <= temperature < math.inf
-    ):
-        raise ValueError(
-            f"temperature: expected 0 or a finite number >= {MIN_TEMPERATURE:.3g}, "
-            f"got {temperature!r}"
-        )
     else:
-        temperature = float(temperature)
+        temperature = check_sampling_scalar("temperature", temperature)
     if top_k is None:
         top_k = 0
     if isinstance(top_k, torch.Tensor):
         _param_tensor("top_k", top_k, batch, False, device)
-    elif not isinstance(top_k, int) or isinstance(top_k, bool) or top_k < 0:
-        raise ValueError(f"top_k: expected an int >= 0 (0: off), got {top_k!r}")
     else:
-        top_k = min(top_k, 2**31 - 1)  # >= V is off anyway; keeps the kernel argument in int32
+        # >= V is off anyway; the clamp keeps the kernel argument in int32.
+        top_k = min(check_sampling_scalar("top_k", top_k), 2**31 - 1)
     if top_p is None:
         top_p = 1.0
     if isinstance(top_p, torch.Tensor):
         _param_tensor("top_p", top_p, batch, True, device)
-    elif not _is_number(top_p) or not 0 < top_p <= 1:
-        raise ValueError(f"top_p: expected a number in (0, 1] (1: off), got {top_p!r}")
     else:
-        top_p = float(top_p)
+        top_p = check_sampling_scalar("top_p", top_p)
     if seed is None:
         if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
             raise ValueError(
@@ -162,100 +154,21 @@ def _check_shapes(logits, draft_tokens, parents, draft_probs) -> None:
         )
 
 
-def _first_node(bad_nodes: torch.Tensor, b: int) -> int:
-    return int(bad_nodes[b].nonzero()[0, 0])
-
-
 def _check_values(logits, draft_tokens, parents, draft_probs, params: SamplingParams) -> None:
     """Checks that read the trees and parameter tensors: one host read, more to word an error."""
-    batch, num_nodes, vocab = logits.shape
-    node = torch.arange(num_nodes, device=logits.device)
-    parent = parents.long()
-    token = draft_tokens.long()
-    later = (parent != -2) & (node >= 1)
-    parent_exists = (parent != -2).gather(1, parent.clamp(0, num_nodes - 1))
-    not_topological = later & ((parent < 0) | (parent >= node))
-    padded_parent = later & ~not_topological & ~parent_exists
-    out_of_vocab = later & ((token < 0) | (token >= vocab))
-
-    def parent_at(b: int, i: int) -> int:
-        return int(parents[b, i])
-
-    problems = [
-        (
-            parent[:, 0] != -1,
-            lambda b: (
-                f"parents[{b}, 0] = {parent_at(b, 0)}: the root must be node 0, with parent -1"
-            ),
-        ),
-        (
-            not_topological.any(dim=1),
-            lambda b: (
-                f"parents[{b}, {(i := _first_node(not_topological, b))}] = {parent_at(b, i)}: "
-                f"expected -2 (padding) or a parent in [0, {i}) (topological order, one root)"
-            ),
-        ),
-        (
-            padded_parent.any(dim=1),
-            lambda b: (
-                f"parents[{b}, {(i := _first_node(padded_parent, b))}] = {parent_at(b, i)}: "
-                f"that parent is a padded node (parent -2)"
-            ),
-        ),
-        (
-            out_of_vocab.any(dim=1),
-            lambda b: (
-                f"draft_tokens[{b}, {(i := _first_node(out_of_vocab, b))}] = "
-                f"{int(draft_tokens[b, i])} is outside the vocabulary [0, {vocab})"
-            ),
-        ),
-    ]
-    if draft_probs is not None:
-        not_chain = later & (parent != node - 1)
-        problems.append(
-            (
-                not_chain.any(dim=1),
-                lambda b: (
-                    f"draft_probs: only chains take draft probabilities, but sequence {b} has "
-                    f"parents[{b}, {(i := _first_node(not_chain, b))}] = {parent_at(b, i)} "
-                    f"(a chain has {i - 1})"
-                ),
+    problems = tree_problems(draft_tokens, parents, logits.shape[2], draft_probs)
+    for name in SAMPLING_RULES:
+        values = getattr(params, name)
+        if isinstance(values, torch.Tensor):
+            problems.append(
+                (
+                    ~sampling_values_valid(name, values),
+                    lambda b, name=name, values=values: (
+                        f"{name}[{b}] = {values[b].item()}: expected {SAMPLING_RULES[name]}"
+                    ),
+                )
             )
-        )
-    if isinstance(params.temperature, torch.Tensor):
-        temperature = params.temperature.double()
-        problems.append(
-            (
-                ~(
-                    (temperature == 0)
-                    | ((temperature >= MIN_TEMPERATURE) & (temperature < math.inf))
-                ),
-                lambda b: (
-                    f"temperature[{b}] = {float(params.temperature[b])}: expected 0 or a finite "
-                    f"number >= {MIN_TEMPERATURE:.3g}"
-                ),
-            )
-        )
-    if isinstance(params.top_k, torch.Tensor):
-        problems.append(
-            (
-                params.top_k < 0,
-                lambda b: f"top_k[{b}] = {int(params.top_k[b])}: expected >= 0 (0: off)",
-            )
-        )
-    if isinstance(params.top_p, torch.Tensor):
-        problems.append(
-            (
-                ~((params.top_p > 0) & (params.top_p <= 1)),
-                lambda b: (
-                    f"top_p[{b}] = {float(params.top_p[b])}: expected a number in (0, 1] (1: off)"
-                ),
-            )
-        )
-    flags = torch.stack([bad for bad, _ in problems]).cpu()
-    for (_, describe), bad in zip(problems, flags, strict=True):
-        if bool(bad.any()):
-            raise ValueError(describe(int(bad.nonzero()[0, 0])))
+    raise_first_problem(problems)
 
 
 def _raise_for_invalid_rows(logits: torch.Tensor, parents: torch.Tensor) -> None:
@@ -580,8 +493,10 @@ def verify(
     Raises:
         ValueError: on shapes, dtypes, devices or parameters out of range; and, when validating,
         on parents that are not topological or do not have node 0 as the only root, draft tokens
-        outside the vocabulary, draft_probs with a tree that is not a chain, and logits rows (of
-        existing nodes) with NaN, +inf or nothing but -inf.
+        outside the vocabulary, draft_probs with a tree that is not a chain or with rows (of
+        existing nodes after the root) that are not distributions (NaN, negative entries, or a
+        sum off 1 by more than 1e-3 in fp32, 1e-2 in 16 bits), and logits rows (of existing
+        nodes) with NaN, +inf or nothing but -inf.
     """
     _check_shapes(logits, draft_tokens, parents, draft_probs)
     batch = logits.shape[0]

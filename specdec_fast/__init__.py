@@ -7,6 +7,7 @@ from .adaptive import AdaptiveDrafter, CostModel
 from .drafters import (
     BlockDrafter,
     Drafter,
+    DrafterError,
     DraftModelDrafter,
     DraftState,
     EagleDrafter,
@@ -34,6 +35,7 @@ __all__ = [
     "DraftModelDrafter",
     "DraftState",
     "Drafter",
+    "DrafterError",
     "EagleDrafter",
     "GenerateOutput",
     "GuardedDrafter",

@@ -26,7 +26,8 @@ TokenCallback = Callable[[int, list[int]], None]
 @dataclass
 class HostStep:
     """What one step reads back, per active row: the next token, the accepted drafts (count,
-    tokens, node indices after the root), and the tree's drafted nodes and depth."""
+    tokens, node indices after the root), and the tree's drafted nodes and depth; and the rows
+    the proposal checks flagged (`Proposal.malformed`)."""
 
     next_tokens: list[int]
     num_accepted: list[int]
@@ -34,6 +35,7 @@ class HostStep:
     depths: list[int]
     paths: list[list[int]]
     nodes: list[list[int]]
+    malformed: list[int]
 
 
 def _uniform(values: torch.Tensor):
@@ -131,7 +133,7 @@ class Batch:
                 (len(self.rows), parents.shape[1] - draft_probs.shape[1], draft_probs.shape[2])
             )
             draft_probs = torch.cat([draft_probs, padding], dim=1)
-        return Proposal(torch.cat(pieces, dim=1), parents, draft_probs)
+        return Proposal(torch.cat(pieces, dim=1), parents, draft_probs, proposal.malformed)
 
     def sampling_params(self, positions: torch.Tensor) -> SamplingParams:
         """What `verify` takes for this step: per-node seeds, each row's seed plus the node's
@@ -152,24 +154,37 @@ class Batch:
         """The step's one device-to-host read: per row the next token and, for drafted trees,
         the accepted path (node indices and tokens) and the tree's size and depth."""
         accepted_nodes, num_accepted, next_tokens = result
+        flags = [] if proposal.malformed is None else [proposal.malformed.long()]
         if proposal.num_nodes == 1:
-            tokens = to_host(next_tokens)
+            if flags:
+                tokens, flagged = to_host(torch.stack([next_tokens, *flags]))
+            else:
+                tokens, flagged = to_host(next_tokens), []
             zeros = [0] * len(tokens)
-            return HostStep(tokens, zeros, zeros, zeros, [[] for _ in tokens], [[] for _ in tokens])
+            return HostStep(
+                tokens,
+                zeros,
+                zeros,
+                zeros,
+                [[] for _ in tokens],
+                [[] for _ in tokens],
+                [r for r, flag in enumerate(flagged) if flag],
+            )
         path = proposal.tokens.gather(1, accepted_nodes.clamp(min=0).long())[:, 1:]
         drafted = (proposal.parents != PAD_PARENT).sum(dim=1) - 1
         offered_depth = depths.max(dim=1).values
-        columns = [next_tokens, num_accepted.long(), drafted, offered_depth]
+        columns = [next_tokens, num_accepted.long(), drafted, offered_depth, *flags]
         host = torch.cat([torch.stack(columns, dim=1), path, accepted_nodes[:, 1:].long()], dim=1)
         rows = to_host(host)
-        width = path.shape[1]
+        start, width = len(columns), path.shape[1]
         return HostStep(
             next_tokens=[row[0] for row in rows],
             num_accepted=[row[1] for row in rows],
             drafted=[row[2] for row in rows],
             depths=[row[3] for row in rows],
-            paths=[row[4 : 4 + row[1]] for row in rows],
-            nodes=[row[4 + width : 4 + width + row[1]] for row in rows],
+            paths=[row[start : start + row[1]] for row in rows],
+            nodes=[row[start + width : start + width + row[1]] for row in rows],
+            malformed=[r for r, row in enumerate(rows) if flags and row[4]],
         )
 
     def emit(self, host: HostStep, now: float) -> tuple[list[list[int]], list[int]]:

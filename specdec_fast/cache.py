@@ -50,6 +50,21 @@ def attention_windows(config: PreTrainedConfig) -> list[int | None]:
     return [sliding_window if kind == "sliding_attention" else None for kind in layer_types]
 
 
+def kv_shape(config: PreTrainedConfig, batch_size: int, max_cache_len: int) -> tuple[int, ...]:
+    """`[num_layers, 2, B, Hkv, Lmax, D]`: the shape of a `SpecKVCache` for a config (raises
+    ValueError, like `attention_windows`, for layer kinds the cache cannot hold)."""
+    text_config = config.get_text_config(decoder=True)
+    num_kv_heads = (
+        getattr(text_config, "num_key_value_heads", None) or text_config.num_attention_heads
+    )
+    head_dim = (
+        getattr(text_config, "head_dim", None)
+        or text_config.hidden_size // text_config.num_attention_heads
+    )
+    num_layers = len(attention_windows(text_config))
+    return (num_layers, 2, batch_size, num_kv_heads, max_cache_len, head_dim)
+
+
 class SpecKVLayer(CacheLayerMixin):
     """One decoder layer's view of a `SpecKVCache`: `keys` and `values` are `[B, Hkv, Lmax, D]`."""
 
@@ -135,19 +150,12 @@ class SpecKVCache(Cache):
         text_config = config.get_text_config(decoder=True)
         self.model_type = text_config.model_type
         windows = attention_windows(text_config)
-        num_kv_heads = (
-            getattr(text_config, "num_key_value_heads", None) or text_config.num_attention_heads
-        )
-        head_dim = (
-            getattr(text_config, "head_dim", None)
-            or text_config.hidden_size // text_config.num_attention_heads
-        )
         if batch_size < 1 or max_cache_len < 1:
             raise ValueError(
                 f"batch_size and max_cache_len must be positive, got {batch_size} and "
                 f"{max_cache_len}"
             )
-        shape = (len(windows), 2, batch_size, num_kv_heads, max_cache_len, head_dim)
+        shape = kv_shape(text_config, batch_size, max_cache_len)
         # Zeros, not empty: unwritten slots are masked out, but NaN garbage would survive 0 * NaN.
         self._kv_storage = torch.zeros(shape, dtype=dtype, device=device)
         self._lens_storage = torch.zeros(batch_size, dtype=torch.int32, device=device)

@@ -69,7 +69,7 @@ def _add_exact(parser: argparse.ArgumentParser) -> None:
 
 
 def _add_sampling(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--max-new-tokens", type=int, default=128, help="default: 128")
+    parser.add_argument("--max-new-tokens", type=_count, default=128, help="default: 128")
     parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     parser.add_argument("--top-k", type=int, default=0, help="0 = off (default)")
     parser.add_argument("--top-p", type=float, default=1.0, help="1.0 = off (default)")
@@ -80,6 +80,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="specdec-fast",
         description="Fast, lossless speculative decoding for Hugging Face causal LMs.",
+    )
+    parser.add_argument(
+        "--debug", action="store_true", help="show the traceback of an error (default: one line)"
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     demo = sub.add_parser(
@@ -101,8 +104,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="a drafter SPEC (below), repeatable; default: every bundled drafter on the bundled "
         "target, the drafters that need no checkpoint on --model",
     )
-    demo.add_argument("--prompts", type=int, default=4, help="prompts (default: 4)")
-    demo.add_argument("--max-new-tokens", type=int, default=64, help="default: 64")
+    demo.add_argument("--prompts", type=_positive, default=4, help="prompts (default: 4)")
+    demo.add_argument("--max-new-tokens", type=_count, default=64, help="default: 64")
     gen = sub.add_parser(
         "generate",
         help="complete one prompt with a chosen drafter",
@@ -124,6 +127,24 @@ def build_parser() -> argparse.ArgumentParser:
     _add_sampling(gen)
     _add_bench(sub)
     return parser
+
+
+def _integer(text: str, low: int) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if value < low:
+        raise argparse.ArgumentTypeError(f"expected an integer >= {low}, got {value}")
+    return value
+
+
+def _positive(text: str) -> int:
+    return _integer(text, 1)
+
+
+def _count(text: str) -> int:
+    return _integer(text, 0)
 
 
 def _int_list(text: str) -> list[int]:
@@ -162,7 +183,10 @@ def _add_bench(sub) -> None:
         help="JSONL prompt set, rows with `prompt` or chat `messages` (default: the shipped set)",
     )
     bench.add_argument(
-        "--per-task", type=int, default=None, help="only the first N prompts of each task type"
+        "--per-task",
+        type=_positive,
+        default=None,
+        help="only the first N prompts of each task type",
     )
     bench.add_argument(
         "--k",
@@ -183,15 +207,15 @@ def _add_bench(sub) -> None:
         "--no-adaptive", action="store_true", help="skip the adaptive-speculation cells"
     )
     bench.add_argument(
-        "--max-new-tokens", type=int, default=64, help="for prompts without their own (64)"
+        "--max-new-tokens", type=_positive, default=64, help="for prompts without their own (64)"
     )
     bench.add_argument("--price-per-hour", type=float, default=None, help="device price, $/h")
     bench.add_argument("--guardrails", default=None, help="YAML guardrail policy to judge cells")
     bench.add_argument(
-        "--repeats", type=int, default=1, help="runs per cell, the fastest counts (1)"
+        "--repeats", type=_positive, default=1, help="runs per cell, the fastest counts (1)"
     )
     bench.add_argument(
-        "--threads", type=int, default=None, help="CPU threads for torch (default: torch's)"
+        "--threads", type=_positive, default=None, help="CPU threads for torch (default: torch's)"
     )
     bench.add_argument("--out", required=True, help="output folder")
 
@@ -276,7 +300,33 @@ def run_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+# Errors that mean the command was asked for something it cannot do (bad paths, specs, values,
+# files, a missing extra): exit 2. Anything else failed while running: exit 1.
+USAGE_ERRORS = (
+    ValueError,
+    MissingExtra,
+    FileNotFoundError,
+    NotADirectoryError,
+    IsADirectoryError,
+    FileExistsError,
+    PermissionError,
+)
+
+
+def _one_line(error: BaseException) -> str:
+    """`error` on one line, nothing of the traceback: a usage error's message; otherwise the
+    error's type, then its message (an OSError's as `file: reason`)."""
+    text = " ".join(str(error).split())
+    if isinstance(error, OSError) and error.filename is not None:
+        text = f"{error.filename}: {error.strerror or text}"
+    if isinstance(error, USAGE_ERRORS) and text and not isinstance(error, OSError):
+        return text
+    return f"{type(error).__name__}: {text}" if text else type(error).__name__
+
+
 def main(argv: list[str] | None = None) -> int:
+    """Run a command: 0 on success; on failure one line on stderr and exit 2 for usage errors
+    (`USAGE_ERRORS`), 1 for runtime errors, 130 on an interrupt. `--debug` shows tracebacks."""
     args = build_parser().parse_args(argv)
     # The command's compile choice travels through SPECDEC_COMPILE; an in-process caller (a test,
     # a notebook) gets its environment back when the command returns.
@@ -284,11 +334,13 @@ def main(argv: list[str] | None = None) -> int:
     try:
         _choose_compile(args)
         return _dispatch(args)
-    except (ValueError, MissingExtra) as error:
-        # Bad input (paths, specs, shapes) or a missing extra is reported as such, not as a
-        # traceback.
-        print(f"specdec-fast {args.command}: error: {error}", file=sys.stderr)
-        return 2
+    except (Exception, KeyboardInterrupt) as error:
+        if args.debug:
+            raise
+        print(f"specdec-fast {args.command}: error: {_one_line(error)}", file=sys.stderr)
+        if isinstance(error, KeyboardInterrupt):
+            return 130
+        return 2 if isinstance(error, USAGE_ERRORS) else 1
     finally:
         if saved is None:
             os.environ.pop("SPECDEC_COMPILE", None)

@@ -3,13 +3,17 @@
 One step, for the rows still running (DESIGN.md, "Data flow of one step"), is the loop body of
 `_decode`:
 
-    proposal = drafter.propose(state)             tree [B, N]; the engine writes each row's root
+    proposal = drafter.propose(state)             tree [B, N], checked; the engine writes the roots
     out      = runner.verify(tokens, parents)     target logits [B, N, V] in one (compiled) forward
     result   = kernels.verify(out.logits, ...)    accepted path + next token, lossless
     cache.compact(result)                         the cache keeps the prefix + the accepted path
     batch.emit(read back)                         the one blocking device-to-host read of a step
     drafter.update(state, outcome)
     batch.drop(finished)                          runner, state and drafter shrink together
+
+A proposal is checked before the target runs (`specdec_fast.drafters.checks`): its form on
+the host, and, for drafters that do not declare `proposals_valid`, its values on the device, the
+flags riding on the step's read-back; a malformed one raises `DrafterError` naming the drafter.
 
 Rows that stop (EOS, a stop sequence, `max_new_tokens`, or a full cache) leave the batch, so they
 cost nothing afterwards. The runner (compiled steps, CUDA graphs, cache storage) is kept on the
@@ -26,14 +30,13 @@ from dataclasses import dataclass
 import torch
 from transformers import PreTrainedModel
 
+from specdec_fast.arguments import check_generate_arguments
 from specdec_fast.batch import Batch, TokenCallback
 from specdec_fast.drafters.base import Drafter, StepOutcome
+from specdec_fast.drafters.checks import check_form, malformed_error, screen, screens_values
 from specdec_fast.kernels.verify import run_verify
-from specdec_fast.requests import Sampling, StopRule, check_token_ids, prompts_from_input
 from specdec_fast.runner import COMPILE_LOG, ModelRunner
 from specdec_fast.stats import SequenceStats, SpecStats
-
-CACHE_BLOCK = 256
 
 
 @dataclass
@@ -55,11 +58,6 @@ def _pad_prompts(prompts: list[list[int]], device) -> tuple[torch.Tensor, torch.
     return ids.to(device), mask.to(device)
 
 
-def _default_eos(model: PreTrainedModel):
-    config = getattr(model, "generation_config", None)
-    return getattr(config, "eos_token_id", None)
-
-
 def generate(
     model: PreTrainedModel,
     input_ids: torch.Tensor | Sequence[Sequence[int]],
@@ -72,8 +70,9 @@ def generate(
     top_p: float | Sequence[float] | torch.Tensor = 1.0,
     seed: int | Sequence[int] | torch.Tensor | None = None,
     eos_token_id: int | Sequence[int] | None = None,
-    stop: Sequence[int] | Sequence[Sequence[int]] | None = None,
+    stop: str | Sequence[int] | Sequence[Sequence[int] | str] | None = None,
     max_cache_len: int | None = None,
+    tokenizer=None,
     on_tokens: TokenCallback | None = None,
     use_cuda_graphs: bool | None = None,
     compile: bool | None = None,
@@ -90,12 +89,21 @@ def generate(
             lists.
         drafter: a drafter (see `specdec_fast.drafters.base`); None decodes plainly through the
             same engine, the baseline every speed-up is measured against.
+        max_new_tokens: an int >= 0.
         temperature, top_k, top_p, seed: scalars or one value per sequence; temperature 0 is
-            greedy, top_k 0 and top_p 1.0 are off. seed None draws one from torch's generator.
+            greedy (else >= 2**-126), top_k 0 and top_p 1.0 are off, the rules `verify` applies
+            (`kernels.validation.SAMPLING_RULES`). seed: any int (hashed per row); None draws one
+            from torch's generator.
         eos_token_id: int or list; None uses `model.generation_config.eos_token_id`.
-        stop: stop token sequences (a flat list of ints is one sequence).
+        stop: stop sequences, each token ids or a string; a flat list of ints is one sequence.
+            A string is tokenized with `tokenizer` (`encode(text, add_special_tokens=False)`)
+            and matches where the generated tokens contain exactly those tokens (text that
+            tokenizes differently in context does not match); without a tokenizer a string is
+            refused.
         max_cache_len: KV capacity per sequence; default: longest prompt + max_new_tokens + the
-            tree size. A sequence whose cache fills up stops with finish reason "cache".
+            tree size, at most the model's `max_position_embeddings`. A sequence whose cache
+            fills up stops with finish reason "cache".
+        tokenizer: the model's tokenizer, for string stops.
         on_tokens: called as `on_tokens(sequence_index, new_tokens)` whenever tokens are accepted
             (streaming); ITL statistics are measured at these moments.
         use_cuda_graphs: capture verify steps as CUDA graphs (default: on for CUDA models).
@@ -107,39 +115,63 @@ def generate(
             any batch size, so speculative output equals plain output of this mode bit for bit
             in any dtype. Runs eagerly (compile and CUDA graphs must be left unset or off);
             costs speed (README, "Exact mode").
+
+    Raises:
+        TypeError, ValueError: naming the argument, the expected form and the value given, before
+            anything is allocated (`specdec_fast.arguments`): prompt tokens outside the
+            vocabulary, prompts beyond the model's positions, a KV cache larger than the
+            device's memory, sampling parameters out of range, ...
+        DrafterError: the drafter proposed a malformed tree (`specdec_fast.drafters.checks`).
+        RuntimeError: another thread is running `generate` on the same model.
     """
     start = time.perf_counter()
-    prompts = prompts_from_input(input_ids, attention_mask)
-    vocab_size = model.config.get_text_config(decoder=True).vocab_size
-    check_token_ids(prompts, vocab_size)
-    rule = StopRule(
-        _default_eos(model) if eos_token_id is None else eos_token_id, stop, max_new_tokens
+    arguments = check_generate_arguments(
+        model,
+        input_ids,
+        drafter=drafter,
+        max_new_tokens=max_new_tokens,
+        attention_mask=attention_mask,
+        temperature=temperature,
+        top_k=top_k,
+        top_p=top_p,
+        seed=seed,
+        eos_token_id=eos_token_id,
+        stop=stop,
+        max_cache_len=max_cache_len,
+        tokenizer=tokenizer,
+        on_tokens=on_tokens,
+        use_cuda_graphs=use_cuda_graphs,
+        compile=compile,
+        exact=exact,
     )
-    sampling = Sampling.build(len(prompts), temperature, top_k, top_p, seed)
-    num_nodes = drafter.max_nodes if drafter is not None else 1
-    longest = max(len(p) for p in prompts)
-    capacity = max_cache_len or longest + max_new_tokens + num_nodes
-    if longest - 1 + num_nodes > capacity:
-        raise ValueError(
-            f"max_cache_len={capacity} cannot hold the longest prompt ({longest} tokens) plus a "
-            f"tree of {num_nodes} nodes"
-        )
+    prompts, capacity = arguments.prompts, arguments.capacity
     stats = SpecStats(
         sequences=[SequenceStats(prompt_tokens=len(p)) for p in prompts],
         drafter=repr(drafter) if drafter is not None else None,
         memory_device=model.device.type,
     )
     batch = Batch(
-        prompts, sampling, rule, stats, model.device, capacity, num_nodes, start, on_tokens
+        prompts,
+        arguments.sampling,
+        arguments.rule,
+        stats,
+        model.device,
+        capacity,
+        arguments.num_nodes,
+        start,
+        on_tokens,
     )
     if max_new_tokens > 0:
         if model.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(model.device)
         # Storage in whole blocks: calls of similar lengths then reuse one cache layout, so
         # compiled steps and CUDA graphs carry over; the stop rule still uses `capacity`.
-        storage = -(-capacity // CACHE_BLOCK) * CACHE_BLOCK
         runner = ModelRunner.for_model(
-            model, storage, use_cuda_graphs=use_cuda_graphs, compile=compile, exact=exact
+            model,
+            arguments.storage,
+            use_cuda_graphs=use_cuda_graphs,
+            compile=compile,
+            exact=exact,
         )
         compiled_before = len(COMPILE_LOG)
         try:
@@ -166,6 +198,8 @@ def _decode(runner: ModelRunner, drafter: Drafter | None, batch: Batch, capacity
     if drafter is not None:
         drafter.attach(runner.model, capacity)
         runner.capture_hidden(drafter.hidden_layers)
+    vocab = runner.model.config.get_text_config(decoder=True).vocab_size
+    screened = drafter is not None and screens_values(drafter)
     ids, mask = _pad_prompts(batch.state.tokens, runner.device)
     prefill = runner.prefill(ids, mask)
     batch.roots = prefill.root_tokens
@@ -177,7 +211,10 @@ def _decode(runner: ModelRunner, drafter: Drafter | None, batch: Batch, capacity
         if drafter is None:
             proposal = batch.plain_proposal()
         else:
-            proposal = batch.with_roots(drafter.propose(batch.state), runner.use_cuda_graphs)
+            drafted = drafter.propose(batch.state)
+            check_form(drafter, drafted, batch.state, vocab)
+            proposal = screen(drafted, vocab) if screened else drafted
+            proposal = batch.with_roots(proposal, runner.use_cuda_graphs)
         out = runner.verify(proposal.tokens, proposal.parents)
         result = run_verify(
             out.logits,
@@ -188,11 +225,19 @@ def _decode(runner: ModelRunner, drafter: Drafter | None, batch: Batch, capacity
         )
         runner.cache.compact(result.accepted_nodes, result.num_accepted, validate=False)
         host = batch.read_back(proposal, result, out.depths)
+        if screened and host.malformed:
+            raise malformed_error(drafter, drafted, vocab)
         emitted, finished = batch.emit(host, time.perf_counter())
         runner.cache.bound_lengths(max(batch.lengths))
         if drafter is not None:
             outcome = StepOutcome(
-                proposal, *result, emitted, out.hidden_states, host.nodes, host.drafted
+                proposal,
+                *result,
+                emitted,
+                out.hidden_states,
+                host.nodes,
+                host.drafted,
+                host.malformed,
             )
             drafter.update(batch.state, outcome)
         batch.roots = result.next_tokens

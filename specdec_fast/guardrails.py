@@ -38,6 +38,8 @@ from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
 from specdec_fast.drafters.base import Drafter, DraftState, Proposal, StepOutcome, root_only
+from specdec_fast.drafters.checks import check_form, malformed_error, screen, screens_values
+from specdec_fast.files import FileFormatError, parse_yaml
 from specdec_fast.stats import percentile
 from specdec_fast.wrapping import WrappedDrafter
 
@@ -282,13 +284,20 @@ class Guardrails:
 
     @classmethod
     def from_yaml(cls, source: str | Path) -> Guardrails:
-        """From a YAML file path, or YAML text (anything holding a newline or a colon)."""
-        import yaml
-
-        text = str(source)
+        """From a YAML file path, or YAML text (anything holding a newline or a colon). Errors
+        (`FileFormatError`) name the file, and the line of a YAML syntax error."""
+        text, origin = str(source), "guardrails YAML"
         if isinstance(source, Path) or ("\n" not in text and ":" not in text):
-            text = Path(source).read_text()
-        return cls.from_mapping(yaml.safe_load(text))
+            origin = str(source)
+            try:
+                text = Path(source).read_text()
+            except (OSError, UnicodeDecodeError) as error:
+                raise FileFormatError(f"{origin}: cannot read it: {error}") from None
+        document = parse_yaml(text, origin)
+        try:
+            return cls.from_mapping(document)
+        except ValueError as error:
+            raise FileFormatError(f"{origin}: {error}") from None
 
     def policy(self, route: str) -> GuardrailPolicy:
         return self.policies.get(route, self.default)
@@ -315,8 +324,12 @@ class GuardedDrafter(WrappedDrafter):
 
     `events` lists, for the current (or last) `generate` call, why speculation stopped: the route
     being off when the request started or tripping during it, or a drafter error (with the
-    exception). `guard` None keeps only the error fallback.
+    exception), a malformed proposal (`DrafterError`, from the same checks the engine runs)
+    included. `guard` None keeps only the error fallback. Its own proposals are the inner
+    drafter's after those checks, or the root alone: valid either way.
     """
+
+    proposals_valid = True
 
     def __init__(
         self,
@@ -328,10 +341,11 @@ class GuardedDrafter(WrappedDrafter):
         self.guard = guard
         self.clock = clock
         self.events: list[str] = []
-        self._usable = False  # inner attached for this generate call
-        self._begun = False  # inner.begin ran: inner.end is owed
+        self._usable = False  # inner attached for this generate call: inner.end is owed
+        self._vocab = 0  # the target's vocabulary size, for the proposal checks
         self._active = False  # inner drafts the current request
         self._speculated = False  # the current step's proposal came from inner
+        self._drafted: Proposal | None = None  # that proposal as inner made it
         self._step_start = 0.0
 
     def _fail(self, where: str, error: Exception, record: bool = True) -> None:
@@ -344,6 +358,7 @@ class GuardedDrafter(WrappedDrafter):
     def attach(self, target, max_cache_len: int) -> None:
         self.events = []
         self._usable = False
+        self._vocab = target.config.get_text_config(decoder=True).vocab_size
         try:
             self.inner.attach(target, max_cache_len)
             self._usable = True
@@ -351,7 +366,6 @@ class GuardedDrafter(WrappedDrafter):
             self._fail("attach", error)
 
     def begin(self, state: DraftState) -> None:
-        self._begun = False
         allowed = self.guard is None or self.guard.allows_speculation()
         if self._usable and not allowed:
             self.events.append(f"route {self.guard.name!r} is falling back to plain decoding")
@@ -360,7 +374,6 @@ class GuardedDrafter(WrappedDrafter):
             return
         try:
             self.inner.begin(state)
-            self._begun = True
         except Exception as error:  # noqa: BLE001
             self._fail("begin", error)
 
@@ -373,7 +386,10 @@ class GuardedDrafter(WrappedDrafter):
         if self._active:
             try:
                 proposal = self.inner.propose(state)
-                _check_proposal(proposal, state.batch_size, self.inner.max_nodes)
+                check_form(self.inner, proposal, state, self._vocab)
+                self._drafted = proposal
+                if screens_values(self.inner):
+                    proposal = screen(proposal, self._vocab)
                 self._speculated = True
                 return proposal
             except Exception as error:  # noqa: BLE001
@@ -382,7 +398,12 @@ class GuardedDrafter(WrappedDrafter):
 
     def update(self, state: DraftState, outcome: StepOutcome) -> None:
         failed = False
-        if self._speculated:
+        if self._speculated and outcome.malformed:
+            # The screen replaced the malformed rows by plain steps: the output is unchanged.
+            error = malformed_error(self.inner, self._drafted, self._vocab)
+            self._fail("propose", error, record=False)
+            failed = True
+        elif self._speculated:
             try:
                 self.inner.update(state, outcome)
             except Exception as error:  # noqa: BLE001
@@ -408,9 +429,11 @@ class GuardedDrafter(WrappedDrafter):
             self._fail("keep", error)
 
     def end(self) -> None:
-        if not self._begun:
+        # Owed whenever attach succeeded, begun or not (a route that is off still attached a
+        # draft model's runner, which only end closes).
+        if not self._usable:
             return
-        self._begun = False
+        self._usable = False
         try:
             self.inner.end()
         except Exception as error:  # noqa: BLE001
@@ -419,20 +442,6 @@ class GuardedDrafter(WrappedDrafter):
     def __repr__(self) -> str:
         route = None if self.guard is None else self.guard.name
         return f"GuardedDrafter({self.inner!r}, route={route!r})"
-
-
-def _check_proposal(proposal: Proposal, batch: int, max_nodes: int) -> None:
-    """Shape checks that need no device read: a malformed tree would fail the verify step."""
-    tokens, parents = proposal.tokens, proposal.parents
-    if tokens.dim() != 2 or tokens.shape[0] != batch or not 1 <= tokens.shape[1] <= max_nodes:
-        raise ValueError(
-            f"proposal tokens: expected [{batch}, N <= max_nodes = {max_nodes}], got "
-            f"{tuple(tokens.shape)}"
-        )
-    if parents.shape != tokens.shape:
-        raise ValueError(
-            f"proposal parents: expected shape {tuple(tokens.shape)}, got {tuple(parents.shape)}"
-        )
 
 
 def guarded_generate(model, input_ids, *, drafter: GuardedDrafter, **kwargs):

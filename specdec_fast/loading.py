@@ -9,7 +9,6 @@ Drafters are built from specs in `specdec_fast.drafters.registry`.
 from __future__ import annotations
 
 import importlib.util
-import json
 import logging
 import os
 from collections.abc import Iterator
@@ -19,6 +18,7 @@ from pathlib import Path
 import torch
 
 from specdec_fast import bundled
+from specdec_fast.files import FileFormatError, check_config_fields, read_json
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DTYPE_CHOICES = ("auto", *DTYPES)
@@ -94,11 +94,12 @@ def parse_dtype(name: str | torch.dtype | None) -> torch.dtype | None:
 
 
 def _checkpoint_dtype(folder: str, gguf_file: str | None) -> torch.dtype | None:
-    """The floating dtype a folder's config.json records (None for GGUF or when absent)."""
+    """The floating dtype a folder's config.json records (None for GGUF or when absent); the
+    file is checked on the way (`check_config_fields`: errors name it and the field)."""
     config = Path(folder) / "config.json"
     if gguf_file is not None or not config.is_file():
         return None
-    recorded = json.loads(config.read_text())
+    recorded = check_config_fields(read_json(config), config)
     name = recorded.get("dtype") or recorded.get("torch_dtype")
     return DTYPES.get(name)
 
@@ -154,12 +155,21 @@ def load_model(name_or_path: str, device: torch.device, dtype: torch.dtype | str
     folder, gguf_file = resolve_model(name_or_path)
     if gguf_file is not None:
         require_gguf()
-    dtype = parse_dtype(dtype) or auto_dtype(device, _checkpoint_dtype(folder, gguf_file))
+    recorded = _checkpoint_dtype(folder, gguf_file)  # reads config.json: a bad field fails here
+    dtype = parse_dtype(dtype) or auto_dtype(device, recorded)
     extra = {} if gguf_file is None else {"gguf_file": gguf_file}
+    from safetensors import SafetensorError
+
     with quiet_transformers():
-        model = AutoModelForCausalLM.from_pretrained(
-            folder, dtype=dtype, local_files_only=True, trust_remote_code=False, **extra
-        )
+        try:
+            model = AutoModelForCausalLM.from_pretrained(
+                folder, dtype=dtype, local_files_only=True, trust_remote_code=False, **extra
+            )
+        except SafetensorError as error:
+            raise FileFormatError(
+                f"{folder}: its weights are not a readable safetensors file (truncated or "
+                f"corrupt?): {error}"
+            ) from None
     return model.to(device).eval()
 
 

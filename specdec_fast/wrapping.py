@@ -72,6 +72,11 @@ class WrappedDrafter(Drafter):
     def hidden_layers(self) -> tuple[int, ...]:
         return tuple(getattr(self.inner, "hidden_layers", ()))
 
+    @property
+    def proposals_valid(self) -> bool:
+        """The inner drafter's declaration: a trimmed valid tree is a valid tree."""
+        return bool(getattr(self.inner, "proposals_valid", False))
+
     def attach(self, target, max_cache_len: int) -> None:
         self.inner.attach(target, max_cache_len)
 

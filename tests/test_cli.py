@@ -237,3 +237,53 @@ def test_generate_exact_mode(model_dir, capsys):
         capsys, "generate", "--model", str(model_dir), "--prompt", "x", "--exact", "--compile"
     )
     assert code == 2 and "--compile" in err
+
+
+def _bench(capsys, tmp_path, *extra):
+    return cli_in_process(
+        capsys, "bench", "--model", str(tmp_path / "never-loaded"), "--out", str(tmp_path / "out"),
+        *extra,
+    )  # fmt: skip
+
+
+def test_bench_input_errors_are_one_line_and_exit_2(tmp_path, capsys):
+    """Files given to bench are read before the model loads; each bad one is one line naming
+    it, exit 2, no traceback."""
+    code, _, err = _bench(capsys, tmp_path, "--prompts", str(tmp_path / "missing.jsonl"))
+    assert code == 2 and "missing.jsonl: cannot read the prompts" in err
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
+    prompts = tmp_path / "rows.jsonl"
+    prompts.write_text('{"prompt": "a"}\n{"prompt": "b", "temperature": NaN}\n')
+    code, _, err = _bench(capsys, tmp_path, "--prompts", str(prompts))
+    assert code == 2 and "rows.jsonl:2.temperature: expected" in err
+    (tmp_path / "file").write_text("")
+    code, _, err = cli_in_process(
+        capsys, "bench", "--model", "x", "--out", str(tmp_path / "file"), "--prompts", str(prompts)
+    )
+    assert code == 2 and "exists and is not a folder" in err
+    guardrails = tmp_path / "guard.yaml"
+    guardrails.write_text("speculative_decoding_guardrails:\n  window_steps: [1\n")
+    code, _, err = _bench(capsys, tmp_path, "--guardrails", str(guardrails))
+    assert code == 2 and f"{guardrails}: not valid YAML at line 3" in err
+    assert len(err.strip().splitlines()) == 1
+
+
+def test_negative_counts_are_refused_by_the_parser(tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        _bench(capsys, tmp_path, "--max-new-tokens", "-3")
+    assert exit_info.value.code == 2
+    assert "--max-new-tokens: expected an integer >= 1, got -3" in capsys.readouterr().err
+
+
+def test_runtime_errors_exit_1_and_debug_shows_the_traceback(monkeypatch, capsys):
+    from specdec_fast import cli
+
+    def fail(args):
+        raise RuntimeError("the device went away\nsecond line")
+
+    monkeypatch.setattr(cli, "_dispatch", fail)
+    code, _, err = cli_in_process(capsys, "generate", "--prompt", "x", "--device", "cpu")
+    assert code == 1
+    assert err == "specdec-fast generate: error: RuntimeError: the device went away second line\n"
+    with pytest.raises(RuntimeError, match="the device went away"):
+        main(["--debug", "generate", "--prompt", "x", "--device", "cpu"])

@@ -62,3 +62,31 @@ def test_inference_mode_tensors_are_planned_too():
         check(q, k_cache, v_cache, cache_lens, tree_mask)
         cache_lens += 2
         check(q, k_cache, v_cache, cache_lens, tree_mask)
+
+
+@pytest.mark.parametrize("batch", [3, fused_module.PER_ROW_MAX_BATCH + 1])
+@pytest.mark.parametrize("num_new", [1, 5])
+def test_ragged_batches_row_by_row_and_masked(batch, num_new):
+    """A ragged batch up to PER_ROW_MAX_BATCH rows attends row by row over each row's own span;
+    a larger one takes one masked call. Both match the reference, with NaN in every slot a row
+    does not own (past its tokens) that must not leak into its result."""
+    generator = torch.Generator().manual_seed(batch * 10 + num_new)
+    capacity = 24
+    q = torch.randn(batch, 4, num_new, 16, generator=generator)
+    k_cache, v_cache = torch.randn(2, batch, 2, capacity, 16, generator=generator)
+    cache_lens = torch.randint(0, capacity - num_new, (batch,), generator=generator)
+    cache_lens = cache_lens.to(torch.int32)
+    cache_lens[0], cache_lens[1] = 0, capacity - num_new  # an empty prefix, a full cache
+    for b, length in enumerate(cache_lens.tolist()):
+        k_cache[b, :, length + num_new :] = float("nan")
+        v_cache[b, :, length + num_new :] = float("nan")
+    parents = torch.full((batch, num_new), -1)
+    parents[:, 1:] = torch.arange(num_new - 1)  # chains
+    tree_mask = pack_tree_mask(ancestor_mask(parents))
+    check(q, k_cache, v_cache, cache_lens, tree_mask)
+    plan = fused_module._last_plan[1]
+    assert (plan.rows is not None) == (batch <= fused_module.PER_ROW_MAX_BATCH)
+    assert [row.span for row in plan.rows or ()] == [
+        length + num_new for length in cache_lens.tolist()
+    ][: len(plan.rows or ())]
+    check(q, k_cache, v_cache, cache_lens, None)  # causal (decode when num_new is 1)

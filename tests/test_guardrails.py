@@ -264,3 +264,21 @@ def test_error_rate_bound_trips_the_route(target, prompts, plain):
     sequences, _ = run(target, prompts, drafter)
     assert sequences == plain
     assert not route.speculating and "error rate" in route.last_breach[0]
+
+
+def test_a_route_that_is_off_leaves_the_draft_model_as_it_was(target, prompts, plain):
+    """A route that is off at the start still attached the inner drafter (the draft model's
+    runner switched its attention): `end` closes it, so the draft model answers plain calls."""
+    from specdec_fast import DraftModelDrafter
+
+    draft = tiny_llama(vocab_size=VOCAB, hidden_size=32, layers=1, seed=5)
+    attention = draft.config._attn_implementation
+    route = RouteGuard("off", GuardrailPolicy())
+    route.speculating, route.cooldown_left = False, 10**6
+    drafter = GuardedDrafter(DraftModelDrafter(draft, num_tokens=2), route)
+    sequences, _ = run(target, prompts, drafter, new_tokens=8)
+    assert sequences == [p[: len(q) + 8] for p, q in zip(plain, prompts, strict=True)]
+    assert "falling back" in drafter.events[0]
+    assert draft.config._attn_implementation == attention
+    with torch.no_grad():
+        draft(torch.tensor([prompts[0]]))  # raises if our attention were still switched on

@@ -95,7 +95,7 @@ def test_load_prompts_validates_each_line(tmp_path):
         ('{"task": "qa"}', r"p\.jsonl:1\.prompt: expected a non-empty string \(or chat"),
         ('{"prompt": "a", "check": "(unclosed"}', r"p\.jsonl:1\.check: expected one of"),
         ('{"prompt": "a", "max_new_tokens": 0}', r"max_new_tokens: expected a positive integer"),
-        ('{"prompt": "a", "temperature": -1}', r"temperature: expected a number >= 0"),
+        ('{"prompt": "a", "temperature": -1}', r"temperature: expected 0 or a finite number"),
         ('{"prompt": "a", "colour": 1}', r"unknown fields \['colour'\]"),
     ]:
         path.write_text(line + "\n")

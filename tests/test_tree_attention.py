@@ -304,6 +304,37 @@ def test_rows_without_diagonal_follow_the_mask_literally(kernel_backend, prefix)
         torch.testing.assert_close(out[0, :, 2], row_2, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("backend", ["torch", "fused", "triton"])
+@pytest.mark.parametrize("mask_kind", ["causal", "random"])
+def test_strided_lengths_read_like_contiguous_ones(monkeypatch, backend, mask_kind):
+    """`cache_lens` and `q_lens` as strided views of larger int32 tensors (every other element,
+    the ones between them wrong lengths) give exactly the result of contiguous copies."""
+    monkeypatch.setenv("SPECDEC_BACKEND", backend)
+    generator = torch.Generator().manual_seed(11)
+    prefixes, live, num_new = [5, 11, 2], [3, 1, 2], 3
+    q = torch.randn(3, 4, num_new, 16, generator=generator)
+    k_cache, v_cache = make_cache(3, 2, 16, 16, FP32, "layered", generator)
+    tree = None
+    if mask_kind == "random":
+        masks = [ancestor_mask(random_parents(num_new, "random", generator)) for _ in prefixes]
+        tree = pack_tree_mask(torch.stack(masks))
+
+    def every_other(values):
+        spread = torch.full((2 * len(values),), 9, dtype=torch.int32)
+        spread[::2] = torch.tensor(values, dtype=torch.int32)
+        return spread[::2]
+
+    cache_lens, q_lens = every_other(prefixes), every_other(live)
+    assert not cache_lens.is_contiguous() and not q_lens.is_contiguous()
+    out = tree_attention(q, k_cache, v_cache, cache_lens, tree, q_lens)
+    dense = tree_attention(q, k_cache, v_cache, cache_lens.contiguous(), tree, q_lens.contiguous())
+    torch.testing.assert_close(out, dense, rtol=0, atol=0)
+    reference = tree_attention_reference(
+        q, k_cache, v_cache, cache_lens.contiguous(), tree, q_lens.contiguous()
+    )
+    torch.testing.assert_close(out, reference, rtol=1e-5, atol=1e-5)
+
+
 def test_empty_batch_and_zero_live_rows(kernel_backend):
     k_cache, v_cache = torch.randn(2, 2, 1, 8, 16)
     empty = tree_attention(

@@ -499,7 +499,7 @@ INVALID = [
     (_put(top_p=torch.tensor([0.5, 1.0, float("nan")])), r"top_p\[2\] = nan: expected"),
     (_put(top_k=-1), r"top_k: expected an int >= 0 \(0: off\), got -1"),
     (_put(top_k=2.5), r"top_k: expected an int >= 0"),
-    (_put(top_k=torch.tensor([0, -2, 3])), r"top_k\[1\] = -2: expected >= 0"),
+    (_put(top_k=torch.tensor([0, -2, 3])), r"top_k\[1\] = -2: expected an int >= 0"),
     (_put(top_k=torch.tensor([0.0, 2.0, 3.0])), r"top_k: expected dtype in \(int32, int64\)"),
     (_put(seed="7"), r"seed: expected an int64, an int \[B\] tensor or an int64 \[B, N\] tensor"),
     (_set("logits", (2, 3, 4), float("nan")), r"logits\[2, 3\]: expected finite values .* 1 NaN"),
@@ -524,6 +524,55 @@ def test_invalid_inputs_are_clear_errors(monkeypatch, backend, change, message):
     change(inputs)
     with pytest.raises(ValueError, match=message):
         verify(**inputs)
+
+
+def _chain_probs(change):
+    """A chain's valid draft probabilities (the root's row unused: zeros), then `change`."""
+
+    def apply(inputs):
+        probs = torch.softmax(torch.randn(inputs["logits"].shape), dim=-1)
+        probs[:, 0] = 0.0
+        change(probs)
+        inputs["draft_probs"] = probs
+
+    return apply
+
+
+def _entry(index, value):
+    return lambda probs: probs.__setitem__(index, value)
+
+
+BAD_DRAFT_PROBS = [
+    (_entry((1, 2, 4), -0.25), r"draft_probs\[1, 2\]: expected finite, >= 0 .* 1 negative"),
+    (_entry((0, 3, 0), float("nan")), r"draft_probs\[0, 3\]: expected .* got 1 NaN"),
+    (_entry((2, 1, 5), float("inf")), r"draft_probs\[2, 1\]: expected finite"),
+    (lambda probs: probs[0, 4].mul_(1.5), r"draft_probs\[0, 4\]: expected .* sum 1.5"),
+    (lambda probs: probs[0, 1].zero_(), r"draft_probs\[0, 1\]: expected .* sum 0"),
+]
+
+
+@pytest.mark.parametrize(("change", "message"), BAD_DRAFT_PROBS, ids=range(len(BAD_DRAFT_PROBS)))
+@pytest.mark.parametrize("backend", ("torch", "triton", "fused"))
+def test_draft_probs_must_be_distributions(monkeypatch, backend, change, message):
+    """Negative or NaN draft probabilities would make every draft pass `u * q < p` (no longer
+    lossless): rows of existing nodes after the root are checked, on every backend."""
+    monkeypatch.setenv("SPECDEC_BACKEND", backend)
+    inputs = valid_inputs(chain=True)
+    _chain_probs(change)(inputs)
+    with pytest.raises(ValueError, match=message):
+        verify(**inputs, temperature=0.8, seed=1)
+
+
+def test_draft_probs_tolerance_admits_16_bit_rounding():
+    inputs = valid_inputs(chain=True)
+    _chain_probs(lambda probs: None)(inputs)
+    inputs["draft_probs"] = inputs["draft_probs"].to(torch.bfloat16)
+    inputs["logits"] = inputs["logits"].to(torch.bfloat16)
+    inputs["draft_probs"][:, 1:, 0] += 0.005  # within bf16's 1e-2
+    verify(**inputs, temperature=0.8, seed=1)
+    inputs["draft_probs"][:, 1:, 0] += 0.02
+    with pytest.raises(ValueError, match=r"draft_probs\[0, 1\]: expected"):
+        verify(**inputs, temperature=0.8, seed=1)
 
 
 @pytest.mark.parametrize("backend", ("torch", "triton", "fused"))

@@ -2,6 +2,7 @@
 
 from .base import Drafter, DraftState, Proposal, StepOutcome, pack_trees
 from .block import BlockDrafter, PardDraft
+from .checks import DrafterError
 from .draft_model import DraftModelDrafter
 from .eagle import EagleDrafter
 from .medusa import MedusaDrafter
@@ -13,6 +14,7 @@ __all__ = [
     "DraftModelDrafter",
     "DraftState",
     "Drafter",
+    "DrafterError",
     "EagleDrafter",
     "MedusaDrafter",
     "NGramDrafter",

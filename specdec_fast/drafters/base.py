@@ -13,8 +13,9 @@ One speculative step, as the engine runs it (DESIGN.md, "Data flow of one step")
 A drafter is any object with these members (subclass `Drafter` for the defaults):
 
 - `max_nodes: int`: the tree budget N, the tokens verified per step with the root included
-  (>= 2), so the verify forward has at most N tokens. Chains are sized by the tokens they
-  draft, k: a chain of k tokens is a tree of N = k + 1 nodes (`DraftModelDrafter(num_tokens=k)`).
+  (2 to 128, tree attention's limit), so the verify forward has at most N tokens. Chains are
+  sized by the tokens they draft, k: a chain of k tokens is a tree of N = k + 1 nodes
+  (`DraftModelDrafter(num_tokens=k)`).
 - `max_depth: int`: the deepest level a proposal may reach (a chain of k tokens has depth k),
   at most N - 1.
 - `hidden_layers: tuple[int, ...]`: target layers whose hidden states the drafter reads (-1 is the
@@ -35,6 +36,10 @@ Drafters never read device tensors back to the host: what a step's outcome means
 (emitted tokens, the accepted node indices, the drafted counts) comes with the outcome, read
 once by the engine, and host data goes up with `specdec_fast.transfer.to_device`.
 - `end()`: the batch is done (a drafter with a global store may learn from the outputs here).
+- `proposals_valid: bool` (optional, default False): the drafter's proposals are valid trees by
+  construction, so the engine checks only their shapes (see `Drafter`). A malformed proposal
+  never reaches the target: `generate` raises `DrafterError` naming the drafter
+  (`specdec_fast.drafters.checks`).
 
 Proposals of deterministic drafters (n-gram, suffix, Medusa, EAGLE, top-k draft trees) carry no
 draft probabilities; a chain sampled from a draft model carries `draft_probs` so that verification
@@ -49,6 +54,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from specdec_fast.kernels.tree_attention import MAX_TREE_NODES
 from specdec_fast.transfer import to_device
 
 PAD_PARENT = -2
@@ -63,11 +69,15 @@ class Proposal:
         -2 for padding.
     draft_probs: optional float [B, N, V], chains only: row i is the draft distribution node i's
         token was sampled from.
+    malformed: set by the proposal checks (`specdec_fast.drafters.checks.screen`), never by a
+        drafter: bool [B] on the device, the rows whose tree broke a rule and was replaced by
+        the root alone; read back with the step (`StepOutcome.malformed`).
     """
 
     tokens: torch.Tensor
     parents: torch.Tensor
     draft_probs: torch.Tensor | None = None
+    malformed: torch.Tensor | None = None
 
     @property
     def num_nodes(self) -> int:
@@ -117,6 +127,8 @@ class StepOutcome:
     accepted_paths: per row, the accepted path's node indices after the root, on the host
         (read back with the emitted tokens: a drafter needs no read of its own to follow it).
     drafted: per row, the draft nodes the tree offered (root excluded), on the host.
+    malformed: the rows whose proposal the checks replaced by the root alone (see
+        `Proposal.malformed`), on the host; empty when the proposal was not screened or passed.
     """
 
     proposal: Proposal
@@ -127,17 +139,31 @@ class StepOutcome:
     hidden: dict[int, torch.Tensor] = field(default_factory=dict)
     accepted_paths: list[list[int]] = field(default_factory=list)
     drafted: list[int] = field(default_factory=list)
+    malformed: list[int] = field(default_factory=list)
 
 
 class Drafter:
-    """Base class with the protocol's defaults; subclasses implement `propose`."""
+    """Base class with the protocol's defaults; subclasses implement `propose`.
+
+    `proposals_valid`: whether every proposal is a valid tree by construction (tokens in the
+    vocabulary, parents topological, draft probabilities distributions). The engine screens the
+    values of every proposal of a drafter that does not declare it, with a few device ops per
+    step and no read of its own (`specdec_fast.drafters.checks`); the built-in drafters declare
+    it, and tests/test_drafter_checks.py runs them screened.
+    """
 
     hidden_layers: tuple[int, ...] = ()
+    proposals_valid: bool = False
 
     def __init__(self, max_nodes: int, max_depth: int | None = None):
         if max_nodes < 2:
             raise ValueError(
                 f"max_nodes must be >= 2 (tokens verified per step, root included), got {max_nodes}"
+            )
+        if max_nodes > MAX_TREE_NODES:
+            raise ValueError(
+                f"max_nodes must be <= {MAX_TREE_NODES} (tree attention verifies at most "
+                f"{MAX_TREE_NODES} nodes per step, root included), got {max_nodes}"
             )
         max_depth = max_nodes - 1 if max_depth is None else max_depth
         if not 1 <= max_depth < max_nodes:

@@ -48,7 +48,7 @@ from specdec_fast.heads.checkpoint import (
     resolve_folder,
 )
 from specdec_fast.kernels import pack_tree_mask
-from specdec_fast.kernels.tree_attention import MAX_TREE_NODES, run_tree_attention
+from specdec_fast.kernels.tree_attention import run_tree_attention
 from specdec_fast.loading import quiet_transformers
 from specdec_fast.runner import ModelRunner
 from specdec_fast.transfer import to_device
@@ -301,6 +301,9 @@ class BlockDrafter(Drafter):
         tree: "ddtree" (best-first tree by product of marginals) or "chain".
     """
 
+    # Valid trees by construction (tests/test_drafter_checks.py): values go unchecked.
+    proposals_valid = True
+
     def __init__(self, model: DFlashHead | PardDraft, max_nodes: int = 16, tree: str = "ddtree"):
         if isinstance(model, DFlashHead):
             self.flavour: _FeatureBlock | _StandaloneBlock = _FeatureBlock(model)
@@ -318,8 +321,6 @@ class BlockDrafter(Drafter):
                 f"max_nodes={max_nodes}: a chain of {max_nodes - 1} tokens is longer than the "
                 f"block's {positions} positions"
             )
-        if max_nodes > MAX_TREE_NODES:
-            raise ValueError(f"max_nodes must be <= {MAX_TREE_NODES}, got {max_nodes}")
         super().__init__(max_nodes, min(positions, max_nodes - 1))
         self.model, self.tree = model, tree
         self.hidden_layers = self.flavour.hidden_layers

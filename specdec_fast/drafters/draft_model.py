@@ -9,6 +9,7 @@ import numpy as np
 import torch
 from transformers import PreTrainedModel
 
+from specdec_fast.kernels.tree_attention import MAX_TREE_NODES
 from specdec_fast.runner import ModelRunner
 from specdec_fast.transfer import to_device
 from specdec_fast.trees import StaticTree, parse_tree, sample_draft_tokens
@@ -109,6 +110,9 @@ class DraftModelDrafter(Drafter):
         draft_tokenizer, target_tokenizer: when given, their vocabularies must be identical.
     """
 
+    # Valid trees by construction (tests/test_drafter_checks.py): values go unchecked.
+    proposals_valid = True
+
     def __init__(
         self,
         draft_model: PreTrainedModel,
@@ -124,8 +128,11 @@ class DraftModelDrafter(Drafter):
         # The chain length k in chain mode, None in tree mode.
         self.num_tokens = num_tokens if tree is None else None
         if tree is None:
-            if num_tokens < 1:
-                raise ValueError(f"num_tokens must be >= 1 (tokens drafted), got {num_tokens}")
+            if not 1 <= num_tokens < MAX_TREE_NODES:
+                raise ValueError(
+                    f"num_tokens must be in [1, {MAX_TREE_NODES - 1}] (tokens drafted; with the "
+                    f"root, tree attention verifies at most {MAX_TREE_NODES}), got {num_tokens}"
+                )
             super().__init__(num_tokens + 1, num_tokens)
         else:
             super().__init__(tree.num_nodes, tree.max_depth)

@@ -75,6 +75,9 @@ class SuffixDrafter(Drafter):
     max_depth: longest continuation (default: min(max_nodes - 1, 16)).
     """
 
+    # Valid trees by construction (tests/test_drafter_checks.py): values go unchecked.
+    proposals_valid = True
+
     def __init__(
         self,
         max_nodes: int = 16,

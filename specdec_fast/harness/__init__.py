@@ -91,12 +91,9 @@ def bench(
     """
     from specdec_fast.loading import load_model, load_tokenizer, pick_device
 
-    name = model if isinstance(model, (str, Path)) else type(model).__name__
-    if isinstance(model, (str, Path)):
-        tokenizer = tokenizer or load_tokenizer(str(model))
-        model = load_model(str(model), pick_device(device), dtype)
-    if tokenizer is None:
-        raise ValueError("tokenizer: required when `model` is a loaded model")
+    # The inputs given as files are read first: a bad one fails before the model loads.
+    if out is not None and Path(out).exists() and not Path(out).is_dir():
+        raise ValueError(f"out: {out} exists and is not a folder")
     if prompts is None:
         prompts_file, records = str(DEFAULT_PROMPTS), default_prompts(per_task)
     elif isinstance(prompts, (str, Path)):
@@ -105,6 +102,12 @@ def bench(
         prompts_file, records = "(given)", first_per_task(list(prompts), per_task)
     if isinstance(guardrails, (str, Path)):
         guardrails = Guardrails.from_yaml(Path(guardrails))
+    name = model if isinstance(model, (str, Path)) else type(model).__name__
+    if isinstance(model, (str, Path)):
+        tokenizer = tokenizer or load_tokenizer(str(model))
+        model = load_model(str(model), pick_device(device), dtype)
+    if tokenizer is None:
+        raise ValueError("tokenizer: required when `model` is a loaded model")
     config = BenchConfig(
         drafters=list(drafters),
         sizes=list(k),

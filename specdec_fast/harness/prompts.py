@@ -22,7 +22,9 @@ import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from specdec_fast.files import FileFormatError
 from specdec_fast.harness.checks import validate_check
+from specdec_fast.kernels.validation import check_sampling_scalar
 from specdec_fast.prompts import DATA_DIR
 from specdec_fast.text import check_messages
 
@@ -81,14 +83,12 @@ def parse_record(values: dict, where: str) -> PromptRecord:
     if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 1):
         raise ValueError(f"{where}.max_new_tokens: expected a positive integer, got {limit!r}")
     record.max_new_tokens = limit
-    temperature = values.get("temperature", 0.0)
-    if (
-        isinstance(temperature, bool)
-        or not isinstance(temperature, (int, float))
-        or (temperature < 0)
-    ):
-        raise ValueError(f"{where}.temperature: expected a number >= 0, got {temperature!r}")
-    record.temperature = float(temperature)
+    try:
+        record.temperature = float(
+            check_sampling_scalar("temperature", values.get("temperature", 0.0))
+        )
+    except ValueError as error:
+        raise ValueError(f"{where}.{error}") from None
     check = values.get("check")
     if check is not None:
         if not isinstance(check, str):
@@ -104,8 +104,12 @@ def parse_record(values: dict, where: str) -> PromptRecord:
 
 def load_prompts(path: str | Path) -> list[PromptRecord]:
     """The prompts of a JSONL file (blank lines skipped); errors name the file and line."""
+    try:
+        text = Path(path).read_text()
+    except (OSError, UnicodeDecodeError) as error:
+        raise FileFormatError(f"{path}: cannot read the prompts: {error}") from None
     records = []
-    for number, line in enumerate(Path(path).read_text().splitlines(), start=1):
+    for number, line in enumerate(text.splitlines(), start=1):
         if not line.strip():
             continue
         where = f"{Path(path).name}:{number}"

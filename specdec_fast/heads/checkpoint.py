@@ -13,9 +13,16 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 from torch import nn
 
+from specdec_fast.files import (
+    FileFormatError,
+    check_config_fields,
+    read_json,
+    read_safetensors_file,
+    read_torch,
+)
 from specdec_fast.loading import resolve_path
 
 CONFIG_NAME = "config.json"
@@ -30,7 +37,7 @@ def read_config(folder: Path) -> dict:
     path = folder / CONFIG_NAME
     if not path.is_file():
         raise ValueError(f"{folder}: no {CONFIG_NAME}")
-    return json.loads(path.read_text())
+    return check_config_fields(read_json(path), path)
 
 
 def read_weights(folder: Path, names: Sequence[str]) -> dict[str, torch.Tensor]:
@@ -40,12 +47,7 @@ def read_weights(folder: Path, names: Sequence[str]) -> dict[str, torch.Tensor]:
         path = folder / name
         if not path.is_file():
             continue
-        if name.endswith(".safetensors"):
-            return load_file(str(path))
-        state = torch.load(path, map_location="cpu", weights_only=True)
-        if not isinstance(state, dict):
-            raise ValueError(f"{path}: expected a state dict, got {type(state).__name__}")
-        return state
+        return read_safetensors_file(path) if name.endswith(".safetensors") else read_torch(path)
     raise ValueError(f"{folder}: no weights file (looked for {', '.join(names)})")
 
 
@@ -58,10 +60,14 @@ def read_safetensors(folder: Path) -> dict[str, torch.Tensor]:
     `model.safetensors.index.json` lists; nothing but safetensors is read."""
     single, index = folder / SAFETENSORS_NAME, folder / SAFETENSORS_INDEX
     if single.is_file():
-        return load_file(str(single))
+        return read_safetensors_file(single)
     if not index.is_file():
         raise ValueError(f"{folder}: no {SAFETENSORS_NAME} nor {SAFETENSORS_INDEX}")
-    shards = sorted(set(json.loads(index.read_text()).get("weight_map", {}).values()))
+    listing = read_json(index)
+    weight_map = listing.get("weight_map") if isinstance(listing, dict) else None
+    if not isinstance(weight_map, dict):
+        raise FileFormatError(f"{index}: field 'weight_map': expected an object of shard names")
+    shards = sorted(set(weight_map.values()))
     if not shards:
         raise ValueError(f"{index}: its weight_map lists no shard")
     state = {}
@@ -69,7 +75,7 @@ def read_safetensors(folder: Path) -> dict[str, torch.Tensor]:
         path = folder / shard
         if not path.is_file():
             raise ValueError(f"{index}: shard {shard} is missing")
-        state.update(load_file(str(path)))
+        state.update(read_safetensors_file(path))
     return state
 
 

@@ -15,6 +15,8 @@ import torch
 import torch.nn.functional as F
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from specdec_fast.files import read_torch
+
 from .data import batch_at_step
 from .progress import StepLog
 
@@ -117,7 +119,7 @@ def _save_checkpoint(path: Path, model, optimizer, step: int, settings, config) 
 
 
 def _load_checkpoint(path: Path, model, optimizer, settings, config) -> int:
-    state = torch.load(path, map_location="cpu", weights_only=True)
+    state = read_torch(path)
     if state["config"] != config.to_dict():
         raise ValueError(f"{path}: the checkpoint's model config differs from this run's")
     if state["settings"] != dataclasses.asdict(settings):
