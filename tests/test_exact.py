@@ -89,23 +89,34 @@ def test_speculative_equals_plain_bitwise(models, draft_model, kind, batch_size)
 
 
 def test_default_mode_diverges(models, draft_model):
-    """The same setup without exact mode: bf16 near-ties flip between a decode step and a tree."""
-    model = models["llama"]
+    """The same models, prompts and drafters without exact mode: bf16 near-ties flip between a
+    decode step and a tree (at batch 1 on this project's CPU they happen not to; batches of 4
+    and 8 diverge on a prompt or two per model)."""
     divergences = 0
-    for batch_size in (1, 4):
-        plain = outputs(model, None, batch_size, exact=False)
-        for drafter in drafters(draft_model).values():
-            divergences += differing(plain, outputs(model, drafter, batch_size, exact=False))
+    for model in models.values():
+        for batch_size in (4, 8):
+            plain = outputs(model, None, batch_size, exact=False)
+            for drafter in drafters(draft_model).values():
+                divergences += differing(plain, outputs(model, drafter, batch_size, exact=False))
     assert divergences > 0
 
 
 def test_exact_mode_leaves_the_model_as_it_was(models):
+    """Closing the runner restores the attention and every layer's forward, an instance
+    `forward` set before (as accelerate's hooks set one) included."""
     model = models["llama"]
     attention = model.config._attn_implementation
-    with ModelRunner(model, 64, exact=True) as runner:
-        assert runner.exact and not runner.compile
-        assert "forward" in model.lm_head.__dict__
-    assert model.config._attn_implementation == attention
+    own_forward = model.model.norm.forward
+    model.model.norm.forward = own_forward
+    try:
+        with ModelRunner(model, 64, exact=True) as runner:
+            assert runner.exact and not runner.compile
+            assert "forward" in model.lm_head.__dict__
+            assert model.model.norm.__dict__["forward"] is not own_forward
+        assert model.config._attn_implementation == attention
+        assert model.model.norm.__dict__["forward"] is own_forward
+    finally:
+        del model.model.norm.forward
     assert not any("forward" in module.__dict__ for module in model.modules())
 
 
