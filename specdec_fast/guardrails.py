@@ -373,7 +373,7 @@ class GuardedDrafter(WrappedDrafter):
         if self._active:
             try:
                 proposal = self.inner.propose(state)
-                _check_proposal(proposal, state.batch_size, self.inner.max_nodes)
+                check_proposal(proposal, state.batch_size, self.inner.max_nodes)
                 self._speculated = True
                 return proposal
             except Exception as error:  # noqa: BLE001
@@ -421,7 +421,7 @@ class GuardedDrafter(WrappedDrafter):
         return f"GuardedDrafter({self.inner!r}, route={route!r})"
 
 
-def _check_proposal(proposal: Proposal, batch: int, max_nodes: int) -> None:
+def check_proposal(proposal: Proposal, batch: int, max_nodes: int) -> None:
     """Shape checks that need no device read: a malformed tree would fail the verify step."""
     tokens, parents = proposal.tokens, proposal.parents
     if tokens.dim() != 2 or tokens.shape[0] != batch or not 1 <= tokens.shape[1] <= max_nodes:
