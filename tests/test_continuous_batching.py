@@ -450,3 +450,43 @@ def test_one_host_read_per_decode_step(code_model, code_prompts, spec, extra):
     per_step = (long_reads - short_reads) / (long_steps - short_steps)
     assert per_step <= 1 + extra, records[-20:]
     assert sum(1 for kind, _, _ in records if kind == "to_host") >= long_steps
+
+
+@pytest.mark.slow
+def test_compiled_steps_serve_joins_and_compile_once():
+    """With compiled steps, rows joining through prefill chunks of every width and batches of
+    every size reuse the graphs of the first wave: a second wave compiles nothing, and every
+    output is `generate()`'s."""
+    from torch._dynamo.utils import counters
+
+    model = tiny_llama(VOCAB, seed=14)
+    prompts = repetitive_prompts([5, 17, 9, 12, 3, 22, 8, 14], VOCAB, seed=15)
+    scheduler = Scheduler(
+        model,
+        {"ngram": NGramDrafter(max_nodes=6), "plain": None},
+        max_batch=3,
+        prefill_chunk=6,
+        eos_token_id=[],
+        compile=True,
+    )
+    waves = []
+    for wave in range(2):
+        before = counters["stats"]["unique_graphs"]
+        arrivals = [
+            (
+                2 * i,
+                {"prompt": p, "max_new_tokens": 8 + i + wave, "route": ("plain", "ngram")[i % 2]},
+            )
+            for i, p in enumerate(prompts)
+        ]
+        waves.append(
+            (run_scripted(scheduler, arrivals), counters["stats"]["unique_graphs"] - before)
+        )
+    scheduler.close()
+    assert waves[0][1] > 0 and waves[1][1] == 0
+    for wave, (handles, _) in enumerate(waves):
+        for i, (handle, prompt) in enumerate(zip(handles, prompts, strict=True)):
+            out = generate(
+                model, [prompt], drafter=None, max_new_tokens=8 + i + wave, eos_token_id=[]
+            )
+            assert handle.completion.tokens == out.sequences[0][len(prompt) :].tolist()

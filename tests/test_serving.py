@@ -19,12 +19,13 @@ import torch
 import uvicorn
 
 from specdec_fast import bundled, generate
+from specdec_fast.cli import main
 from specdec_fast.guardrails import Guardrails
 from specdec_fast.harness.prompts import PromptRecord
 from specdec_fast.loading import load_model, load_tokenizer
 from specdec_fast.serving.loadgen import LoadConfig, run_sweep, write_serving_report
 from specdec_fast.serving.protocol import TextStream
-from specdec_fast.serving.routes import ROUTE_HEADER, RouteConfig, server_routes
+from specdec_fast.serving.routes import ROUTE_HEADER, RouteConfig, load_routes, server_routes
 from specdec_fast.serving.server import ServingEngine, create_app
 from specdec_fast.text import decode, encode_prompt, stop_token_ids
 
@@ -401,3 +402,57 @@ def test_a_short_qps_sweep_writes_its_report(server, tmp_path):
         assert cell["quality"]["greedy_exact_matches"] == cell["quality"]["greedy_prompts"] == 5
         assert cell["metrics"]["acceptance_rate"] is not None
     assert (tmp_path / "speedup_vs_concurrency.png").exists()
+
+
+def test_bench_url_on_the_command_line(server, tmp_path):
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(
+        "\n".join(json.dumps({"prompt": p, "task": "code", "max_new_tokens": 6}) for p in PROMPTS)
+    )
+    argv = ["bench", "--url", server.url, "--qps", "8", "--duration", "0.5", "--num-requests"]
+    argv += ["3", "--prompts", str(prompts), "--route", "canary", "--out", str(tmp_path / "out")]
+    assert main(argv) == 0
+    report = json.loads((tmp_path / "out" / "report.json").read_text())
+    assert report["config"]["drafters"] == ["canary"] and report["config"]["batches"] == [8]
+    assert report["integrity"]["8"]["canary"]["completed"] == 3
+
+
+def test_serve_builds_its_routes_guardrails_and_template(monkeypatch, tmp_path):
+    routes = tmp_path / "routes.yaml"
+    routes.write_text("routes:\n  code: {drafter: 'suffix:8', canary: 0.25, aliases: [coder]}\n")
+    guardrails = tmp_path / "guardrails.yaml"
+    guardrails.write_text(GUARDRAILS.replace("faulty", "code"))
+    template = tmp_path / "template.jinja"
+    template.write_text(TEMPLATE)
+    started = {}
+    monkeypatch.setattr(uvicorn, "run", lambda app, **options: started.update(app=app, **options))
+    argv = ["serve", "--drafter", "none", "--routes", str(routes), "--guardrails", str(guardrails)]
+    argv += ["--chat-template", str(template), "--port", "8123", "--max-batch", "2"]
+    assert main(argv) == 0
+    engine = started["app"].state.engine
+    try:
+        assert started["port"] == 8123 and started["host"] == "127.0.0.1"
+        assert set(engine.router.routes) == {"default", "plain", "code"}
+        assert engine.router.resolve("coder", None) == "code"
+        assert engine.router.resolve("tiny-code", None) == "default"
+        assert engine.scheduler.lanes["code"].guard.policy.min_window_steps == 1
+        assert engine.scheduler.lanes["default"].drafter is None
+        assert engine.scheduler.max_batch == 2 and engine.tokenizer.chat_template == TEMPLATE
+    finally:
+        engine.close()
+
+
+@pytest.mark.parametrize(
+    ("text", "match"),
+    [
+        ("routes:\n  a: {drafter: ngram, mood: shadow}\n", "routes.a.mood: unknown field"),
+        ("routes:\n  a: {drafter: ngram, mode: sometimes}\n", "routes.a.mode"),
+        ("routes:\n  a: {drafter: ngram, canary: 2}\n", "routes.a.canary"),
+        ("routes:\n  a: {drafter: 'nonsense:1'}\n", "drafter spec"),
+        ("routes:\n  plain: {drafter: ngram}\n", "reserved"),
+        ("nothing: here\n", "top-level `routes`"),
+    ],
+)
+def test_bad_route_files_name_the_field(text, match):
+    with pytest.raises(ValueError, match=match):
+        server_routes("ngram", load_routes(text))

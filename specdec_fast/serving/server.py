@@ -159,6 +159,7 @@ def create_app(engine: ServingEngine) -> FastAPI:
             engine.close()
 
     app = FastAPI(title="specdec-fast", lifespan=lifespan)
+    app.state.engine = engine
 
     @app.exception_handler(RequestError)
     async def request_error(request: Request, error: RequestError):
