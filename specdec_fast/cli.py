@@ -215,6 +215,12 @@ def _add_bench(sub) -> None:
         help="SLOs in ms that goodput counts, e.g. ttft:500,tpot:50,e2e:5000 (none)",
     )
     served.add_argument("--seed", type=int, default=0, help="of the arrival times (0)")
+    served.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="segments per level, the routes taking turns segment by segment (1)",
+    )
 
 
 def _rate_list(text: str) -> list[float]:
@@ -259,6 +265,7 @@ def run_served_bench(args: argparse.Namespace) -> int:
         max_new_tokens=args.max_new_tokens,
         goodput=args.goodput,
         seed=args.seed,
+        rounds=args.rounds,
     )
     report = run_sweep(
         config,

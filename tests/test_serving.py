@@ -372,6 +372,13 @@ def test_text_stream_holds_back_partial_text_and_cuts_at_a_stop():
     plain = TextStream(tokenizer, [])
     text = "".join(plain.push([token]) for token in ids) + plain.flush()
     assert text == "result = compute(x) # STOP here" and not plain.stopped
+    # Characters split across byte-level tokens come out whole, never as U+FFFD.
+    wide = "naïve café: 3 × 4 ≤ 12 ✓ — done"
+    ids = tokenizer.encode(wide, add_special_tokens=False)
+    assert any("\ufffd" in tokenizer.decode([token]) for token in ids)  # split characters
+    stream = TextStream(tokenizer, ["done"])
+    pieces = [stream.push(ids[i : i + 2]) for i in range(0, len(ids), 2)] + [stream.flush()]
+    assert "".join(pieces) == wide[: wide.index("done")] and "\ufffd" not in "".join(pieces)
 
 
 def test_a_short_qps_sweep_writes_its_report(server, tmp_path):
@@ -379,11 +386,15 @@ def test_a_short_qps_sweep_writes_its_report(server, tmp_path):
         PromptRecord(prompt=text, task="code", max_new_tokens=8, id=f"p{i}", check="python")
         for i, text in enumerate(PROMPTS[:3])
     ]
-    config = LoadConfig(url=server.url, qps=[4, 8], duration=1.0, num_requests=5, seed=3)
-    lines = []
-    report = run_sweep(config, prompts, "(test prompts)", lines.append)
+    config = LoadConfig(url=server.url, qps=[4, 8], duration=1.0, num_requests=5, seed=3, rounds=2)
+    lines, between = [], []
+    report = run_sweep(
+        config, prompts, "(test prompts)", lines.append, lambda q, k: between.append((q, k))
+    )
     files = write_serving_report(report, tmp_path)
-    assert len(lines) == 4  # two levels, each on the plain and the default route
+    # Two levels, in two rounds each, on the plain and the default route in turn.
+    assert len(lines) == 8 and "round 2/2 default" in lines[3]
+    assert between == [(4, 0), (4, 1), (8, 0), (8, 1)]
     markdown = (tmp_path / "report.md").read_text()
     assert "## Served traffic" in markdown and "| QPS |" in markdown
     saved = json.loads((tmp_path / "report.json").read_text())
@@ -393,13 +404,17 @@ def test_a_short_qps_sweep_writes_its_report(server, tmp_path):
     for level in ("4", "8"):
         for route in ("plain", "default"):
             checks = saved["integrity"][level][route]
-            assert checks["completed"] == checks["requests"] == 5
+            assert checks["completed"] == checks["requests"] == 6  # 3 per round
             assert checks["lost"] == checks["unaccounted"] == checks["wrong_ids"] == 0
             assert checks["inconsistent_outputs"] == 0
             metrics = saved["serving"][level][route]
             assert metrics["tpot_s"]["p50"] > 0 and metrics["ttft_s"]["p99"] > 0
+            # The server's step counters over the level: where its time went.
+            busy = metrics["scheduler"]
+            assert 0 < busy["decode_share"] < 1 and 0 < busy["prefill_share"] < 1
+            assert busy["prefill_tokens"] > 0 and sum(busy["decode_steps_by_batch"].values()) > 0
         cell = next(c for c in saved["cells"] if c["batch"] == int(level))
-        assert cell["quality"]["greedy_exact_matches"] == cell["quality"]["greedy_prompts"] == 5
+        assert cell["quality"]["greedy_exact_matches"] == cell["quality"]["greedy_prompts"] == 6
         assert cell["metrics"]["acceptance_rate"] is not None
     assert (tmp_path / "speedup_vs_concurrency.png").exists()
 

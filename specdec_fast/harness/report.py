@@ -241,24 +241,31 @@ def _serving_tables(report: dict) -> list[str]:
         "",
         "| QPS | route | requests | tok/s | req/s | goodput req/s | concurrency | TTFT ms "
         "p50/p95/p99 | TPOT ms p50/p95/p99 | ITL ms p50/p95/p99 | E2E ms p50/p95/p99 | accept "
-        "| tok/step | errors |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| tok/step | errors | decoding / prefilling |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for level, routes in report["serving"].items():
         for route, m in routes.items():
+            busy = m.get("scheduler", {})
+            shares = (
+                f"{_f(busy.get('decode_share'), '.0%')} / {_f(busy.get('prefill_share'), '.0%')}"
+            )
             lines.append(
                 f"| {level} | {route} | {m['requests']} | {_f(m['tokens_per_second'], '.1f')} "
                 f"| {_f(m['requests_per_second'])} | {_f(m['goodput_requests_per_second'])} "
                 f"| {_f(m['mean_concurrency'])} | {_ms(m['ttft_s'])} | {_ms(m['tpot_s'])} "
                 f"| {_ms(m['itl_s'])} | {_ms(m['e2e_s'])} | {_f(m['acceptance_rate'])} "
-                f"| {_f(m['mean_accepted_tokens_per_step'])} | {_f(m['error_rate'], '.3f')} |"
+                f"| {_f(m['mean_accepted_tokens_per_step'])} | {_f(m['error_rate'], '.3f')} "
+                f"| {shares} |"
             )
     slo = report["config"].get("goodput_slo_s") or {}
     lines += [
         "",
         "Goodput counts completed requests meeting "
         + (", ".join(f"{k} <= {v * 1e3:g} ms" for k, v in slo.items()) or "no SLO (all of them)")
-        + ". Acceptance comes from the server's spec-decode counters over the level.",
+        + ". Acceptance comes from the server's spec-decode counters over the level; decoding "
+        "/ prefilling: the share of the level's time the scheduler spent in decode steps and in "
+        "feeding newcomers' prompts.",
         "",
         "| QPS | route | requests | completed | errors (refused) | lost | unaccounted | wrong ids "
         "| inconsistent greedy outputs |",

@@ -10,6 +10,7 @@ from specdec_fast.serving.scheduler import (
     RouteCounters,
     Scheduler,
     SchedulerStopped,
+    StepCounters,
 )
 
 __all__ = [
@@ -20,4 +21,5 @@ __all__ = [
     "RouteCounters",
     "Scheduler",
     "SchedulerStopped",
+    "StepCounters",
 ]

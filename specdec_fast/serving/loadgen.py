@@ -63,7 +63,10 @@ class LoadConfig:
     of arrivals per level; num_requests: or this many requests per level (whichever ends
     first when both are given). routes: the speculative routes to measure; baseline: the route
     with speculation off. max_new_tokens: for prompts without their own. goodput: SLOs in
-    seconds by metric ("ttft", "tpot", "e2e"). seed: of the arrival times.
+    seconds by metric ("ttft", "tpot", "e2e"). seed: of the arrival times. rounds: each level is
+    run in this many segments (of `duration / rounds` seconds, `num_requests / rounds` requests),
+    the routes taking turns segment by segment, so that a drifting machine affects them alike
+    (segment k draws its arrivals with seed + k).
     """
 
     url: str
@@ -76,6 +79,7 @@ class LoadConfig:
     goodput: dict[str, float] = field(default_factory=dict)
     seed: int = 0
     noise_floor: float = 0.05
+    rounds: int = 1
 
     def __post_init__(self) -> None:
         if not self.qps or any(not 0 < q < math.inf for q in self.qps):
@@ -86,6 +90,8 @@ class LoadConfig:
             raise ValueError(f"duration: expected seconds > 0, got {self.duration}")
         if self.num_requests is not None and self.num_requests < 1:
             raise ValueError(f"num_requests: expected >= 1, got {self.num_requests}")
+        if self.rounds < 1:
+            raise ValueError(f"rounds: expected >= 1, got {self.rounds}")
         unknown = set(self.goodput) - {"ttft", "tpot", "e2e"}
         if unknown:
             raise ValueError(f"goodput: unknown metrics {sorted(unknown)}; known: ttft, tpot, e2e")
@@ -187,18 +193,26 @@ async def _request(
 
 async def _scrape(client: httpx.AsyncClient, url: str) -> dict:
     """From `/metrics`: per route its spec-decode counters and ended requests
-    ({route: {name: value, "ended": n, "positions": {p: n}}}), and "rejected": requests the
-    server refused (429/503)."""
+    ({route: {name: value, "ended": n, "positions": {p: n}}}); "rejected": requests the server
+    refused (429/503); the scheduler's time: "decode" {B: [steps, seconds]}, "prefill_seconds",
+    "prefill_tokens"."""
     reply = await client.get(url + "/metrics")
     reply.raise_for_status()
     routes: dict[str, dict] = {}
-    rejected = 0.0
+    out = {"routes": routes, "rejected": 0.0, "decode": {}, "prefill_seconds": 0.0}
+    out["prefill_tokens"] = 0.0
     names = {f"{metric}_total": key for key, metric in SPEC_COUNTERS.items()}
     names[f"{ENDED}_total"] = "ended"
     for family in text_string_to_metric_families(reply.text):
         for sample in family.samples:
-            if sample.name == f"{REJECTED}_total":
-                rejected += sample.value
+            name = sample.name.removesuffix("_total")
+            if name == REJECTED:
+                out["rejected"] += sample.value
+            elif name in ("specdec_prefill_seconds", "specdec_prefill_tokens"):
+                out[name.removeprefix("specdec_")] += sample.value
+            elif name in ("specdec_decode_steps", "specdec_decode_step_seconds"):
+                steps = out["decode"].setdefault(int(sample.labels["batch"]), [0.0, 0.0])
+                steps[name == "specdec_decode_step_seconds"] += sample.value
             route = sample.labels.get("route")
             if route is None:
                 continue
@@ -208,7 +222,7 @@ async def _scrape(client: httpx.AsyncClient, url: str) -> dict:
                 counters[key] = counters.get(key, 0.0) + sample.value
             elif sample.name == f"{PER_POSITION}_total":
                 counters["positions"][int(sample.labels["position"])] = sample.value
-    return {"routes": routes, "rejected": rejected}
+    return out
 
 
 async def _route_info(client: httpx.AsyncClient, url: str) -> dict[str, dict]:
@@ -223,11 +237,18 @@ async def run_level(
     prompts: Sequence[PromptRecord],
     qps: float,
     route: str,
+    segment: int = 0,
+    first: int = 0,
 ) -> tuple[list[RequestRecord], float, dict]:
-    """One level on one route: (records, wall seconds, spec-decode counter deltas)."""
-    times = arrival_times(qps, config.duration, config.num_requests, config.seed)
+    """One segment of a level on one route: (records, wall seconds, server counter deltas).
+    Requests are numbered from `first` (the number is their id and picks their prompt)."""
+    duration = None if config.duration is None else config.duration / config.rounds
+    count = None if config.num_requests is None else -(-config.num_requests // config.rounds)
+    times = arrival_times(qps, duration, count, config.seed + segment)
     before = await _scrape(client, config.url)
-    records = [RequestRecord(i, i % len(prompts), route, sent) for i, sent in enumerate(times)]
+    records = [
+        RequestRecord(i, i % len(prompts), route, sent) for i, sent in enumerate(times, first)
+    ]
     start = time.perf_counter()
 
     async def send(record: RequestRecord) -> None:
@@ -238,7 +259,12 @@ async def run_level(
     wall = time.perf_counter() - start
     after = await _scrape(client, config.url)
     delta = _delta(before["routes"].get(route, {}), after["routes"].get(route, {}))
-    delta["rejected"] = after["rejected"] - before["rejected"]
+    for key in ("rejected", "prefill_seconds", "prefill_tokens"):
+        delta[key] = after[key] - before[key]
+    delta["decode"] = {
+        batch: [a - b for a, b in zip(steps, before["decode"].get(batch, [0.0, 0.0]), strict=True)]
+        for batch, steps in sorted(after["decode"].items())
+    }
     return records, wall, delta
 
 
@@ -292,6 +318,33 @@ def level_metrics(records: list[RequestRecord], wall: float, counters: dict, goo
         "peak_memory_bytes": None,
         "cost_per_1k_output_tokens": None,
         "wall_time_s": wall,
+        "experienced_concurrency": _percentiles(experienced_concurrency(done)),
+        "scheduler": _scheduler_time(counters, wall),
+    }
+
+
+def experienced_concurrency(records: list[RequestRecord]) -> list[float]:
+    """Per request, the mean number of requests in flight during its life (itself included):
+    the batch it was decoded in, as the client sees it."""
+    spans = [(r.sent, r.sent + r.e2e) for r in records]
+    out = []
+    for start, end in spans:
+        overlap = sum(max(0.0, min(end, e) - max(start, s)) for s, e in spans)
+        out.append(overlap / (end - start) if end > start else 1.0)
+    return out
+
+
+def _scheduler_time(counters: dict, wall: float) -> dict:
+    """The server's step counters over a level: mean decode step by batch size, and the share
+    of the wall time spent decoding and feeding prompts."""
+    decode = {b: s for b, s in counters.get("decode", {}).items() if s[0] > 0}
+    decode_s = sum(seconds for _, seconds in decode.values())
+    return {
+        "decode_steps_by_batch": {b: int(count) for b, (count, _) in decode.items()},
+        "decode_step_s_by_batch": {b: seconds / count for b, (count, seconds) in decode.items()},
+        "decode_share": decode_s / wall if wall else None,
+        "prefill_share": counters.get("prefill_seconds", 0.0) / wall if wall else None,
+        "prefill_tokens": int(counters.get("prefill_tokens", 0.0)),
     }
 
 
@@ -328,7 +381,31 @@ def _task_splits(prompts, records, baseline) -> dict:
     return {"task": out}
 
 
-async def _sweep(config: LoadConfig, prompts: Sequence[PromptRecord], progress) -> dict:
+def _merged(runs: tuple, part: tuple) -> tuple:
+    """Segments of one route at one level as one run: records joined (their send times moved
+    after the earlier segments'), walls and counters summed."""
+    if not runs:
+        return part
+    for record in part[0]:
+        record.sent += runs[1]
+    return runs[0] + part[0], runs[1] + part[1], _sum(runs[2], part[2])
+
+
+def _sum(a, b):
+    """Counter deltas added: numbers, lists element by element, dicts key by key."""
+    if isinstance(a, dict):
+        return {key: _sum(a.get(key, 0.0), b.get(key, 0.0)) for key in a.keys() | b.keys()}
+    if isinstance(a, list) or isinstance(b, list):
+        a, b = list(a or []), list(b or [])
+        width = max(len(a), len(b))
+        return [
+            _sum(*pair)
+            for pair in zip(a + [0.0] * (width - len(a)), b + [0.0] * (width - len(b)), strict=True)
+        ]
+    return a + b
+
+
+async def _sweep(config: LoadConfig, prompts: Sequence[PromptRecord], progress, between) -> dict:
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
     timeout = httpx.Timeout(REQUEST_TIMEOUT_S)
     async with httpx.AsyncClient(limits=limits, timeout=timeout) as client:
@@ -338,12 +415,20 @@ async def _sweep(config: LoadConfig, prompts: Sequence[PromptRecord], progress) 
                 raise ValueError(f"routes: the server has no route {route!r}; it has {list(info)}")
         levels = []
         for qps in config.qps:
-            runs = {}
-            for route in [config.baseline, *config.routes]:
-                records, wall, counters = await run_level(client, config, prompts, qps, route)
-                runs[route] = (records, wall, counters)
-                ok = sum(r.error is None for r in records)
-                progress(f"qps={_level(qps)} {route}: {ok}/{len(records)} requests completed")
+            runs: dict[str, tuple] = {}
+            first = 0
+            for segment in range(config.rounds):
+                for route in [config.baseline, *config.routes]:
+                    part = await run_level(client, config, prompts, qps, route, segment, first)
+                    runs[route] = _merged(runs.get(route, ()), part)
+                    ok = sum(r.error is None for r in part[0])
+                    progress(
+                        f"qps={_level(qps)} round {segment + 1}/{config.rounds} {route}: "
+                        f"{ok}/{len(part[0])} requests completed"
+                    )
+                first += len(part[0])
+                if between is not None:
+                    between(qps, segment)
             levels.append((qps, runs))
     return {"info": info, "levels": levels}
 
@@ -353,10 +438,12 @@ def run_sweep(
     prompts: Sequence[PromptRecord],
     prompts_file: str | None = None,
     progress=print,
+    between=None,
 ) -> dict:
     """Run the sweep against the server and return the report (harness format, module doc);
-    `progress` gets one line per level and route."""
-    raw = asyncio.run(_sweep(config, list(prompts), progress))
+    `progress` gets one line per segment and route; `between(qps, segment)`, when given, runs
+    after each segment of every route (a benchmark measuring something else in turn)."""
+    raw = asyncio.run(_sweep(config, list(prompts), progress, between))
     return build_report(config, list(prompts), raw, prompts_file)
 
 

@@ -18,8 +18,10 @@ specdec's own, by route: the guardrail families of `specdec_fast.metrics`
 `specdec_route_drafter_errors_total`), `specdec_route_trips_total` (times running rows were
 moved to plain decoding), `specdec_route_speculative_requests_total` (requests drawn to
 speculate), `specdec_shadow_requests_total`, `specdec_shadow_mismatches_total` and
-`specdec_shadow_skipped_total`; and `specdec_requests_rejected_total` (label `reason`:
-queue_full, stopped).
+`specdec_shadow_skipped_total`; `specdec_requests_rejected_total` (label `reason`:
+queue_full, stopped); and where the scheduler's time goes: `specdec_decode_steps_total` and
+`specdec_decode_step_seconds_total` (label `batch`), `specdec_prefill_chunks_total`,
+`specdec_prefill_tokens_total`, `specdec_prefill_seconds_total`.
 """
 
 from __future__ import annotations
@@ -130,6 +132,28 @@ class _SchedulerCollector:
             gauge = GaugeMetricFamily(name, help_text, labels=["model_name"])
             gauge.add_metric([model], value)
             yield gauge
+        steps = scheduler.counters
+        decode = sorted(steps.decode.items())
+        for name, help_text, index in (
+            ("specdec_decode_steps", "Decode steps, by batch size.", 0),
+            ("specdec_decode_step_seconds", "Time in decode steps, by batch size.", 1),
+        ):
+            family = CounterMetricFamily(name, help_text, labels=["model_name", "batch"])
+            for batch, values in decode:
+                family.add_metric([model, str(batch)], values[index])
+            yield family
+        for name, help_text, value in (
+            (
+                "specdec_prefill_chunks",
+                "Prompt chunks fed between decode steps.",
+                steps.prefill_chunks,
+            ),
+            ("specdec_prefill_tokens", "Prompt tokens fed.", steps.prefill_tokens),
+            ("specdec_prefill_seconds", "Time feeding prompts.", steps.prefill_seconds),
+        ):
+            family = CounterMetricFamily(name, help_text, labels=["model_name"])
+            family.add_metric([model], value)
+            yield family
         lanes = sorted(scheduler.lanes.items())
         speculative = [(route, lane) for route, lane in lanes if lane.drafter is not None]
         for name, help_text, value_of in (

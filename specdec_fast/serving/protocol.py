@@ -278,7 +278,10 @@ class TextStream:
     """Incremental decoding of one completion for streaming, with stop strings.
 
     `push(tokens)` returns the text that became final; once a stop string appears, the text is
-    cut before it and `stopped` is set; `flush()` returns what was held back at the end.
+    cut before it and `stopped` is set; `flush()` returns what was held back at the end. Each
+    push decodes only the new tokens and a few before them (vLLM's prefix and read offsets:
+    tokenizers that drop a leading space at the start of a decode still get it right), so a
+    step costs the same at the end of a long completion as at its start.
     """
 
     def __init__(self, tokenizer, stop: list[str], keep_special_tokens: bool = False):
@@ -286,28 +289,42 @@ class TextStream:
         self.stop = stop
         self.keep_special_tokens = keep_special_tokens
         self.ids: list[int] = []
-        self.text = ""
-        self.sent = 0
+        self.text = ""  # the decoded text so far (cut at a stop)
+        self.sent = 0  # characters of `text` returned
         self.stopped = False
+        self._prefix = self._read = 0  # ids[_prefix:_read] were decoded as context
         # A stop string may straddle two pushes: hold back all but its first character.
         self._hold = max((len(s) for s in stop), default=1) - 1
+
+    def _decode(self, ids: list[int]) -> str:
+        return decode(self.tokenizer, ids, self.keep_special_tokens, quiet=False)
+
+    def _advance(self, final: bool) -> None:
+        """Append the text of the ids past `_read` (an incomplete last character, which
+        decodes as U+FFFD until its last byte arrives, waits unless `final`)."""
+        context = self._decode(self.ids[self._prefix : self._read])
+        full = self._decode(self.ids[self._prefix :])
+        if len(full) > len(context) and (final or not full.endswith("\ufffd")):
+            self.text += full[len(context) :]
+            self._prefix, self._read = self._read, len(self.ids)
 
     def push(self, tokens: list[int]) -> str:
         if self.stopped:
             return ""
         self.ids += tokens
-        self.text = decode(self.tokenizer, self.ids, self.keep_special_tokens)
+        return self._step(final=False)
+
+    def flush(self) -> str:
+        return "" if self.stopped else self._step(final=True)
+
+    def _step(self, final: bool) -> str:
+        self._advance(final)
         cut = min((i for i in (self.text.find(s) for s in self.stop) if i >= 0), default=-1)
         if cut >= 0:
             self.text = self.text[:cut]
             self.stopped = True
             return self._take(len(self.text))
-        # An incomplete character decodes as U+FFFD until its last byte arrives.
-        stable = len(self.text.rstrip("\ufffd"))
-        return self._take(stable - self._hold)
-
-    def flush(self) -> str:
-        return self._take(len(self.text))
+        return self._take(len(self.text) if final else len(self.text) - self._hold)
 
     def _take(self, end: int) -> str:
         if end <= self.sent:

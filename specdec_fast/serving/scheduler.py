@@ -158,6 +158,18 @@ class RouteCounters:
     trips: int = 0
 
 
+@dataclass
+class StepCounters:
+    """Where the scheduler's time goes, cumulative: decode steps by batch size (`decode[B]` =
+    [steps, seconds]) and prompt chunks fed (`prefill_chunks`, `prefill_tokens`,
+    `prefill_seconds`)."""
+
+    decode: dict[int, list] = field(default_factory=dict)
+    prefill_chunks: int = 0
+    prefill_tokens: int = 0
+    prefill_seconds: float = 0.0
+
+
 SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "seed")
 
 
@@ -333,6 +345,7 @@ class Scheduler:
         self._closed = False
         self.error: BaseException | None = None
         self.steps = 0
+        self.counters = StepCounters()
 
     @property
     def context_len(self) -> int:
@@ -480,6 +493,7 @@ class Scheduler:
             self._prefill = _Prefill(taken, len(self.rows), [0] * len(taken))
 
     def _prefill_chunk(self) -> None:
+        start = time.perf_counter()
         group = self._prefill
         chunks = [group.remaining(r)[: self.prefill_chunk] for r in range(len(group.rows))]
         hidden = self.runner.extend_rows(group.start, chunks, group.fed)
@@ -489,6 +503,10 @@ class Scheduler:
         if not any(group.remaining(r) for r in range(len(group.rows))):
             self._prefill = None
             self._join(group)
+        counters = self.counters
+        counters.prefill_chunks += 1
+        counters.prefill_tokens += sum(len(chunk) for chunk in chunks)
+        counters.prefill_seconds += time.perf_counter() - start
 
     def _join(self, group: _Prefill) -> None:
         """The group's rows join the batch, and those that speculate their routes' drafters."""
@@ -623,8 +641,12 @@ class Scheduler:
         self.runner.cache.bound_lengths(max(row.cached for row in self.rows))
         for lane in drafting:
             self._update(lane, proposal, result, out, host, emitted)
-        self._guard_step(time.perf_counter() - start, host, emitted, drafting)
+        seconds = time.perf_counter() - start
+        self._guard_step(seconds, host, emitted, drafting)
         self._roots = result.next_tokens
+        steps = self.counters.decode.setdefault(len(self.rows), [0, 0.0])
+        steps[0] += 1
+        steps[1] += seconds
         self._drop(finished)
 
     def _assemble(self, drafting: list[_Lane]) -> Proposal:

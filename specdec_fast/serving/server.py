@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import threading
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -129,6 +130,7 @@ class ServingEngine:
             compile=compile,
         )
         self.metrics: ServingMetrics | None = None
+        self.mailbox: _Mailbox | None = None  # the serving event loop's (set at start-up)
         self.router = Router(self.scheduler, routes, model_name, self._observe, seed)
         self.metrics = ServingMetrics(self.scheduler, self.router, model_name)
 
@@ -152,6 +154,7 @@ def create_app(engine: ServingEngine) -> FastAPI:
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
+        engine.mailbox = _Mailbox(asyncio.get_running_loop())
         engine.start()
         try:
             yield
@@ -212,25 +215,51 @@ def create_app(engine: ServingEngine) -> FastAPI:
     return app
 
 
+class _Mailbox:
+    """Deliveries from the scheduler's thread to queues of the event loop: one wake-up of the
+    loop carries everything posted since the last (a step's tokens for every stream), so that
+    the loop takes the interpreter from the scheduler's thread once per step, not per request."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self.loop = loop
+        self._lock = threading.Lock()
+        self._items: list[tuple[asyncio.Queue, object]] = []
+        self._scheduled = False
+
+    def post(self, queue: asyncio.Queue, item) -> None:
+        with self._lock:
+            self._items.append((queue, item))
+            if self._scheduled:
+                return
+            self._scheduled = True
+        # A closed loop (the server shut down) drops it.
+        with contextlib.suppress(RuntimeError):
+            self.loop.call_soon_threadsafe(self._deliver)
+
+    def _deliver(self) -> None:
+        with self._lock:
+            items, self._items, self._scheduled = self._items, [], False
+        for queue, item in items:
+            queue.put_nowait(item)
+
+
 class _Events:
     """The scheduler's callbacks for one request, delivered to the event loop as a queue of
     token lists, then the `Completion`."""
 
-    def __init__(self, loop: asyncio.AbstractEventLoop):
-        self.loop = loop
+    def __init__(self, mailbox: _Mailbox):
+        self.mailbox = mailbox
         self.queue: asyncio.Queue = asyncio.Queue()
 
     def put(self, item) -> None:
-        # Called on the scheduler's thread; a closed loop (the server shut down) drops it.
-        with contextlib.suppress(RuntimeError):
-            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+        self.mailbox.post(self.queue, item)
 
 
 async def _generate(engine: ServingEngine, request: Request, kind: str):
     body = await request.body()
     params = parse_request(body, kind, engine.tokenizer, engine.vocab_size, engine.context_len)
     route = engine.router.resolve(params.model, request.headers.get(ROUTE_HEADER))
-    events = _Events(asyncio.get_running_loop())
+    events = _Events(engine.mailbox)
     scheduled = SchedulerRequest(
         prompt=params.prompt_ids,
         max_new_tokens=params.max_tokens,
