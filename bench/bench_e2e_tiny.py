@@ -6,7 +6,10 @@ For each drafter and budget: acceptance rate, per-position acceptance, mean acce
 step, tokens/s, and the speed-up against our plain decoding and HF `generate`; HF assisted
 generation (draft model, prompt lookup) runs in the same process on the same prompts. Greedy, batch
 1, no EOS stop. Writes JSON and a markdown table (default:
-bench/results/e2e_tiny-<device>.json and .md).
+bench/results/e2e_tiny-<device>.json and .md), and a PNG of the per-position acceptance of the
+EAGLE and block drafters at one budget (`--plot-budget`, default 16; needs matplotlib) with, in
+the table's notes, the tokens per step of the best block drafter against each EAGLE head's.
+`--budgets` and `--kinds` narrow the sweep (e.g. `--budgets 16 --kinds eagle,block`).
 
 Run as `python bench/bench_e2e_tiny.py [--quick]`, or `pytest bench/bench_e2e_tiny.py
 --benchmark-only` (needs the bundled models).
@@ -15,7 +18,8 @@ Run as `python bench/bench_e2e_tiny.py [--quick]`, or `pytest bench/bench_e2e_ti
 from __future__ import annotations
 
 import argparse
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -29,17 +33,93 @@ from specdec_fast.drafters.registry import bundled_specs
 
 BUDGETS = (8, 16, 32, 64)
 CHAIN_LENGTHS = (2, 3, 4, 6)
+# The drafters of the acceptance plot: EAGLE-2/EAGLE-3 heads and the block drafters.
+PLOTTED_KINDS = ("eagle", "block")
 
 
-def drafter_grid(target, quick: bool) -> dict[str, Callable[[], Drafter | None]]:
-    """Every bundled drafter at each budget N (chains at each length k), by display name."""
-    grid: dict[str, Callable[[], Drafter | None]] = {"ours plain": lambda: None}
+@dataclass(frozen=True)
+class Cell:
+    """A drafter of the grid: how to make it, its registry kind and its budget N."""
+
+    make: Callable[[], Drafter | None]
+    kind: str | None
+    nodes: int
+
+
+def drafter_grid(
+    target,
+    quick: bool,
+    budgets: Sequence[int] = BUDGETS,
+    kinds: Sequence[str] | None = None,
+) -> dict[str, Cell]:
+    """Every bundled drafter (of `kinds`, default all) at each budget N (chains at each length
+    k), by display name."""
+    grid = {"ours plain": Cell(lambda: None, None, 1)}
     for spec in bundled_specs():
+        if kinds is not None and spec.kind not in kinds:
+            continue
         make = spec.factory(target)
-        sizes = CHAIN_LENGTHS if spec.info.chain else BUDGETS
+        sizes = CHAIN_LENGTHS if spec.info.chain else budgets
         for size in sizes[:2] if quick else sizes:
-            grid[spec.label(size)] = lambda make=make, size=size: make(size)
+            grid[spec.label(size)] = Cell(
+                lambda make=make, size=size: make(size), spec.kind, spec.nodes(size)
+            )
     return grid
+
+
+def plot_acceptance(
+    records: Sequence[E2ERecord], grid: dict[str, Cell], budget: int, path: Path
+) -> Path | None:
+    """A PNG of the per-position acceptance of the EAGLE and block drafters at `budget` nodes;
+    None without matplotlib or without such a drafter."""
+    series = [
+        r
+        for r in records
+        if r.peer in grid and grid[r.peer].kind in PLOTTED_KINDS and grid[r.peer].nodes == budget
+    ]
+    if not series:
+        return None
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("plot skipped: matplotlib is not installed (pip install 'specdec-fast[plot]')")
+        return None
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for record in series:
+        depths = range(1, len(record.per_position) + 1)
+        label = f"{record.peer} ({record.tokens_per_step:.2f} tokens/step)"
+        ax.plot(depths, record.per_position, marker="o", label=label)
+    ax.set(
+        xlabel="draft position (depth)",
+        ylabel="acceptance",
+        ylim=(0, 1),
+        title=f"Per-position acceptance, N = {budget} (root included)",
+    )
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def block_vs_eagle(records: Sequence[E2ERecord], grid: dict[str, Cell], budget: int) -> list[str]:
+    """Lines comparing the best block drafter's tokens per step at `budget` with each EAGLE
+    head's (the issue's target: >= 1.3x EAGLE-2's at 16 nodes)."""
+    at_budget = [r for r in records if r.peer in grid and grid[r.peer].nodes == budget]
+    blocks = [r for r in at_budget if grid[r.peer].kind == "block" and r.tokens_per_step]
+    eagles = [r for r in at_budget if grid[r.peer].kind == "eagle" and r.tokens_per_step]
+    if not blocks:
+        return []
+    best = max(blocks, key=lambda r: r.tokens_per_step)
+    return [
+        f"- {best.peer}: {best.tokens_per_step:.2f} tokens/step, "
+        f"{best.tokens_per_step / eagle.tokens_per_step:.2f}x {eagle.peer} "
+        f"({eagle.tokens_per_step:.2f})"
+        for eagle in eagles
+    ]
 
 
 def load_pair(device: torch.device):
@@ -53,8 +133,12 @@ def load_pair(device: torch.device):
 
 
 def run(
-    quick: bool, count: int | None = None, new_tokens: int | None = None
-) -> tuple[list[E2ERecord], dict]:
+    quick: bool,
+    count: int | None = None,
+    new_tokens: int | None = None,
+    budgets: Sequence[int] = BUDGETS,
+    kinds: Sequence[str] | None = None,
+) -> tuple[list[E2ERecord], dict, dict[str, Cell]]:
     device = bench_device()
     torch.manual_seed(0)
     target, draft, tokenizer, load_prompts = load_pair(device)
@@ -65,10 +149,12 @@ def run(
         for r in load_prompts(count)
     ]
     records, outputs = [], {}
-    for name, make in drafter_grid(target, quick).items():
-        record, out = run_ours(name, target, prompts, make, new_tokens, 1)
+    grid = drafter_grid(target, quick, budgets, kinds)
+    for name, cell in grid.items():
+        record, out = run_ours(name, target, prompts, cell.make, new_tokens, 1)
         records.append(record)
         outputs[name] = out
+        print(f"{record.peer}: {record.tokens_per_s:.1f} tokens/s", flush=True)
     for name, kwargs in (
         ("HF generate", {}),
         ("HF assisted (draft model)", {"assistant_model": draft}),
@@ -77,15 +163,16 @@ def run(
         record, out = run_hf(name, target, prompts, new_tokens, **kwargs)
         records.append(record)
         outputs[name] = out
+        print(f"{record.peer}: {record.tokens_per_s:.1f} tokens/s", flush=True)
     compare(records, outputs)
     setup = {"prompts": len(prompts), "max_new_tokens": new_tokens, "batch": 1}
-    return records, setup
+    return records, setup, grid
 
 
 @pytest.mark.skipif("tiny-code" not in bundled.available(), reason="bundled models missing")
 def test_e2e_tiny(benchmark):
     benchmark.group = "e2e tiny-code"
-    records, _ = benchmark.pedantic(run, args=(True,), rounds=1, iterations=1)
+    records, _, _ = benchmark.pedantic(run, args=(True,), rounds=1, iterations=1)
     benchmark.extra_info["records"] = [r.to_dict() for r in records]
 
 
@@ -104,8 +191,15 @@ def main() -> None:
     parser.add_argument(
         "--new-tokens", type=int, default=None, help="default: 96 (32 with --quick)"
     )
+    parser.add_argument(
+        "--budgets", type=_ints, default=BUDGETS, help="tree budgets N (default 8,16,32,64)"
+    )
+    parser.add_argument("--kinds", type=_names, help="registry kinds only (default: all)")
+    parser.add_argument(
+        "--plot-budget", type=int, default=16, help="budget N of the acceptance plot"
+    )
     args = parser.parse_args()
-    records, setup = run(args.quick, args.prompts, args.new_tokens)
+    records, setup, grid = run(args.quick, args.prompts, args.new_tokens, args.budgets, args.kinds)
     env = environment(bench_device())
     title = (
         f"tiny-code pair, {setup['prompts']} held-out code prompts x "
@@ -118,12 +212,20 @@ def main() -> None:
         for r in records
         if r.per_position
     )
+    stem = args.out or RESULTS_DIR / f"e2e_tiny-{env['device']}"
+    plot = plot_acceptance(records, grid, args.plot_budget, Path(f"{stem}-acceptance.png"))
+    comparison = "\n".join(block_vs_eagle(records, grid, args.plot_budget))
     markdown = (
         f"# End-to-end, {title}\n\n{table}\n\nPer-position acceptance (depth 1, 2, ...):\n"
         f"{positions}\n"
+        + (
+            f"\nBlock drafters against EAGLE at N = {args.plot_budget}:\n{comparison}\n"
+            if comparison
+            else ""
+        )
+        + (f"\n![per-position acceptance]({plot.name})\n" if plot else "")
     )
     print(markdown)
-    stem = args.out or RESULTS_DIR / f"e2e_tiny-{env['device']}"
     write_results(
         stem.with_suffix(".json"),
         "bench_e2e_tiny",
@@ -133,6 +235,14 @@ def main() -> None:
     )
     stem.with_suffix(".md").write_text(markdown)
     print(f"wrote {stem.with_suffix('.md')}")
+
+
+def _ints(text: str) -> tuple[int, ...]:
+    return tuple(int(part) for part in text.split(","))
+
+
+def _names(text: str) -> tuple[str, ...]:
+    return tuple(part for part in text.split(",") if part)
 
 
 if __name__ == "__main__":

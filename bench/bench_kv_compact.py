@@ -3,7 +3,7 @@
 The GPU shape is ANCHORS.md's: 32 layers, 8 KV heads, head dim 128, bf16, a 64-node tree after a
 4096-token prefix, 5 accepted nodes of which none already sits in place (so all 5 move). Target on
 an H200: B32 <= 25 us. The floor moves the accepted rows once (read + write) at the measured copy
-bandwidth.
+bandwidth. Inputs are drawn on the device.
 
 Peers:
 - `kv_compact`: the public op with `validate=False`, as the engine calls it (Triton on CUDA, the
@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import pytest
 import torch
-from common import Case, bench_device, main, run_in_pytest
+from common import Case, bench_device, device_generator, main, run_in_pytest
 
 from specdec_fast.kernels import kv_compact, kv_compact_reference
 from specdec_fast.kernels.reference.kv_compact import path_slots
@@ -60,21 +60,27 @@ def shapes_for(device: torch.device, quick: bool) -> list[Shape]:
 
 
 def make_inputs(shape: Shape, device: torch.device, seed: int = 0):
-    """(kv, cache_lens, accepted_nodes, num_accepted): the tree's N nodes follow the prefix;
-    each path takes num_accepted random nodes from 2..N-1, so no position is already in place."""
-    generator = torch.Generator().manual_seed(seed)
+    """(kv, cache_lens, accepted_nodes, num_accepted), drawn on `device` (B32's cache is 17 GB
+    of bf16: drawn on the host it took minutes); the tree's N nodes follow the prefix; each path
+    takes num_accepted random nodes from 2..N-1, so no position is already in place."""
+    draw = dict(generator=device_generator(device, seed), device=device)
     max_len = shape.prefix + shape.num_nodes
     kv = torch.randn(
         (shape.num_layers, 2, shape.batch, shape.num_heads, max_len, shape.head_dim),
-        generator=generator,
-    ).to(device=device, dtype=shape.dtype)
-    cache_lens = torch.full((shape.batch,), shape.prefix, dtype=torch.int32)
-    accepted_nodes = torch.full((shape.batch, shape.num_nodes), -1, dtype=torch.int32)
-    for b in range(shape.batch):
-        nodes = torch.randperm(shape.num_nodes - 2, generator=generator)[: shape.num_accepted] + 2
-        accepted_nodes[b, : shape.num_accepted + 1] = torch.tensor([0, *sorted(nodes.tolist())])
-    num_accepted = torch.full((shape.batch,), shape.num_accepted, dtype=torch.int32)
-    return kv, cache_lens.to(device), accepted_nodes.to(device), num_accepted.to(device)
+        dtype=shape.dtype,
+        **draw,
+    )
+    cache_lens = torch.full((shape.batch,), shape.prefix, dtype=torch.int32, device=device)
+    # num_accepted distinct nodes from 2..N-1 per row, sorted: the lowest random keys' ranks.
+    keys = torch.rand(shape.batch, shape.num_nodes - 2, **draw)
+    nodes = keys.argsort(dim=1)[:, : shape.num_accepted].sort(dim=1).values + 2
+    accepted_nodes = torch.full(
+        (shape.batch, shape.num_nodes), -1, dtype=torch.int32, device=device
+    )
+    accepted_nodes[:, 0] = 0
+    accepted_nodes[:, 1 : shape.num_accepted + 1] = nodes.int()
+    num_accepted = torch.full((shape.batch,), shape.num_accepted, dtype=torch.int32, device=device)
+    return kv, cache_lens, accepted_nodes, num_accepted
 
 
 def eager_per_layer(kv, cache_lens, accepted_nodes, num_accepted) -> None:

@@ -41,10 +41,12 @@ from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
 
 from specdec_fast import DraftModelDrafter, NGramDrafter, bundled, generate
 from specdec_fast.cache import SpecKVCache
-from specdec_fast.runner import RUNNER_ATTRIBUTE, ModelRunner
+from specdec_fast.runner import ModelRunner, kept_runner
 
 HF_PROMPT_LOOKUP_TOKENS = 10
 NGRAM_NODES = 8
+# Against HF's prompt lookup: the default tree, and a deeper one closer to HF's 10-token chains.
+NGRAM_VS_LOOKUP = ((NGRAM_NODES, None), (12, 10))
 DRAFT_CHAIN = 4
 
 
@@ -278,7 +280,7 @@ def breakdown(setup: Model, config: str, make, batch: int, threads: int, tokens:
     }
     parts["engine"] = parts["step"] - sum(v for k, v in parts.items() if k != "step")
     ms = {key: value / steps * 1e3 for key, value in parts.items()}
-    runner = setup.model.__dict__.get(RUNNER_ATTRIBUTE)
+    runner = kept_runner(setup.model)
     return Breakdown(
         setup.name,
         config,
@@ -417,23 +419,30 @@ def main() -> None:
                     )
                 )
                 print(fmt_comparisons(comparisons[-1:]).splitlines()[-1], flush=True)
-            ngram = ours(setup, lambda: NGramDrafter(max_nodes=NGRAM_NODES), 1, tokens)
             lookup = hf(setup, 1, tokens, prompt_lookup_num_tokens=HF_PROMPT_LOOKUP_TOKENS)
-            comparisons.append(
-                compare(
-                    setup.name,
-                    f"ngram N={NGRAM_NODES}",
+            for nodes, depth in NGRAM_VS_LOOKUP:
+                label = f"ngram N={nodes}" + (f" depth {depth}" if depth else "")
+                ngram = ours(
+                    setup,
+                    lambda n=nodes, d=depth: NGramDrafter(max_nodes=n, max_depth=d),
                     1,
-                    threads,
-                    ngram,
-                    "HF prompt lookup",
-                    lookup,
-                    1.15,
                     tokens,
-                    repeats,
                 )
-            )
-            print(fmt_comparisons(comparisons[-1:]).splitlines()[-1], flush=True)
+                comparisons.append(
+                    compare(
+                        setup.name,
+                        label,
+                        1,
+                        threads,
+                        ngram,
+                        "HF prompt lookup",
+                        lookup,
+                        1.15,
+                        tokens,
+                        repeats,
+                    )
+                )
+                print(fmt_comparisons(comparisons[-1:]).splitlines()[-1], flush=True)
             if setup.draft is not None:
                 chain = ours(
                     setup,

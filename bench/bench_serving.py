@@ -19,7 +19,7 @@
    counters and greedy outputs cross-checked).
 
 The server runs as its own process (`specdec-fast serve`, one torch thread, eager steps:
-`SPECDEC_COMPILE=0`, which is faster than compiled steps for this 6M-parameter model on a CPU),
+`--no-compile`, which is faster than compiled steps for this 6M-parameter model on a CPU),
 the load generator in this one. The 4 QPS level runs in six segments, the plain and the n-gram
 route in turn; between segments, while the server idles, this process times `generate()`'s
 steps (batches 1 to 10, one torch thread) and replays the segment's arrivals on its own
@@ -90,11 +90,10 @@ class ServerProcess:
         command = [
             sys.executable, "-m", "specdec_fast", "serve", "--model", "tiny-code",
             "--drafter", DRAFTER, "--port", str(self.port), "--threads", "1",
-            "--log-level", "warning", *args,
+            "--log-level", "warning", "--no-compile", *args,
         ]  # fmt: skip
         self.command = " ".join(command[2:])
-        env = os.environ | {COMPILE_ENV: "0"}
-        self.process = subprocess.Popen(command, env=env)
+        self.process = subprocess.Popen(command)
         deadline = time.monotonic() + 300
         while True:
             try:

@@ -1,7 +1,9 @@
 """Tree attention: `tree_attention` against SDPA, FlexAttention and flash-attn, one run, one table.
 
-GPU shapes are ANCHORS.md's (Llama-3-8B: 32 query heads, 8 KV heads, head dim 128, bf16) plus a
-sweep over N at L=4096 and over L at N=64, all at B=1, and layers that restrict attention:
+GPU shapes are ANCHORS.md's (Llama-3-8B: 32 query heads, 8 KV heads, head dim 128, bf16), the
+same with one more node (N = 65 and 33: what the engine launches for a 64- or 32-node budget
+while budgets leave the root out), a sweep over N at L=4096 and over L at N=64, all at B=1, and
+layers that restrict attention:
 - `mistral-7b/.../w4096`: Mistral-7B's 4096-token sliding window (Llama's heads) over 16k tokens;
 - `gemma3-1b/.../w512`: a local layer of Gemma3-1B (4 query heads, 1 KV head, head dim 256,
   window 512) over 16k tokens, decoding (N=1) and verifying 16 nodes;
@@ -15,14 +17,17 @@ B1/L16384/N64 <= 30 us, B8/L4096/N64 <= 55 us, B32/L2048/N32 <= 95 us.
 Peers:
 - `ours tree`: `tree_attention` with the packed tree mask (Triton on CUDA, the configured
   backend elsewhere); `ours causal`: the same call without a mask (chain verification);
+- `ours tree, 128-row blocks` (the N + 1 shapes): the Triton launcher forced to 128-row
+  blocks, which `row_block` turns down there for 64-row ones;
 - `sdpa dense mask`: SDPA over the prefix and the tree with a dense bool mask `[B, 1, N, keys]`;
 - `sdpa no mask`: the same attention without a mask (a lower bound for any SDPA tree path);
 - `sdpa decode`: SDPA for one new token over the prefix and itself, what a plain decode step
   spends;
 - `eager dense mask` (soft-capped shapes): HF's eager attention (what Gemma2 runs), capped
   scores under the dense mask;
-- `flex block mask` (CUDA): compiled FlexAttention with a block mask built from the tree (and
-  the window), soft-capping in a score_mod;
+- `flex block mask` (CUDA, full runs, on `FLEX_SHAPES` only: each shape costs a compile of
+  about a minute): compiled FlexAttention with a block mask built from the tree (and the
+  window), soft-capping in a score_mod;
 - `flash_attn causal` (CUDA, when flash-attn is importable): `flash_attn_with_kvcache`, causal
   (it has no tree masks), windowed and soft-capped where the shape is, in its own [B, L, H, D]
   cache layout.
@@ -30,22 +35,30 @@ With a window, the SDPA and eager peers see only the slots from the first one in
 on (what a sliding-window cache holds), the dense mask applying the window within them. SDPA
 cannot soft-cap: on soft-capped shapes its rows leave the cap out (lower bounds for a capped
 SDPA) and `eager dense mask` is the exact peer. Mask and block-mask construction are not timed.
+Inputs are drawn on the device.
 
 Run as `pytest bench/bench_tree_attention.py --benchmark-only` or
 `python bench/bench_tree_attention.py` (`--quick`, `--json PATH`). On a CPU it runs the same
 code at small sizes.
 """
 
+import dataclasses
 import importlib.util
 from dataclasses import dataclass
 
 import pytest
 import torch
 import torch.nn.functional as F
-from common import Case, bench_device, main, run_in_pytest
+from common import Case, bench_device, device_generator, main, run_in_pytest
 
 from specdec_fast.kernels import pack_tree_mask, tree_attention
 from specdec_fast.kernels.reference.tree_attention import key_visibility
+from specdec_fast.kernels.tree_attention import (
+    HALF_PRECISION_TILES,
+    KernelConfig,
+    kernel_config,
+    launch_tree_attention,
+)
 from specdec_fast.tree_mask import ancestor_mask, node_depths
 
 
@@ -61,6 +74,9 @@ class Shape:
     window: int | None = None
     softcap: float | None = None
     model: str | None = None  # names the heads when they are not Llama-3-8B's
+    # Also time 128-row blocks: at N + 1 the launcher takes 64-row blocks (fewer rows of MMA,
+    # more K/V reads from L2); the GPU run says which wins.
+    compare_rows: bool = False
 
     @property
     def label(self) -> str:
@@ -88,6 +104,11 @@ class Shape:
 
 
 ANCHOR_SHAPES = [(1, 4096, 64), (1, 16384, 64), (8, 4096, 64), (32, 2048, 32), (1, 4096, 16)]
+# The engine's N for the anchors' budgets: the root on top of 64 or 32 nodes.
+ENGINE_SHAPES = [(1, 4096, 65), (1, 16384, 65), (8, 4096, 65), (32, 2048, 33)]
+QUICK_SHAPES = [ANCHOR_SHAPES[0], ENGINE_SHAPES[0], ANCHOR_SHAPES[1], ANCHOR_SHAPES[2]]
+QUICK_SHAPES += [ENGINE_SHAPES[2], ANCHOR_SHAPES[3], ENGINE_SHAPES[3]]
+FLEX_SHAPES = ("B1/L4096/N16",)  # where ANCHORS saw it compile
 SWEEP_SHAPES = [(1, 4096, n) for n in (1, 4, 32, 128)] + [
     (1, prefix, 64) for prefix in (1024, 32768)
 ]
@@ -104,11 +125,12 @@ FEATURE_SHAPES = [
 
 def shapes_for(device: torch.device, quick: bool) -> list[Shape]:
     if device.type == "cuda":
-        dims = ANCHOR_SHAPES[:2] if quick else ANCHOR_SHAPES + SWEEP_SHAPES
-        return [Shape(*dim) for dim in dims] + (FEATURE_SHAPES[:1] if quick else FEATURE_SHAPES)
+        dims = QUICK_SHAPES if quick else ANCHOR_SHAPES + ENGINE_SHAPES + SWEEP_SHAPES
+        shapes = [Shape(*dim, compare_rows=dim in ENGINE_SHAPES) for dim in dims]
+        return shapes + (FEATURE_SHAPES[:1] if quick else FEATURE_SHAPES)
     small = dict(num_q_heads=4, num_kv_heads=2, head_dim=32, dtype=torch.float32)
     shapes = [
-        Shape(1, 64, 8, **small),
+        Shape(1, 64, 9, compare_rows=True, **small),
         Shape(1, 100, 8, window=24, **small),
         Shape(1, 48, 8, softcap=5.0, **small),
     ]
@@ -116,22 +138,22 @@ def shapes_for(device: torch.device, quick: bool) -> list[Shape]:
 
 
 def make_inputs(shape: Shape, device: torch.device, seed: int = 0):
-    """(q, k_cache, v_cache, cache_lens, tree): a random tree of N nodes after the prefix.
+    """(q, k_cache, v_cache, cache_lens, tree): a random tree of N nodes after the prefix, all
+    drawn on `device`.
 
     `tree` is the bool ancestor mask `[B, N, N]`; the caches hold exactly prefix + N slots.
     """
-    generator = torch.Generator().manual_seed(seed)
-    batch, num_new = shape.batch, shape.num_new
+    draw = dict(generator=device_generator(device, seed), device=device)
+    batch, num_new, head_dim = shape.batch, shape.num_new, shape.head_dim
     capacity = shape.prefix + num_new
-    q = torch.randn(batch, shape.num_q_heads, num_new, shape.head_dim, generator=generator)
-    kv = torch.randn(2, batch, shape.num_kv_heads, capacity, shape.head_dim, generator=generator)
-    node = torch.arange(num_new)
-    parents = (torch.rand(batch, num_new, generator=generator) * node).long()
+    q = torch.randn(batch, shape.num_q_heads, num_new, head_dim, dtype=shape.dtype, **draw)
+    kv = torch.randn(2, batch, shape.num_kv_heads, capacity, head_dim, dtype=shape.dtype, **draw)
+    node = torch.arange(num_new, device=device)
+    parents = (torch.rand(batch, num_new, **draw) * node).long()
     parents[:, 0] = -1
     tree = ancestor_mask(parents)
-    cache_lens = torch.full((batch,), shape.prefix, dtype=torch.int32)
-    q, kv = q.to(device, shape.dtype), kv.to(device, shape.dtype)
-    return q, kv[0], kv[1], cache_lens.to(device), tree.to(device)
+    cache_lens = torch.full((batch,), shape.prefix, dtype=torch.int32, device=device)
+    return q, kv[0], kv[1], cache_lens, tree
 
 
 def dense_tree_mask(tree: torch.Tensor, prefix: int, window: int | None = None) -> torch.Tensor:
@@ -204,6 +226,27 @@ def flash_attn_call(q, k_cache, v_cache, shape: Shape):
     )
 
 
+ROWS_128 = "ours tree, 128-row blocks"
+
+
+def rows128_config(shape: Shape) -> KernelConfig:
+    """`kernel_config`'s tiling with 128-row blocks (what `row_block` turns down at N + 1)."""
+    group = shape.num_q_heads // shape.num_kv_heads
+    config = kernel_config(shape.head_dim, group, shape.num_new, shape.dtype)
+    if shape.dtype == torch.float32:
+        return dataclasses.replace(config, block_m=128)
+    tile = HALF_PRECISION_TILES[max(config.block_d, 64), 128][0]
+    return KernelConfig(
+        128,
+        tile.block_n,
+        config.block_d,
+        tile.num_warps,
+        tile.num_stages,
+        tile.max_registers,
+        tile.programs_per_sm,
+    )
+
+
 def _builder(shape: Shape, device: torch.device, peer: str):
     def build():
         q, k_cache, v_cache, cache_lens, tree = make_inputs(shape, device)
@@ -213,6 +256,13 @@ def _builder(shape: Shape, device: torch.device, peer: str):
             depths = None if shape.window is None else node_depths(tree).to(torch.int32)
             return lambda: tree_attention(
                 q, k_cache, v_cache, cache_lens, packed, q_depths=depths, **features
+            )
+        if peer == ROWS_128:
+            config = rows128_config(shape)
+            packed = pack_tree_mask(tree)
+            scale = shape.head_dim**-0.5
+            return lambda: launch_tree_attention(
+                q, k_cache, v_cache, cache_lens, packed, None, scale, config=config
             )
         if peer == "ours causal":
             return lambda: tree_attention(q, k_cache, v_cache, cache_lens, **features)
@@ -242,12 +292,15 @@ def _builder(shape: Shape, device: torch.device, peer: str):
     return build
 
 
-def peers_for(shape: Shape, device: torch.device) -> list[str]:
+def peers_for(shape: Shape, device: torch.device, quick: bool = False) -> list[str]:
     peers = ["ours tree", "ours causal", "sdpa dense mask", "sdpa no mask", "sdpa decode"]
+    if shape.compare_rows:
+        peers.insert(1, ROWS_128)
     if shape.softcap is not None:
         peers.append("eager dense mask")
     if device.type == "cuda":
-        peers.append("flex block mask")
+        if not quick and shape.label in FLEX_SHAPES:
+            peers.append("flex block mask")
         if importlib.util.find_spec("flash_attn") is not None:
             peers.append("flash_attn causal")
     return peers
@@ -257,7 +310,7 @@ def cases_for(device: torch.device, quick: bool) -> list[Case]:
     return [
         Case(shape.label, peer, _builder(shape, device, peer), shape.prefix_bytes)
         for shape in shapes_for(device, quick)
-        for peer in peers_for(shape, device)
+        for peer in peers_for(shape, device, quick)
     ]
 
 

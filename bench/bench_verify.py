@@ -1,11 +1,14 @@
 """Verification sampling: `verify` (two launches) against eager torch, torch.compile and FlashInfer.
 
-GPU shapes (ANCHORS.md's sweep): stochastic chains of K = 1, 2, 3, 5, 8 drafts with draft
-probabilities (classic speculative sampling) and trees of N = 16 and 64 nodes with deterministic
-drafts (binary trees, the first child of each node carrying its parent's argmax), for
-B in {1, 8, 32, 64} and V in {32000, 128256}; fp32 logits, temperature 1. The floor reads the
-logits once at the copy bandwidth measured in the same run. Targets on an H200 (chain K=5,
-V=128256): B1 <= 15 us, B32 <= 90 us; a 64-node tree at B1 <= 40 us.
+GPU shapes (ANCHORS.md's sweep): stochastic chains of K = 1, 3, 5, 8 drafts with draft
+probabilities (classic speculative sampling) for B in {1, 8, 32} and trees of N = 16, 64 and 65
+nodes (65: what the engine launches for a 64-node budget while budgets leave the root out) with
+deterministic drafts (binary trees, the first child of each node carrying its parent's argmax)
+for B in {1, 8, 32, 64}, at V = 128256; K = 5 chains at V = 32000 (B 1 and 32). fp32 logits,
+temperature 1, drawn on the device. `--quick`: K = 5 chains and 64/65-node trees at B 1 and 32,
+without the torch.compile peer. The floor reads the logits once at the copy bandwidth measured
+in the same run. Targets on an H200 (chain K=5, V=128256): B1 <= 15 us, B32 <= 90 us; a 64-node
+tree at B1 <= 40 us.
 
 Peers:
 - `verify`: the public op with `validate=False`, as the engine calls it (Triton on CUDA, the
@@ -33,7 +36,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from common import RESULTS_DIR, Case, bench_device, main, run_in_pytest
+from common import RESULTS_DIR, Case, bench_device, device_generator, main, run_in_pytest
 
 from specdec_fast.kernels import verify
 
@@ -73,42 +76,41 @@ def shapes_for(device: torch.device, quick: bool) -> list[Shape]:
         ]
     if quick:
         return [Shape("chain", b, 6, 128256) for b in (1, 32)] + [
-            Shape("tree", b, 64, 128256) for b in (1, 32)
+            Shape("tree", b, n, 128256) for b in (1, 32) for n in (64, 65)
         ]
-    batches, vocabs = (1, 8, 32, 64), (32000, 128256)
-    chains = [Shape("chain", b, k + 1, v) for v in vocabs for b in batches for k in (1, 2, 3, 5, 8)]
-    trees = [Shape("tree", b, n, v) for v in vocabs for b in batches for n in (16, 64)]
-    return chains + trees
+    chains = [Shape("chain", b, k + 1, 128256) for b in (1, 8, 32) for k in (1, 3, 5, 8)]
+    trees = [Shape("tree", b, n, 128256) for b in (1, 8, 32, 64) for n in (16, 64, 65)]
+    return chains + trees + [Shape("chain", b, 6, 32000) for b in (1, 32)]
 
 
 def make_inputs(shape: Shape, device: torch.device, seed: int = 0) -> dict:
-    """logits, draft_tokens, parents, draft_probs (chains) and a per-sequence seed."""
-    generator = torch.Generator().manual_seed(seed)
+    """logits, draft_tokens, parents, draft_probs (chains) and a per-sequence seed, all drawn on
+    `device`."""
+    draw = dict(generator=device_generator(device, seed), device=device)
     batch, num_nodes, vocab = shape.batch, shape.num_nodes, shape.vocab
-    logits = torch.randn((batch, num_nodes, vocab), generator=generator) * 3
-    node = torch.arange(num_nodes)
+    logits = torch.randn((batch, num_nodes, vocab), **draw) * 3
+    node = torch.arange(num_nodes, device=device)
     if shape.kind == "chain":
         parents = (node - 1).expand(batch, num_nodes)
-        draft_logits = logits + torch.randn(logits.shape, generator=generator)
+        draft_logits = logits + torch.randn(logits.shape, **draw)
         draft_probs = torch.softmax(draft_logits, dim=-1)
-        tokens = torch.multinomial(draft_probs.flatten(0, 1), 1, generator=generator)
+        tokens = torch.multinomial(draft_probs.flatten(0, 1), 1, generator=draw["generator"])
         tokens = tokens.view(batch, num_nodes)
     else:
         parents = ((node - 1) // 2).expand(batch, num_nodes).clone()
         parents[:, 0] = -1
         draft_probs = None
-        tokens = torch.randint(0, vocab, (batch, num_nodes), generator=generator)
+        tokens = torch.randint(0, vocab, (batch, num_nodes), **draw)
         first_child = (node >= 1) & (node % 2 == 1)
         parent_argmax = logits.argmax(dim=-1).gather(1, parents.clamp(min=0))
         tokens = torch.where(first_child, parent_argmax, tokens)
-    inputs = {
+    return {
         "logits": logits.to(shape.dtype),
         "draft_tokens": tokens,
         "parents": parents.contiguous(),
         "draft_probs": draft_probs,
-        "seed": torch.randint(0, 2**62, (batch,), generator=generator),
+        "seed": torch.randint(0, 2**62, (batch,), **draw),
     }
-    return {name: None if t is None else t.to(device) for name, t in inputs.items()}
 
 
 def eager_chain(logits, draft_tokens, draft_probs, temperature: float):
@@ -191,19 +193,23 @@ def _builder(shape: Shape, device: torch.device, peer: str):
     return build
 
 
-PEERS = (OURS, "eager torch", "torch.compile")
+COMPILED = "torch.compile"
+PEERS = (OURS, "eager torch", COMPILED)
 
 
-def peers_for(shape: Shape, device: torch.device) -> list[str]:
+def peers_for(shape: Shape, device: torch.device, quick: bool = False) -> list[str]:
+    """Every peer; quick GPU runs leave torch.compile out (its compiles are most of a run's
+    time)."""
+    peers = [peer for peer in PEERS if not (quick and device.type == "cuda" and peer == COMPILED)]
     flashinfer = device.type == "cuda" and importlib.util.find_spec("flashinfer") is not None
-    return list(PEERS) + (["flashinfer"] if flashinfer and shape.kind == "chain" else [])
+    return peers + (["flashinfer"] if flashinfer and shape.kind == "chain" else [])
 
 
 def cases_for(device: torch.device, quick: bool) -> list[Case]:
     return [
         Case(shape.label, peer, _builder(shape, device, peer), shape.logits_bytes)
         for shape in shapes_for(device, quick)
-        for peer in peers_for(shape, device)
+        for peer in peers_for(shape, device, quick)
     ]
 
 

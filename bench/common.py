@@ -279,15 +279,30 @@ def format_peer_table(records: Sequence[Record]) -> str:
     return "\n".join(lines)
 
 
+def format_case_row(record: Record) -> str:
+    """One finished case as a markdown row of `CASE_HEADER`, printed as soon as it is timed."""
+    return f"| {record.shape} | {record.peer} | {_cell(record)} | {record.floor_us:.1f} |"
+
+
+CASE_HEADER = "| shape | peer | us median (min-max) | floor us |\n|---|---|---|---|"
+
+
 def main(name: str, description: str, cases_for: Callable[[torch.device, bool], list[Case]]):
-    """Script entry point: time `cases_for(device, quick)`, print the table, write the JSON."""
+    """Script entry point: time `cases_for(device, quick)` printing each case's row as it
+    finishes (a run cut short still shows what it measured), then the peer table; write the
+    JSON."""
     parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--quick", action="store_true", help="fewer shapes and repetitions")
     parser.add_argument("--json", type=Path, default=None, help=f"default: results/{name}.json")
     args = parser.parse_args()
     device = bench_device()
     reps = 10 if args.quick else 50
-    records = [run_case(case, device, reps) for case in cases_for(device, args.quick)]
+    print(f"{description} on {device}", flush=True)
+    print(CASE_HEADER, flush=True)
+    records = []
+    for case in cases_for(device, args.quick):
+        records.append(run_case(case, device, reps))
+        print(format_case_row(records[-1]), flush=True)
     env = environment(device)
     print(f"{description} on {env['gpu'] or 'CPU'} ({env['date']})")
     print(f"torch {env['torch']}, triton {env['triton']}, transformers {env['transformers']}")
@@ -297,6 +312,12 @@ def main(name: str, description: str, cases_for: Callable[[torch.device, bool], 
         args.json or RESULTS_DIR / f"{name}.json", name, env, [asdict(r) for r in records]
     )
     return records
+
+
+def device_generator(device: torch.device, seed: int) -> torch.Generator:
+    """A generator on `device`: benchmarks draw their random inputs where they run (drawing
+    gigabytes on the host and copying them over would take longer than the timing)."""
+    return torch.Generator(device).manual_seed(seed)
 
 
 def write_results(path: Path, benchmark: str, env: dict, results: list, **extra) -> None:

@@ -1,10 +1,30 @@
-"""The one prepared GPU script (see the GPU notes shared with the project).
+"""The one prepared GPU script (shared GPU.md): every device check, sized for the lease.
 
-In one call: versions and the GPU; the `gpu`-marked tests (compiled Triton kernels against their
-references, CUDA graphs); the kernel microbenchmarks against their peers; the end-to-end benchmarks
-(`bench_step.py` when present, the bundled tiny-code pair); a short table last. Every part's
-output and JSON land under $OUT (or bench/results/gpu-<date>/), plus `suite.json` with what ran,
-how long it took and whether it passed. `--quick` keeps the whole run under about 4 minutes.
+Parts, in order (`--part NAME`, repeatable; all by default):
+    tests           versions and the GPU, then the `gpu`-marked tests (compiled kernels against
+                    their references, CUDA graphs)
+    tree_attention  bench/bench_tree_attention.py (peers side by side; N = 64/65 and 32/33)
+    verify          bench/bench_verify.py
+    kv_compact      bench/bench_kv_compact.py
+    step            bench/bench_step.py (8B-shaped Llama decode and verify steps, our eager
+                    steps under CUDA graphs; HF's compiled decode in the full plan)
+    compiled_step   bench/bench_step.py --compile (our compiled steps under CUDA graphs)
+    e2e             bench/bench_e2e_tiny.py (the bundled pair, every drafter)
+`--quick` runs each part's quick plan (all parts predicted under 8 minutes); without it each part
+runs its full plan (each predicted under 4 minutes, so run them one `--part` at a time).
+
+Each part runs in its own process under a timeout (twice its estimate, at most PART_LIMIT_S),
+its output streamed as it comes (the benchmarks print a row per finished case). The suite starts
+no part whose estimate exceeds what is left of `--budget` (default: under the device's 10-minute
+command limit). Everything a part writes, and its log, goes to a work folder that is packed after
+every part into $OUT/gpu_suite.tar.gz, beside $OUT/gpu_suite.json (versions, the plan with its
+estimates, per part: status, seconds, the last lines and the JSON results it wrote): two files,
+however the run ends.
+
+`--dry-run` plays the same plan on the CPU with tiny shapes (each benchmark at its CPU sizes,
+the GPU tests collected only) and prints the estimated device time per part, from each part's
+GPU plan and the cost model `COSTS` (seconds per unit of work on the H200 machine: leads, set
+before any GPU run; bench/NOTES.md has the arithmetic). CI runs it.
 
     python3 -m pip install -e . --no-deps --no-build-isolation
     python3 bench/gpu_suite.py --quick
@@ -13,21 +33,224 @@ how long it took and whether it passed. `--quick` keeps the whole run under abou
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import os
+import shutil
+import signal
 import subprocess
 import sys
+import tarfile
+import tempfile
+import threading
 import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from datetime import datetime, timezone
+from functools import partial
 from pathlib import Path
+
+import torch
 
 BENCH = Path(__file__).resolve().parent
 ROOT = BENCH.parent
-KERNEL_BENCHES = ("bench_tree_attention", "bench_verify", "bench_kv_compact")
+ARCHIVE = "gpu_suite.tar.gz"
+SUMMARY = "gpu_suite.json"
+PART_LIMIT_S = 240
+QUICK_LIMIT_S = 480
+# The device runs one command for at most 10 minutes: leave time to pack and exit.
+DEFAULT_BUDGET_S = 570
+TAIL_LINES = 25
+
+# Seconds per unit of work on the H200 machine (16 cores): estimates, not measurements.
+COSTS = {
+    "process": 15.0,  # python start, torch/triton/transformers imports, CUDA context, probes
+    "case": 0.5,  # inputs drawn on the device, warm-up, a 10-call graph captured, timed
+    "triton_compile": 1.5,  # the first launch of one of our kernel variants
+    "flex_compile": 60.0,  # FlexAttention's torch.compile for one shape
+    "inductor_first": 40.0,  # torch.compile (inductor) of one eager peer function
+    "inductor_case": 2.0,  # the same, each later shape (dynamic shapes: guards, rare recompiles)
+    "model_build": 20.0,  # an 8B-shaped Llama with random bf16 weights drawn on the device
+    "runner_graph": 5.0,  # our runner capturing one (B, N) step of 32 layers
+    "runner_compile": 45.0,  # inductor compiling one of our runner's step graphs, 32 layers
+    "hf_compile": 60.0,  # HF's static-cache decode compiled (reduce-overhead) for one shape
+    "gpu_test": 3.0,  # one gpu-marked test, its kernel compiles included
+    "e2e_run": 2.0,  # one drafter (or HF mode) on the tiny pair: load, graphs, first step
+    "e2e_token": 0.004,  # each generated token of the tiny pair
+}
+
+
+@dataclass
+class Part:
+    """One part of the suite: its command (given the work folder and the mode) and its GPU
+    plan's estimated seconds, itemized."""
+
+    name: str
+    command: Callable[[Path, bool, bool], list[str]]
+    plan: Callable[[bool], dict[str, float]]
+    result_files: Callable[[Path], list[Path]] = field(default=lambda work: [])
+
+    def estimate(self, quick: bool) -> float:
+        return sum(self.plan(quick).values())
+
+
+def _bench_module(name: str):
+    """A benchmark module of bench/ (they import `common` from their own folder)."""
+    if str(BENCH) not in sys.path:
+        sys.path.insert(0, str(BENCH))
+    return importlib.import_module(name)
+
+
+CUDA = torch.device("cuda")
+PYTHON = sys.executable
+
+
+def kernel_bench_plan(module_name: str, inductor_peer: str | None = None):
+    """Plan of a kernel microbenchmark: every case, a compile for each of ours, FlexAttention
+    and inductor compiles for the peers that need them."""
+
+    def plan(quick: bool) -> dict[str, float]:
+        cases = _bench_module(module_name).cases_for(CUDA, quick)
+        ours = [case for case in cases if case.peer.startswith(("ours", "verify", "kv_compact"))]
+        flex = [case for case in cases if case.peer == "flex block mask"]
+        inductor = [case for case in cases if case.peer == inductor_peer]
+        items = {
+            "process": COSTS["process"],
+            f"{len(cases)} cases": len(cases) * COSTS["case"],
+            f"{len(ours)} first launches of ours": len(ours) * COSTS["triton_compile"],
+        }
+        if flex:
+            items[f"{len(flex)} FlexAttention compiles"] = len(flex) * COSTS["flex_compile"]
+        if inductor:
+            kinds = {case.shape.split("/")[0] for case in inductor}
+            items[f"{len(inductor)} torch.compile cases"] = (
+                len(kinds) * COSTS["inductor_first"]
+                + (len(inductor) - len(kinds)) * COSTS["inductor_case"]
+            )
+        return items
+
+    return plan
+
+
+def tests_plan(quick: bool) -> dict[str, float]:
+    collected = subprocess.run(
+        [PYTHON, "-m", "pytest", "tests", "-m", "gpu", "--collect-only", "-q"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=False,
+    ).stdout
+    count = next(
+        int(line.split("/")[0]) for line in collected.splitlines() if "tests collected" in line
+    )
+    return {"process": COSTS["process"], f"{count} gpu tests": count * COSTS["gpu_test"]}
+
+
+def step_plan(quick: bool, compiled: bool = False) -> dict[str, float]:
+    _, points, _ = _bench_module("bench_step").plan(tiny=False, quick=quick, compiled=compiled)
+    steps = sum(len(point.nodes) for point in points)
+    hf = sum(point.hf for point in points)
+    if compiled:
+        # One graph per step kind (decode, tree) and batch class (1, 2+), compiled once.
+        graphs = {(point.batch > 1, nodes > 1) for point in points for nodes in point.nodes}
+        return {
+            "process": COSTS["process"],
+            "model": COSTS["model_build"],
+            f"{len(graphs)} compiles": len(graphs) * COSTS["runner_compile"],
+            f"{steps} step graphs": steps * (COSTS["runner_graph"] + COSTS["case"]),
+        }
+    return {
+        "process": COSTS["process"],
+        "model": COSTS["model_build"],
+        f"{steps} step graphs": steps * (COSTS["runner_graph"] + COSTS["case"]),
+        f"{hf} HF compiles": hf * (COSTS["hf_compile"] + COSTS["case"]),
+    }
+
+
+E2E_FULL_ARGS = ["--prompts", "4", "--new-tokens", "64"]
+E2E_QUICK = (2, 32)  # bench_e2e_tiny's --quick: prompts, new tokens
+HF_MODES = 3  # generate, assisted, prompt lookup
+
+
+def e2e_plan(quick: bool) -> dict[str, float]:
+    from specdec_fast.drafters.registry import bundled_specs
+
+    bench = _bench_module("bench_e2e_tiny")
+    runs = 1 + HF_MODES  # our plain decoding, then HF's modes
+    for spec in bundled_specs():
+        sizes = bench.CHAIN_LENGTHS if spec.info.chain else bench.BUDGETS
+        runs += len(sizes[:2] if quick else sizes)
+    prompts, tokens = E2E_QUICK if quick else (int(E2E_FULL_ARGS[1]), int(E2E_FULL_ARGS[3]))
+    per_run = COSTS["e2e_run"] + prompts * tokens * COSTS["e2e_token"]
+    return {"process": COSTS["process"], f"{runs} runs": runs * per_run}
+
+
+def _mode(quick: bool) -> list[str]:
+    return ["--quick"] if quick else []
+
+
+def bench_command(script: str, json_name: str, *options: str):
+    def command(work: Path, quick: bool, dry_run: bool) -> list[str]:
+        return [PYTHON, f"bench/{script}", *options, *_mode(quick), "--json", str(work / json_name)]
+
+    return command
+
+
+def tests_command(work: Path, quick: bool, dry_run: bool) -> list[str]:
+    command = [PYTHON, "-m", "pytest", "tests", "-m", "gpu", "-q", "-p", "no:cacheprovider"]
+    return command + (["--collect-only"] if dry_run else [f"--junitxml={work / 'gpu_tests.xml'}"])
+
+
+def e2e_command(work: Path, quick: bool, dry_run: bool) -> list[str]:
+    size = ["--prompts", "1", "--new-tokens", "8"] if dry_run else []
+    size = size or ([] if quick else E2E_FULL_ARGS)
+    return [PYTHON, "bench/bench_e2e_tiny.py", *_mode(quick), "--out", str(work / "e2e"), *size]
+
+
+def _json_files(*names: str):
+    return lambda work: [work / name for name in names]
+
+
+PARTS = {
+    part.name: part
+    for part in (
+        Part("tests", tests_command, tests_plan),
+        Part(
+            "tree_attention",
+            bench_command("bench_tree_attention.py", "tree_attention.json"),
+            kernel_bench_plan("bench_tree_attention"),
+            _json_files("tree_attention.json"),
+        ),
+        Part(
+            "verify",
+            bench_command("bench_verify.py", "verify.json"),
+            kernel_bench_plan("bench_verify", inductor_peer="torch.compile"),
+            _json_files("verify.json"),
+        ),
+        Part(
+            "kv_compact",
+            bench_command("bench_kv_compact.py", "kv_compact.json"),
+            kernel_bench_plan("bench_kv_compact"),
+            _json_files("kv_compact.json"),
+        ),
+        Part(
+            "step",
+            bench_command("bench_step.py", "bench_step.json"),
+            step_plan,
+            _json_files("bench_step.json"),
+        ),
+        Part(
+            "compiled_step",
+            bench_command("bench_step.py", "bench_step_compiled.json", "--compile"),
+            partial(step_plan, compiled=True),
+            _json_files("bench_step_compiled.json"),
+        ),
+        Part("e2e", e2e_command, e2e_plan, _json_files("e2e.json")),
+    )
+}
 
 
 def versions() -> dict:
-    import torch
     import transformers
     import triton
 
@@ -38,92 +261,155 @@ def versions() -> dict:
         "triton": triton.__version__,
         "transformers": transformers.__version__,
         "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
+        "sm_count": (
+            torch.cuda.get_device_properties(0).multi_processor_count
+            if torch.cuda.is_available()
+            else None
+        ),
     }
 
 
-def _text(stream: bytes | str | None) -> str:
-    if stream is None:
-        return ""
-    return stream if isinstance(stream, str) else stream.decode(errors="replace")
-
-
-def run_step(name: str, command: list[str], out_dir: Path, timeout: int) -> dict:
-    """Run one part, teeing its output to `<name>.log`; never let one failure stop the suite."""
-    print(f"\n=== {name}: {' '.join(command)}", flush=True)
+def run_part(
+    part: Part, command: list[str], work: Path, timeout: float, env: dict | None = None
+) -> dict:
+    """Run one part in its own process group (environment `env`, default ours), streaming its
+    output to stdout and its log; on timeout the whole group is killed and the part recorded
+    as timed out."""
+    print(f"\n=== {part.name}: {' '.join(command)} (timeout {timeout:.0f} s)", flush=True)
+    log_path = work / f"{part.name}.log"
     start = time.perf_counter()
-    log_path = out_dir / f"{name}.log"
-    try:
-        result = subprocess.run(
-            command, cwd=ROOT, capture_output=True, text=True, timeout=timeout, check=False
+    lines = []
+    with log_path.open("w") as log:
+        process = subprocess.Popen(
+            command,
+            cwd=ROOT,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            start_new_session=True,
+            env=env,
         )
-        output, code = result.stdout + result.stderr, result.returncode
-    except subprocess.TimeoutExpired as error:
-        output = _text(error.stdout) + _text(error.stderr) + f"\n[timed out after {timeout}s]"
-        code = -1
-    log_path.write_text(output)
-    tail = "\n".join(output.rstrip().splitlines()[-25:])
-    print(tail, flush=True)
+        timer = _Deadline(process, timeout)
+        for line in process.stdout:
+            print(line, end="", flush=True)
+            log.write(line)
+            lines.append(line.rstrip("\n"))
+        code = process.wait()
+        timer.cancel()
+    status = "timed out" if timer.fired else ("ok" if code == 0 else f"failed ({code})")
     return {
-        "name": name,
+        "name": part.name,
         "command": command,
+        "status": status,
         "returncode": code,
         "seconds": round(time.perf_counter() - start, 1),
         "log": log_path.name,
-        "tail": tail.splitlines()[-3:],
+        "tail": lines[-TAIL_LINES:],
     }
 
 
-def main() -> int:
+class _Deadline:
+    """Kills a process group after `timeout` seconds unless cancelled."""
+
+    def __init__(self, process: subprocess.Popen, timeout: float):
+        self.process, self.fired = process, False
+        self.timer = threading.Timer(timeout, self._kill)
+        self.timer.start()
+
+    def _kill(self) -> None:
+        self.fired = True
+        os.killpg(self.process.pid, signal.SIGKILL)
+
+    def cancel(self) -> None:
+        self.timer.cancel()
+
+
+def write_outputs(out_dir: Path, work: Path, summary: dict) -> None:
+    """The two files: the summary JSON and the archive of the work folder (logs, results)."""
+    (out_dir / SUMMARY).write_text(json.dumps(summary, indent=1) + "\n")
+    with tarfile.open(out_dir / ARCHIVE, "w:gz") as archive:
+        archive.add(work, arcname=work.name)
+
+
+def format_plan(estimates: dict[str, dict[str, float]], quick: bool) -> str:
+    lines = ["| part | estimated device s | limit s | itemized |", "|---|---|---|---|"]
+    for name, items in estimates.items():
+        itemized = ", ".join(f"{what} {seconds:.0f}" for what, seconds in items.items())
+        total = sum(items.values())
+        lines.append(f"| {name} | {total:.0f} | {PART_LIMIT_S} | {itemized} |")
+    grand = sum(sum(items.values()) for items in estimates.values())
+    limit = QUICK_LIMIT_S if quick else "-"
+    lines.append(f"| total ({'quick' if quick else 'full'}) | {grand:.0f} | {limit} | |")
+    return "\n".join(lines)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="under about 4 minutes")
-    args = parser.parse_args()
+    parser.add_argument("--part", action="append", choices=list(PARTS), help="repeatable")
+    parser.add_argument("--quick", action="store_true", help="each part's quick plan")
+    parser.add_argument(
+        "--dry-run", action="store_true", help="on the CPU, tiny shapes; print the estimates"
+    )
+    parser.add_argument(
+        "--budget", type=float, default=DEFAULT_BUDGET_S, help="seconds for the whole run"
+    )
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    start = time.perf_counter()
     stamp = datetime.now(timezone.utc).strftime("%Y-%m-%dT%H%M")
     out_dir = Path(os.environ.get("OUT") or BENCH / "results" / f"gpu-{stamp}")
     out_dir.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix="gpu_suite-")) / f"gpu_suite-{stamp}"
+    work.mkdir()
+    parts = [PARTS[name] for name in (args.part or PARTS)]
     info = versions()
     print(json.dumps(info, indent=1), flush=True)
-    python = sys.executable
-    quick = ["--quick"] if args.quick else []
-    steps = [
-        (
-            "gpu-tests",
-            [python, "-m", "pytest", "tests", "-m", "gpu", "-q", "-x", "-p", "no:cacheprovider"],
-            150 if args.quick else 600,
+    estimates = {part.name: part.plan(args.quick) for part in parts}
+    plan_table = format_plan(estimates, args.quick)
+    print(plan_table, flush=True)
+    summary = {
+        "versions": info,
+        "date": stamp,
+        "quick": args.quick,
+        "dry_run": args.dry_run,
+        "estimates_s": {name: round(sum(items.values()), 1) for name, items in estimates.items()},
+        "costs": COSTS,
+        "parts": [],
+    }
+    for part in parts:
+        estimate = sum(estimates[part.name].values())
+        left = args.budget - (time.perf_counter() - start)
+        if not args.dry_run and estimate > left:
+            result = {"name": part.name, "status": f"skipped ({left:.0f} s left)", "seconds": 0}
+        else:
+            timeout = min(2 * estimate, PART_LIMIT_S, max(left, 1.0))
+            env = None
+            if args.dry_run:
+                timeout = PART_LIMIT_S  # the CPU plays tiny shapes, at its own pace
+                # Compiling every step shape would take the CPU minutes: it plays them eagerly.
+                env = {**os.environ, "SPECDEC_COMPILE": "0"}
+            command = part.command(work, args.quick, args.dry_run)
+            result = run_part(part, command, work, timeout, env)
+            result["results"] = {
+                path.name: json.loads(path.read_text())
+                for path in part.result_files(work)
+                if path.exists()
+            }
+        result["estimate_s"] = round(estimate, 1)
+        summary["parts"].append(result)
+        write_outputs(out_dir, work, summary)
+    print(f"\n{plan_table}\n\n| part | status | seconds | estimated s |\n|---|---|---|---|")
+    for result in summary["parts"]:
+        print(
+            f"| {result['name']} | {result['status']} | {result['seconds']} "
+            f"| {result['estimate_s']} |"
         )
-    ]
-    for bench in KERNEL_BENCHES:
-        if (BENCH / f"{bench}.py").exists():
-            steps.append(
-                (
-                    bench,
-                    [python, f"bench/{bench}.py", *quick, "--json", str(out_dir / f"{bench}.json")],
-                    120 if args.quick else 600,
-                )
-            )
-    if (BENCH / "bench_step.py").exists():
-        steps.append(
-            (
-                "bench_step",
-                [python, "bench/bench_step.py", *quick, "--json", str(out_dir / "bench_step.json")],
-                300,
-            )
-        )
-    steps.append(
-        (
-            "bench_e2e_tiny",
-            [python, "bench/bench_e2e_tiny.py", *quick, "--out", str(out_dir / "e2e_tiny")],
-            300,
-        )
-    )
-    results = [run_step(name, command, out_dir, timeout) for name, command, timeout in steps]
-    summary = {"versions": info, "quick": args.quick, "date": stamp, "steps": results}
-    (out_dir / "suite.json").write_text(json.dumps(summary, indent=2) + "\n")
-    print("\n| part | status | seconds |\n|---|---|---|")
-    for step in results:
-        status = "ok" if step["returncode"] == 0 else f"FAILED ({step['returncode']})"
-        print(f"| {step['name']} | {status} | {step['seconds']} |")
-    print(f"results in {out_dir}")
-    return 0 if all(step["returncode"] == 0 for step in results) else 1
+    shutil.rmtree(work.parent)
+    print(f"{ARCHIVE} and {SUMMARY} in {out_dir}")
+    return 0 if all(result["status"] == "ok" for result in summary["parts"]) else 1
 
 
 if __name__ == "__main__":

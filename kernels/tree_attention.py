@@ -23,6 +23,15 @@ MAX_TREE_NODES = 128
 MAX_SPLITS = 64
 # A split must own a few K/V tiles, or its prologue and the combine cost more than it saves.
 MIN_TILES_PER_SPLIT = 4
+# The split heuristic's costs, in K/V tiles of one program: a program's prologue and epilogue
+# (Q and the first tiles loaded, the output written), and the combine launch (its gap and its
+# read of the partials).
+SPLIT_PROLOGUE_TILES = 2
+COMBINE_TILES = 4
+SPLIT_GAIN = 0.9
+# The combine launch takes small token blocks until its programs fill the GPU this many times over
+# (at B1, 32 heads x 64 tokens in blocks of 32 would be 64 programs on 132 SMs).
+COMBINE_WAVES = 2
 LOG2_E = 1.4426950408889634
 
 
@@ -165,87 +174,154 @@ def _validate(q, k_cache, v_cache, cache_lens, tree_mask, q_lens, scale, softcap
 
 
 @dataclass(frozen=True)
+class Tile:
+    """How one row block walks the keys: keys per tile, warps, pipeline stages, and ptxas's
+    per-thread register cap (None: ptxas picks one, and may spill to fit more programs per SM).
+    `programs_per_sm` is how many such programs an sm_90 SM holds at once, as compiled
+    (tests/sm90_compile.py checks every launch against it); the split heuristic fills that many."""
+
+    block_n: int
+    num_warps: int
+    num_stages: int
+    max_registers: int | None = None
+    programs_per_sm: int = 2
+
+
+@dataclass(frozen=True)
 class KernelConfig:
     block_m: int
     block_n: int
     block_d: int
     num_warps: int
     num_stages: int
-    # ptxas's per-thread register limit (None: ptxas picks one, and may spill to fit more
-    # programs per SM).
     max_registers: int | None = None
+    programs_per_sm: int = 1
 
 
-# fp16/bf16 launch shapes per (K/V width BLOCK_D, row block BLOCK_M): ((BLOCK_N, num_warps) of
-# the plain kernel, (BLOCK_N, num_warps) of the windowed or soft-capped one). Each compiles for
-# sm_90 without spilling, as the JIT specializes it, over head dims 64-256 x GQA groups
-# {1, 2, 3, 4, 8} x N {1, 17, 64, 128} x tree/causal x q_lens x splits (compiled once in full;
-# tests/test_tree_attention_compile.py keeps a representative of each). ptxas caps registers
-# to fit more programs per SM and spilled a few bytes with 8 warps on 32 rows at D 128 (and on
-# 16-row variants of 32 keys), with 4 warps on 32 rows at D 64. The variants' per-row state
-# needs 32-key tiles on 128 rows (255 registers otherwise).
+# fp16/bf16 launch shapes per (K/V width BLOCK_D, row block BLOCK_M): (the plain kernel's tile,
+# the windowed or soft-capped one's). Every launch the launcher makes with them over the model
+# sweep compiles for sm_90 without spilling (bench/results/sm90_compile_table.md lists each,
+# tests/test_sm90_compile.py enforces it), at `programs_per_sm` programs per SM or more:
+# - 128 rows: 8 warps capped at 128 registers (two programs per SM: one's softmax overlaps the
+#   other's MMA) on 32-key tiles (64 keys at D 64); wider tiles spill under the cap, and so do
+#   the variants' per-row state, GQA groups that are not powers of two and trees of more than
+#   96 nodes (four mask words per row): those take 64-row blocks.
+# - 64 rows and fewer: one warpgroup (4 warps), allowed all 255 registers (left to itself ptxas
+#   stopped at 128 and spilled); any count keeps two programs per SM.
+# - D 256: 32-key tiles on 4 warps (252-255 registers). The windowed or soft-capped variant
+#   (every layer of Gemma2) spills on 4 warps with 16- or 32-key tiles and under a 128-register
+#   cap on 8 warps: it runs 8 warps at one program per SM.
 HALF_PRECISION_TILES = {
-    (64, 16): ((64, 4), (32, 4)),
-    (64, 32): ((64, 8), (32, 4)),
-    (64, 64): ((64, 4), (32, 4)),
-    (64, 128): ((64, 8), (32, 8)),
-    (128, 16): ((64, 8), (64, 8)),
-    (128, 32): ((64, 4), (32, 4)),
-    (128, 64): ((64, 8), (32, 8)),
-    (128, 128): ((64, 8), (32, 8)),
-    (256, 16): ((16, 8), (16, 8)),
-    (256, 64): ((16, 8), (16, 8)),
+    (64, 16): (Tile(64, 4, 3, 255), Tile(32, 4, 3, 255)),
+    (64, 32): (Tile(64, 4, 3, 255), Tile(32, 4, 3, 255)),
+    (64, 64): (Tile(64, 4, 3, 255), Tile(32, 4, 3, 255)),
+    (64, 128): (Tile(64, 8, 3, 128), None),
+    (128, 16): (Tile(64, 4, 3, 255), Tile(64, 4, 3, 255)),
+    (128, 32): (Tile(64, 4, 3, 255), Tile(32, 4, 3, 255)),
+    (128, 64): (Tile(64, 4, 2, 255), Tile(32, 4, 2, 255)),
+    (128, 128): (Tile(32, 8, 3, 128), None),
+    (256, 16): (Tile(32, 4, 2, 255), Tile(32, 4, 2, 255)),
+    (256, 64): (Tile(32, 4, 2, 255), Tile(32, 8, 2, 255, programs_per_sm=1)),
 }
+# Trees deeper than this many nodes keep four mask words per row: too many for 128 rows under
+# the 128-register cap.
+MAX_NODES_FOR_128_ROWS = 96
+
+
+def row_block(group: int, num_new: int, head_dim_block: int, windowed_or_capped: bool) -> int:
+    """Query rows per program for GROUP * N rows per KV head (fp16/bf16).
+
+    Up to 64 rows, the next power of two (16 at least; at D 256, 16 or 64). Beyond, 128-row
+    blocks unless the last one would be at most half full: then 64-row blocks, so no block is
+    mostly padding. A 65-node tree at GQA 4 (260 rows) takes 5 blocks of 64 (320 rows of MMA)
+    rather than 3 of 128 (384) with a third holding 4 live rows. The variants, groups that are
+    not powers of two and trees over 96 nodes always take 64 (see HALF_PRECISION_TILES).
+    """
+    rows = group * num_new
+    if head_dim_block > 128:
+        return 16 if rows <= 16 else 64
+    if rows <= 64:
+        return max(16, triton.next_power_of_2(rows))
+    half_full_tail = triton.cdiv(rows, 64) % 2 == 1
+    odd_group = group & (group - 1) != 0
+    if windowed_or_capped or num_new > MAX_NODES_FOR_128_ROWS or half_full_tail or odd_group:
+        return 64
+    return 128
 
 
 def kernel_config(
     head_dim: int, group: int, num_new: int, dtype: torch.dtype, windowed_or_capped: bool = False
 ) -> KernelConfig:
-    """Tile sizes and launch shape: up to 128 query rows (GROUP * N) per program.
+    """Tile sizes and launch shape for GROUP * N query rows per KV head.
 
-    fp16/bf16 take `HALF_PRECISION_TILES`: 16 to 128 rows up to D = 128; beyond, 16 rows for a
-    decode-sized block and 64 otherwise (32-row blocks spill at D = 256; 64 rows only waste
-    tensor-core time on padding). fp32 (exact dots on CUDA cores, a correctness path) takes
-    16-row tiles; from D = 128 on, ptxas may use every register rather than spill a few bytes
-    for a second program per SM (no tile or warp count avoids it there).
+    fp16/bf16 take `row_block`'s rows and `HALF_PRECISION_TILES`' tile. fp32 (exact dots on CUDA
+    cores, a correctness path) takes 16-row tiles; from D = 128 on, ptxas may use every register
+    rather than spill a few bytes for a second program per SM (no tile or warp count avoids it
+    there).
     """
     block_d = max(16, triton.next_power_of_2(head_dim))
-    rows = max(16, triton.next_power_of_2(group * num_new))
     if dtype == torch.float32:
         narrow = block_d <= 64
         block_n = 32 if narrow and not windowed_or_capped else 16
         if narrow:
             return KernelConfig(16, block_n, block_d, num_warps=4, num_stages=2)
         return KernelConfig(16, block_n, block_d, num_warps=8, num_stages=1, max_registers=255)
-    if block_d <= 128:
-        block_m = min(128, rows)
-        num_stages = 3
-    else:
-        block_m = 16 if rows == 16 else 64
-        num_stages = 2
+    block_m = row_block(group, num_new, block_d, windowed_or_capped)
     plain, variant = HALF_PRECISION_TILES[max(block_d, 64), block_m]
-    block_n, num_warps = variant if windowed_or_capped else plain
-    return KernelConfig(block_m, block_n, block_d, num_warps, num_stages)
-
-
-def choose_num_splits(programs: int, max_prefix: int, block_n: int, sm_count: int) -> int:
-    """How many ways to split the prefix so that `programs` (B * Hkv * row blocks) fill the GPU.
-
-    Splits multiply the programs up to one full wave; each split keeps at least
-    MIN_TILES_PER_SPLIT tiles of the longest possible visible prefix (`max_prefix`, known on the
-    host without reading the lengths: the capacity, or the window). Shorter prefixes are divided
-    on the device, in the kernel.
-    """
-    by_occupancy = sm_count // max(programs, 1)
-    by_length = triton.cdiv(max_prefix, block_n) // MIN_TILES_PER_SPLIT
-    return max(1, min(by_occupancy, by_length, MAX_SPLITS))
+    tile = variant if windowed_or_capped else plain
+    return KernelConfig(
+        block_m,
+        tile.block_n,
+        block_d,
+        tile.num_warps,
+        tile.num_stages,
+        tile.max_registers,
+        tile.programs_per_sm,
+    )
 
 
 @cache
-def _sm_count(device: torch.device) -> int:
-    """Streaming multiprocessors; the interpreter counts as one (splits only when asked)."""
+def choose_num_splits(programs: int, max_prefix: int, block_n: int, slots: int) -> int:
+    """How many ways to split the prefix for `programs` (B * Hkv * row blocks) on a GPU of
+    `slots` (SMs x programs per SM).
+
+    The count minimizing a wave model: waves (`programs * splits / slots`, rounded up) times the
+    tiles of a split plus SPLIT_PROLOGUE_TILES, plus COMBINE_TILES for the combine launch when
+    split; ties go to fewer splits, and a split must save 10% (SPLIT_GAIN). Each split keeps at
+    least MIN_TILES_PER_SPLIT tiles of the longest possible visible prefix (`max_prefix`, known
+    on the host without reading the lengths: the capacity, or the window); shorter prefixes are
+    divided on the device. So a batch that fills one wave is not split, and one that spills a
+    little past a wave (B8 with a 65-node tree: 320 programs on 264 slots) is split into several
+    shorter waves. One slot (the interpreter) never splits.
+    """
+    tiles = triton.cdiv(max_prefix, block_n)
+    most = max(1, min(tiles // MIN_TILES_PER_SPLIT, MAX_SPLITS))
+
+    def cost(splits: int) -> int:
+        waves = triton.cdiv(max(programs, 1) * splits, slots)
+        combine = COMBINE_TILES if splits > 1 else 0
+        return waves * (triton.cdiv(tiles, splits) + SPLIT_PROLOGUE_TILES) + combine
+
+    best = min(range(1, most + 1), key=cost)
+    # Splitting writes and reads partials the model does not count: only for a clear gain.
+    return best if cost(best) <= SPLIT_GAIN * cost(1) else 1
+
+
+def combine_block_t(batch_heads: int, num_new: int, block_d: int, slots: int) -> int:
+    """Tokens per combine program: as many as fit 4096 partial elements, halved until the
+    `batch_heads * cdiv(N, tokens)` programs make COMBINE_WAVES waves of the GPU's `slots`."""
+    block_t = max(1, min(triton.next_power_of_2(num_new), 4096 // block_d))
+    while block_t > 1 and batch_heads * triton.cdiv(num_new, block_t) < COMBINE_WAVES * slots:
+        block_t //= 2
+    return block_t
+
+
+@cache
+def _sm_count(device: torch.device) -> int | None:
+    """Streaming multiprocessors of a CUDA device; None elsewhere (the interpreter, which counts
+    as one program slot: it splits only when asked)."""
     if device.type != "cuda":
-        return 1
+        return None
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
@@ -262,11 +338,17 @@ def launch_tree_attention(
     softcap: float | None = None,
     window: int | None = None,
     q_depths: torch.Tensor | None = None,
+    config: KernelConfig | None = None,
 ) -> torch.Tensor:
     """Run the Triton kernels on arguments that `tree_attention` has validated.
 
     `packed_mask` is the int32 `[B, N, ceil(N/32)]` form or None (causal). `num_splits` overrides
-    the split heuristic (tests and benchmarks use it). Returns `[B, Hq, N, D]`, dtype of q.
+    the split heuristic and `config` the tiles of `kernel_config` (tests run every GPU tiling
+    under the interpreter with it). Returns `[B, Hq, N, D]`, dtype of q.
+
+    Split partials are kept in the dtype of q (fp32 for fp32): each is a normalized output, a
+    convex combination of V rows, so it fits V's dtype, and half the bytes of fp32 cross memory
+    twice (written, then read by the combine). Their log2-sum-exps stay fp32.
     """
     batch, num_q_heads, num_new, head_dim = q.shape
     num_kv_heads, capacity = k_cache.shape[1], k_cache.shape[2]
@@ -279,22 +361,23 @@ def launch_tree_attention(
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
     if out.numel() == 0:
         return out
-    config = kernel_config(
-        head_dim, group, num_new, q.dtype, window is not None or softcap is not None
-    )
+    if config is None:
+        config = kernel_config(
+            head_dim, group, num_new, q.dtype, window is not None or softcap is not None
+        )
     row_blocks = triton.cdiv(group * num_new, config.block_m)
+    sm_count = _sm_count(q.device)
+    slots = 1 if sm_count is None else sm_count * config.programs_per_sm
     if num_splits is None:
         num_splits = choose_num_splits(
             batch * num_kv_heads * row_blocks,
             capacity - num_new if window is None else min(capacity - num_new, window),
             config.block_n,
-            _sm_count(q.device),
+            slots,
         )
     if num_splits > 1:
         part_out = torch.empty(
-            (num_splits, batch, num_q_heads, num_new, head_dim),
-            dtype=torch.float32,
-            device=q.device,
+            (num_splits, batch, num_q_heads, num_new, head_dim), dtype=q.dtype, device=q.device
         )
         part_lse = torch.empty(part_out.shape[:-1], dtype=torch.float32, device=q.device)
     else:
@@ -343,7 +426,7 @@ def launch_tree_attention(
         maxnreg=config.max_registers,
     )
     if num_splits > 1:
-        block_t = max(1, min(triton.next_power_of_2(num_new), 4096 // config.block_d))
+        block_t = combine_block_t(batch * num_q_heads, num_new, config.block_d, sm_count or 1)
         tree_attention_combine_kernel[(batch * num_q_heads, triton.cdiv(num_new, block_t))](
             part_out,
             part_lse,

@@ -4,8 +4,9 @@ Public entry point: `verify` (validation, backend choice, launcher). The Triton 
 `jit/verify.py` (random numbers in `jit/rng.py`), the plain-torch reference and the precise
 semantics (ties, the acceptance rules, why they are lossless) in `reference/verify.py`.
 
-Two launches per call for any batch: per-slice vocabulary statistics, then one tree walk per
-sequence. No softmax over the vocabulary is written to memory; random numbers come from a hash
+Two launches per call for any batch: per-slice vocabulary statistics, then the tree walks (one
+program per sequence, or several that split a rejected chain node's residual race over the
+vocabulary). No softmax over the vocabulary is written to memory; random numbers come from a hash
 of (seed, sequence, node, stream, counter), so a call with a seed tensor can be captured in a
 CUDA graph and replayed, and the Triton kernels and the reference draw the same numbers.
 """
@@ -39,6 +40,9 @@ MIN_TEMPERATURE = 2.0**-126
 # Candidate keys tested per pass of the top-k/top-p threshold search (17-way bisection, about
 # 8 passes over the row); a power of two, as tl.arange requires.
 NUM_THRESHOLDS = 16
+# Vocabulary slices per row in the statistics launch, at most: the walk merges them in registers,
+# and 128 of them spilled in the filtered chain walk at 255 registers.
+MAX_STATS_SPLITS = 64
 
 
 @dataclass(frozen=True)
@@ -73,7 +77,7 @@ def _param_tensor(name: str, value: torch.Tensor, batch: int, floating: bool, de
     check_tensor(name, value, shape=(batch,), dims="[B]", dtypes=dtypes, device=device)
 
 
-def sampling_params(batch, device, temperature, top_k, top_p, seed) -> SamplingParams:
+def sampling_params(batch, num_nodes, device, temperature, top_k, top_p, seed) -> SamplingParams:
     """Scalars are checked here, tensors for shape, dtype and device (values: `_check_values`)."""
     if temperature is None:
         temperature = 0.0
@@ -112,9 +116,21 @@ def sampling_params(batch, device, temperature, top_k, top_p, seed) -> SamplingP
             )
         seed = draw_seed()
     if isinstance(seed, torch.Tensor):
-        _param_tensor("seed", seed, batch, False, device)
+        if seed.dim() == 2:
+            check_tensor(
+                "seed",
+                seed,
+                shape=(batch, num_nodes),
+                dims="[B, N] (per-node seeds)",
+                dtypes=(torch.int64,),
+                device=device,
+            )
+        else:
+            _param_tensor("seed", seed, batch, False, device)
     elif not isinstance(seed, int) or isinstance(seed, bool) or not -(2**63) <= seed < 2**63:
-        raise ValueError(f"seed: expected an int64 or an int [B] tensor, got {seed!r}")
+        raise ValueError(
+            f"seed: expected an int64, an int [B] tensor or an int64 [B, N] tensor, got {seed!r}"
+        )
     return SamplingParams(temperature, top_k, top_p, seed)
 
 
@@ -268,21 +284,35 @@ class LaunchConfig:
     search_block_v: int  # vocabulary tile of the threshold search (x NUM_THRESHOLDS keys)
     stats_warps: int = 4
     walk_warps: int = 4
+    race_splits: int = 1  # vocabulary slices of a rejected chain node's residual race
+    # ptxas's per-thread register cap for the walk (None: its own choice, which spilled up to
+    # 200 bytes in the filtered chain walk even below 255 registers)
+    walk_max_registers: int | None = None
 
 
 @cache
-def _sm_count(device: torch.device) -> int:
+def _sm_count(device: torch.device) -> int | None:
+    """Streaming multiprocessors of a CUDA device; None elsewhere (the interpreter)."""
+    if device.type != "cuda":
+        return None
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def launch_config(batch: int, num_nodes: int, vocab: int, device: torch.device) -> LaunchConfig:
-    """On a GPU: one row per statistics program, and enough vocabulary slices per row for about
-    four programs per SM (a B=1 chain still spreads its few rows over the whole GPU); one sequence
-    per walk program. Under the interpreter, where every program costs Python overhead: many
-    rows and sequences per program, one slice."""
+def launch_config(
+    batch: int, num_nodes: int, vocab: int, sm_count: int | None, split_residual: bool = False
+) -> LaunchConfig:
+    """On a GPU (`sm_count` SMs): one row per statistics program, and enough vocabulary slices
+    per row for about four programs per SM (a B=1 chain still spreads its few rows over the whole
+    GPU); one sequence per walk program and, with `split_residual` (chains with draft
+    probabilities and no filters), the residual race of a rejected node split into slices of
+    at least one walk tile until B x slices make two programs per SM; the walk on 8 warps with
+    ptxas allowed all 255 registers (spill-free in every launch of bench/results/
+    sm90_compile_table.md). Under the interpreter
+    (`sm_count` None), where every program costs Python overhead: many rows and sequences per
+    program, one slice."""
     rows = batch * num_nodes
     vocab_pow2 = triton.next_power_of_2(vocab)
-    if device.type != "cuda":
+    if sm_count is None:
         # Every interpreted operation (nested jit calls too) has a fixed Python cost: wide tiles.
         block_v = min(vocab_pow2, 4096)
         return LaunchConfig(
@@ -296,16 +326,24 @@ def launch_config(batch: int, num_nodes: int, vocab: int, device: torch.device) 
     block_v = min(vocab_pow2, 2048)
     block_rows = min(triton.next_power_of_2(rows), max(1, 2048 // block_v))
     row_programs = triton.cdiv(rows, block_rows)
-    num_splits = min(triton.cdiv(vocab, block_v), triton.cdiv(4 * _sm_count(device), row_programs))
+    num_splits = min(
+        triton.cdiv(vocab, block_v), triton.cdiv(4 * sm_count, row_programs), MAX_STATS_SPLITS
+    )
+    walk_block_v = min(vocab_pow2, 1024)
+    race_splits = 1
+    if split_residual:
+        race_splits = min(triton.cdiv(vocab, walk_block_v), triton.cdiv(2 * sm_count, batch))
     return LaunchConfig(
         block_v=block_v,
         block_rows=block_rows,
         num_splits=max(1, num_splits),
         block_seqs=1,
-        walk_block_v=min(vocab_pow2, 1024),
+        walk_block_v=walk_block_v,
         search_block_v=min(vocab_pow2, 128),
         stats_warps=8 if block_v * block_rows >= 2048 else 4,
         walk_warps=8,
+        race_splits=max(1, race_splits),
+        walk_max_registers=255,
     )
 
 
@@ -329,11 +367,19 @@ def launch_verify(
     batch, num_nodes, vocab = logits.shape
     device = logits.device
     if config is None:
-        config = launch_config(batch, num_nodes, vocab, device)
+        split_residual = draft_probs is not None and not params.has_filters
+        config = launch_config(batch, num_nodes, vocab, _sm_count(device), split_residual)
     slice_len = triton.cdiv(triton.cdiv(vocab, config.num_splits), config.block_v) * config.block_v
     num_splits = triton.cdiv(vocab, slice_len)
+    race_slice_len = config.walk_block_v * triton.cdiv(
+        triton.cdiv(vocab, config.race_splits), config.walk_block_v
+    )
+    race_splits = triton.cdiv(vocab, race_slice_len)
     rows = batch * num_nodes
     stats = torch.empty((NUM_FIELDS, rows, num_splits), dtype=torch.float32, device=device)
+    # The split residual race's winners per slice (value, token) and arrival counters.
+    race = torch.empty((2, race_splits, batch), dtype=torch.float32, device=device)
+    arrivals = torch.empty((batch,), dtype=torch.int32, device=device)
     accepted_nodes = torch.empty((batch, num_nodes), dtype=torch.int32, device=device)
     num_accepted = torch.empty((batch,), dtype=torch.int32, device=device)
     next_tokens = torch.empty((batch,), dtype=torch.int64, device=device)
@@ -341,6 +387,8 @@ def launch_verify(
     top_k = _scalar_or_tensor(params.top_k, parents)
     top_p = _scalar_or_tensor(params.top_p, parents)
     seed = _scalar_or_tensor(params.seed, parents)
+    per_node_seeds = isinstance(params.seed, torch.Tensor) and params.seed.dim() == 2
+    seed_node_stride = params.seed.stride(1) if per_node_seeds else 0
     block_n = triton.next_power_of_2(num_nodes)
 
     verify_stats_kernel[(triton.cdiv(rows, config.block_rows), num_splits)](
@@ -349,6 +397,7 @@ def launch_verify(
         temperature[0],
         seed[0],
         stats,
+        arrivals,
         temperature[2],
         seed[2],
         rows,
@@ -359,20 +408,23 @@ def launch_verify(
         *parents.stride(),
         temperature[1],
         seed[1],
+        seed_node_stride,
         stats.stride(0),
         stats.stride(1),
         TEMPERATURE_PER_SEQUENCE=temperature[3],
         SEED_PER_SEQUENCE=seed[3],
+        SEED_PER_NODE=per_node_seeds,
         ALL_GREEDY=params.all_greedy,
         NEED_SUMEXP=params.has_filters or draft_probs is not None,
         RACE_LEAVES_ONLY=draft_probs is not None,
+        ZERO_ARRIVALS=race_splits > 1,
         BLOCK_R=config.block_rows,
         BLOCK_V=config.block_v,
         BLOCK_N=block_n,
         num_warps=config.stats_warps,
     )
     probs = logits if draft_probs is None else draft_probs
-    verify_walk_kernel[(triton.cdiv(batch, config.block_seqs),)](
+    verify_walk_kernel[(triton.cdiv(batch, config.block_seqs), race_splits)](
         logits,
         draft_tokens,
         parents,
@@ -382,6 +434,8 @@ def launch_verify(
         top_p[0],
         seed[0],
         stats,
+        race,
+        arrivals,
         accepted_nodes,
         num_accepted,
         next_tokens,
@@ -393,6 +447,8 @@ def launch_verify(
         num_nodes,
         vocab,
         num_splits,
+        race_splits,
+        race_slice_len,
         *logits.stride(),
         *draft_tokens.stride(),
         *parents.stride(),
@@ -401,22 +457,29 @@ def launch_verify(
         top_k[1],
         top_p[1],
         seed[1],
+        seed_node_stride,
         stats.stride(0),
         stats.stride(1),
+        race.stride(0),
+        race.stride(1),
         *accepted_nodes.stride(),
         TEMPERATURE_PER_SEQUENCE=temperature[3],
         TOP_K_PER_SEQUENCE=top_k[3],
         TOP_P_PER_SEQUENCE=top_p[3],
         SEED_PER_SEQUENCE=seed[3],
+        SEED_PER_NODE=per_node_seeds,
         HAS_FILTERS=params.has_filters,
         HAS_DRAFT_PROBS=draft_probs is not None,
+        SPLIT_RACE=race_splits > 1,
         BLOCK_B=config.block_seqs,
         BLOCK_N=block_n,
         BLOCK_S=triton.next_power_of_2(num_splits),
+        BLOCK_RS=triton.next_power_of_2(race_splits),
         BLOCK_V=config.walk_block_v,
         SEARCH_BLOCK_V=config.search_block_v,
         NUM_THRESHOLDS=NUM_THRESHOLDS,
         num_warps=config.walk_warps,
+        maxnreg=config.walk_max_registers,
     )
     return VerifyResult(accepted_nodes, num_accepted, next_tokens)
 
@@ -497,7 +560,11 @@ def verify(
             `torch.manual_seed` fixes the outcome). Same inputs and seed give the same result on
             either backend up to float rounding at near-ties. An int seed is mixed with each
             sequence's batch index; a `[B]` seed alone keys its sequence's draws, which then do
-            not depend on the batch slot (equal seeds on equal rows draw alike). Reusing a seed
+            not depend on the batch slot (equal seeds on equal rows draw alike). An int64
+            `[B, N]` seed keys each node by its own seed alone, whatever its index: the engine
+            passes (row seed + the node's position), so a token sampled at a given position
+            draws the same numbers in any tree, and sampled speculation with deterministic
+            drafts emits exactly what plain sampling with the same seed emits. Reusing a seed
             reuses the random numbers: change it every step. Under CUDA graph capture pass a
             tensor and update it in place between replays.
         validate: read the trees, parameter tensors and (after the launch) the outcome to raise
@@ -518,7 +585,7 @@ def verify(
     """
     _check_shapes(logits, draft_tokens, parents, draft_probs)
     batch = logits.shape[0]
-    params = sampling_params(batch, logits.device, temperature, top_k, top_p, seed)
+    params = sampling_params(batch, logits.shape[1], logits.device, temperature, top_k, top_p, seed)
     checking = validate and values_checkable(logits)
     if checking and batch > 0:
         _check_values(logits, draft_tokens, parents, draft_probs, params)

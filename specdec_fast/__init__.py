@@ -5,12 +5,14 @@ from importlib.metadata import PackageNotFoundError, version
 from . import bundled
 from .adaptive import AdaptiveDrafter, CostModel
 from .drafters import (
+    BlockDrafter,
     Drafter,
     DraftModelDrafter,
     DraftState,
     EagleDrafter,
     MedusaDrafter,
     NGramDrafter,
+    PardDraft,
     Proposal,
     StepOutcome,
     SuffixDrafter,
@@ -27,6 +29,7 @@ except PackageNotFoundError:  # running from a source tree that was never instal
 
 __all__ = [
     "AdaptiveDrafter",
+    "BlockDrafter",
     "CostModel",
     "DraftModelDrafter",
     "DraftState",
@@ -38,6 +41,7 @@ __all__ = [
     "Guardrails",
     "MedusaDrafter",
     "NGramDrafter",
+    "PardDraft",
     "Proposal",
     "SequenceStats",
     "SpecMetrics",

@@ -134,8 +134,10 @@ class Batch:
         return Proposal(torch.cat(pieces, dim=1), parents, draft_probs)
 
     def sampling_params(self, positions: torch.Tensor) -> SamplingParams:
-        """What `verify` takes for this step. Each row's seed is offset by its root's position,
-        so every step draws fresh numbers and a row's draws depend on its own seed alone."""
+        """What `verify` takes for this step: per-node seeds, each row's seed plus the node's
+        position (`positions` int64 `[B, N]`). Every position draws its own numbers, the same in
+        any tree, so sampled speculation with deterministic drafts emits what plain sampling
+        with the same seeds emits."""
         if self.all_greedy:
             return self._scalars
         state = self.state
@@ -143,7 +145,7 @@ class Batch:
             state.temperature if self._scalars.temperature is None else self._scalars.temperature,
             state.top_k if self._scalars.top_k is None else self._scalars.top_k,
             state.top_p if self._scalars.top_p is None else self._scalars.top_p,
-            state.seed + positions[:, 0],
+            state.seed[:, None] + positions,
         )
 
     @staticmethod

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 from specdec_fast.drafters.registry import DrafterSpec, spec_help
@@ -24,8 +25,8 @@ SPEC_EPILOG = (
 def add_model_options(
     parser: argparse.ArgumentParser, default_model: str | None, chat: bool = True
 ) -> None:
-    """--model, --dtype, --device, --chat/--no-chat (unless not `chat`) and
-    --keep-special-tokens."""
+    """--model, --dtype, --device, --chat/--no-chat (unless not `chat`), --keep-special-tokens
+    and --compile/--no-compile."""
     default = f" (default: {default_model or 'the bundled tiny-code target'})"
     parser.add_argument(
         "--model",
@@ -46,6 +47,14 @@ def add_model_options(
         "--keep-special-tokens",
         action="store_true",
         help="keep special tokens (end of turn, ...) in decoded outputs",
+    )
+    parser.add_argument(
+        "--compile",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="run the model's steps through torch.compile (each step shape compiles once per "
+        "process, seconds to minutes; later calls are faster). Default: on a GPU always; on the "
+        "CPU for bench, which makes many calls, and not for demo, generate and serve",
     )
 
 
@@ -433,13 +442,34 @@ def run_generate(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    # The command's compile choice travels through SPECDEC_COMPILE; an in-process caller (a test,
+    # a notebook) gets its environment back when the command returns.
+    saved = os.environ.get("SPECDEC_COMPILE")
     try:
+        _choose_compile(args)
         return _dispatch(args)
     except (ValueError, MissingExtra) as error:
         # Bad input (paths, specs, shapes) or a missing extra is reported as such, not as a
         # traceback.
         print(f"specdec-fast {args.command}: error: {error}", file=sys.stderr)
         return 2
+    finally:
+        if saved is None:
+            os.environ.pop("SPECDEC_COMPILE", None)
+        else:
+            os.environ["SPECDEC_COMPILE"] = saved
+
+
+def _choose_compile(args: argparse.Namespace) -> None:
+    """Set SPECDEC_COMPILE for this process from --compile/--no-compile, or the command's default:
+    compiled on a GPU, and on the CPU only for `bench` (a one-shot `demo` or `generate` would
+    spend longer compiling than decoding)."""
+    from specdec_fast.loading import pick_device
+
+    compile = args.compile
+    if compile is None:
+        compile = args.command == "bench" or pick_device(args.device).type == "cuda"
+    os.environ["SPECDEC_COMPILE"] = "1" if compile else "0"
 
 
 def _dispatch(args: argparse.Namespace) -> int:

@@ -30,7 +30,7 @@ from specdec_fast.batch import Batch, TokenCallback
 from specdec_fast.drafters.base import Drafter, StepOutcome
 from specdec_fast.kernels.verify import run_verify
 from specdec_fast.requests import Sampling, StopRule, check_token_ids, prompts_from_input
-from specdec_fast.runner import ModelRunner
+from specdec_fast.runner import COMPILE_LOG, ModelRunner
 from specdec_fast.stats import SequenceStats, SpecStats
 
 CACHE_BLOCK = 256
@@ -135,8 +135,10 @@ def generate(
         runner = ModelRunner.for_model(
             model, storage, use_cuda_graphs=use_cuda_graphs, compile=compile
         )
+        compiled_before = len(COMPILE_LOG)
         try:
             _decode(runner, drafter, batch, capacity)
+            stats.compiled = dict(COMPILE_LOG[compiled_before:])
         finally:
             try:
                 if drafter is not None:

@@ -93,6 +93,21 @@ RUNNER_ATTRIBUTE = "_specdec_runner"
 _OPEN_LOCK = threading.Lock()
 
 
+# (model type and step shape, seconds) of every compilation and graph capture in this process,
+# in order: `generate` reports the ones its call made (`SpecStats.compiled`), draft models' too.
+COMPILE_LOG: list[tuple[str, float]] = []
+
+
+def _graphs_compiled() -> int:
+    return torch._dynamo.utils.counters["stats"]["unique_graphs"]
+
+
+def _step_kind(tokens: torch.Tensor) -> str:
+    """ "decode" for one node per row, else "verify": each kind compiles its own code, so the
+    compiled-code lookup of a step checks the guards of its own kind's graphs only."""
+    return "decode" if tokens.shape[1] == 1 else "verify"
+
+
 def compile_by_default() -> bool:
     """`SPECDEC_COMPILE` (default on): whether runners compile their steps when not told."""
     value = os.environ.get(COMPILE_ENV, "1").strip().lower()
@@ -193,6 +208,28 @@ def _switch_attention(model: PreTrainedModel, on: bool) -> None:
         _SWITCHED[model] = _Switched(threading.get_ident(), 1, original)
 
 
+def kept_runner(
+    model: PreTrainedModel, *, use_cuda_graphs: bool | None = None, compile: bool | None = None
+) -> "ModelRunner | None":
+    """The runner `ModelRunner.for_model` keeps on `model` for these options, if any (its
+    `compile_seconds`, its cache)."""
+    compile = compile_by_default() if compile is None else compile
+    graphs = model.device.type == "cuda" if use_cuda_graphs is None else use_cuda_graphs
+    kept = model.__dict__.get(RUNNER_ATTRIBUTE) or {}
+    return kept.get((str(model.device), compile, graphs))
+
+
+class _KeptRunners(dict):
+    """A model's runners by (device, compile, CUDA graphs), kept between calls. A copied or
+    pickled model starts with none (compiled steps belong to their model)."""
+
+    def __deepcopy__(self, memo) -> "_KeptRunners":
+        return _KeptRunners()
+
+    def __reduce__(self):
+        return (_KeptRunners, ())
+
+
 def _decoder_modules(model: PreTrainedModel) -> tuple[nn.ModuleList, nn.Module | None]:
     """The decoder layers and the final norm of a causal LM (`model.get_decoder()`)."""
     decoder = model.get_decoder()
@@ -254,9 +291,8 @@ class ModelRunner:
         self._graphs: dict[tuple, _VerifyGraph] = {}
         self._graph_pool = None
         self._compiled: dict[str, object] = {}
-        self._seen_shapes: set[tuple] = set()
         self._eager_shapes: set[tuple] = set()
-        # Wall time of each step kind's first call per shape: what compilation (and capture) cost.
+        # Wall time of the calls that compiled a graph (or captured a CUDA graph), by step shape.
         self.compile_seconds: dict[str, float] = {}
         self._open = False
         self.open(max_cache_len)
@@ -270,36 +306,25 @@ class ModelRunner:
         use_cuda_graphs: bool | None = None,
         compile: bool | None = None,
     ) -> "ModelRunner":
-        """The model's own runner, opened for `max_cache_len`: the one an earlier call left on the
-        model (its compiled steps, graphs and cache storage kept) when the options agree, else
+        """The model's own runner for these options, opened for `max_cache_len`: the one an
+        earlier call left on the model (its compiled steps, graphs and cache storage kept), else
         a new one kept for the next call; while the kept one is open (a model drafting for
         itself), a second, transient one."""
-        runner = model.__dict__.get(RUNNER_ATTRIBUTE)
         compile = compile_by_default() if compile is None else compile
         graphs = model.device.type == "cuda" if use_cuda_graphs is None else use_cuda_graphs
-        reusable = (
-            isinstance(runner, cls)
-            and runner.model is model
-            and runner.device == model.device
-            and runner.compile == compile
-            and runner.use_cuda_graphs == graphs
-        )
-        if reusable and not runner._open:
+        kept = model.__dict__.get(RUNNER_ATTRIBUTE)
+        if not isinstance(kept, _KeptRunners):
+            # In the instance dict, not through nn.Module.__setattr__: runners are no submodules.
+            kept = model.__dict__[RUNNER_ATTRIBUTE] = _KeptRunners()
+        key = (str(model.device), compile, graphs)
+        runner = kept.get(key)
+        if runner is not None and runner.model is model and not runner._open:
             runner.open(max_cache_len)
             return runner
-        if reusable:  # the kept runner is busy (a model drafting for itself): a second one
-            return cls(model, max_cache_len, use_cuda_graphs=graphs, compile=compile)
-        runner = cls(model, max_cache_len, use_cuda_graphs=graphs, compile=compile)
-        # In the instance dict, not through nn.Module.__setattr__: a runner is no submodule.
-        model.__dict__[RUNNER_ATTRIBUTE] = runner
-        return runner
-
-    def __deepcopy__(self, memo) -> None:
-        """A copied model starts without a runner (compiled steps belong to their model)."""
-        return None
-
-    def __reduce__(self):
-        return (type(None), ())
+        fresh = cls(model, max_cache_len, use_cuda_graphs=graphs, compile=compile)
+        if runner is None or runner.model is not model:
+            kept[key] = fresh
+        return fresh
 
     def __enter__(self) -> "ModelRunner":
         return self
@@ -479,7 +504,9 @@ class ModelRunner:
         self.cache.ensure_room(tokens.shape[1])
         if self.use_cuda_graphs:
             return self._replay(tokens, parents, q_lens)
-        return VerifyOutput(*self._run("verify", self._verify_step, tokens, parents, q_lens))
+        return VerifyOutput(
+            *self._run(_step_kind(tokens), self._verify_step, tokens, parents, q_lens)
+        )
 
     def keep(self, rows: Sequence[int] | torch.Tensor) -> None:
         """Keep only the sequences `rows` (indices into the batch, in that order): finished
@@ -651,8 +678,8 @@ class ModelRunner:
                         torch._dynamo.maybe_mark_dynamic(tensor, dim)
         else:
             compiled = step
-        first = shape not in self._seen_shapes
-        start = time.perf_counter() if first else 0.0
+        graphs_before = _graphs_compiled()
+        start = time.perf_counter()
         with torch.no_grad():
             try:
                 out = compiled(*args)
@@ -665,11 +692,13 @@ class ModelRunner:
                 )
                 self._eager_shapes.add(shape)
                 out = step(*args)
-        if first:
-            self._seen_shapes.add(shape)
-            label = f"{kind} B={shape[1]} N={shape[2]}"
-            self.compile_seconds[label] = time.perf_counter() - start
+        if _graphs_compiled() > graphs_before:
+            self._record_compile(f"{kind} B={shape[1]} N={shape[2]}", time.perf_counter() - start)
         return out
+
+    def _record_compile(self, label: str, seconds: float) -> None:
+        self.compile_seconds[label] = seconds
+        COMPILE_LOG.append((f"{self.model.config.model_type} {label}", seconds))
 
     def _verify_step(
         self, tokens: torch.Tensor, parents: torch.Tensor, q_lens: torch.Tensor | None
@@ -726,7 +755,7 @@ class ModelRunner:
             start = time.perf_counter()
             captured = self._capture(tokens, parents, q_lens)
             self._graphs[key] = captured
-            self.compile_seconds[f"graph B={key[0][0]} N={key[0][1]}"] = time.perf_counter() - start
+            self._record_compile(f"graph B={key[0][0]} N={key[0][1]}", time.perf_counter() - start)
         captured.tokens.copy_(tokens)
         captured.parents.copy_(parents)
         if q_lens is not None:
@@ -749,12 +778,18 @@ class ModelRunner:
         side_stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(side_stream):
             for _ in range(GRAPH_WARMUP_STEPS):
-                self._run("verify", self._verify_step, static_tokens, static_parents, static_q_lens)
+                self._run(
+                    _step_kind(tokens),
+                    self._verify_step,
+                    static_tokens,
+                    static_parents,
+                    static_q_lens,
+                )
         torch.cuda.current_stream(self.device).wait_stream(side_stream)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._graph_pool):
             output = self._run(
-                "verify", self._verify_step, static_tokens, static_parents, static_q_lens
+                _step_kind(tokens), self._verify_step, static_tokens, static_parents, static_q_lens
             )
         return _VerifyGraph(
             graph, static_tokens, static_parents, static_q_lens, VerifyOutput(*output)

@@ -135,6 +135,9 @@ class SpecStats:
     memory_device: str = "cpu"
     drafter: str | None = None
     fallbacks: int = 0
+    # Step shapes this call compiled (or captured) for the first time, with the seconds their
+    # first run took: what compilation cost this call; empty once every shape is warm.
+    compiled: dict[str, float] = field(default_factory=dict)
 
     @property
     def steps(self) -> int:
@@ -216,6 +219,8 @@ class SpecStats:
             "peak_memory_bytes": self.peak_memory_bytes,
             "memory_device": self.memory_device,
             "fallbacks": self.total_fallbacks,
+            "compiled_steps": self.compiled,
+            "compile_seconds": sum(self.compiled.values()),
         }
 
     def to_dict(self) -> dict:
@@ -240,6 +245,10 @@ class SpecStats:
         tpot = percentile(self.tpot, 50)
         if tpot is not None:
             parts.append(f"TPOT p50 {tpot * 1e3:.1f} ms")
+        if self.compiled:
+            parts.append(
+                f"compiled {len(self.compiled)} step shapes in {sum(self.compiled.values()):.1f}s"
+            )
         if self.total_fallbacks:
             parts.append(f"{self.total_fallbacks} fallbacks")
         return ", ".join(parts)

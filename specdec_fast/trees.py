@@ -1,4 +1,5 @@
-"""Draft-tree shapes: static trees from top-k index paths, dynamic (EAGLE-2) trees, validation.
+"""Draft-tree shapes: static trees from top-k index paths, dynamic (EAGLE-2) trees, trees from a
+block drafter's distributions, validation.
 
 A static tree is a set of paths of top-k ranks below the root: `(0,)` is the most likely token
 after the root, `(0, 1)` the second most likely token after that one, and so on. Three spellings
@@ -12,6 +13,11 @@ A dynamic tree (EAGLE-2, `DynamicTreeBuilder`) is grown per step from the draft'
 level by level, the k best frontier nodes by cumulative log-probability each get their top-k
 children; at the end the best `max_nodes - 1` candidates overall by cumulative score form the
 tree under the root.
+
+Block drafters (DFlash, PARD) give one draft distribution per position of a block instead of a
+tree's levels; `best_first_tree` (DDTree-style: the paths with the highest product of marginals),
+`block_chain` (top-1) and `sampled_block_chain` (sampled, with the draft probabilities that keep
+verification lossless) turn them into proposals.
 
 Sizes count the root everywhere: a tree of N nodes (`StaticTree.num_nodes`, `default_tree(N)`,
 a budget `max_nodes=N`) is the root plus N - 1 draft nodes, so verifying it costs exactly N
@@ -27,9 +33,13 @@ from dataclasses import dataclass
 
 import torch
 
+from specdec_fast.kernels.reference.verify import gumbel, stream_key
+
 # Probability that the rank-r candidate is the right token, used only to shape the default trees
 # (a profile typical of trained Medusa/EAGLE heads: most mass on the top-1, a long thin tail).
 DEFAULT_RANK_PROBS = (0.60, 0.14, 0.06, 0.035, 0.02, 0.012, 0.008, 0.005)
+# The parent of a padded node, one that does not exist (as in `Proposal`).
+PAD_NODE = -2
 
 
 @dataclass(frozen=True)
@@ -372,3 +382,157 @@ class DynamicTreeBuilder:
             raise ValueError(
                 f"{name}: expected shape [{dims}] (top_k={self.top_k}), got {tuple(tensor.shape)}"
             )
+
+
+# --- trees from a block drafter's per-position distributions -------------------------------------
+#
+# A block drafter (DFlash, PARD) gives, in one forward, the draft distribution of each of the next
+# D tokens: position d (1-based depth) holds q_d, a marginal that does not depend on the tokens
+# drafted at depths < d. The builders below turn logits `[B, D, V]` (position d - 1 holds q_d)
+# into proposals of N nodes, root included, without reading anything back to the host.
+
+
+def block_chain(
+    logits: torch.Tensor, roots: torch.Tensor, num_tokens: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The top-1 chain: `num_tokens` <= D drafted tokens, the argmax of each position.
+
+    logits: float `[B, D, V]`; roots: int `[B]`. Returns int64 `(tokens, parents)`, each
+    `[B, num_tokens + 1]`, node 0 being the root.
+    """
+    _check_block("logits", logits, num_tokens)
+    batch = logits.shape[0]
+    drafted = logits[:, :num_tokens].argmax(dim=-1)
+    tokens = torch.cat([roots.long().reshape(batch, 1), drafted], dim=1)
+    parents = torch.arange(-1, num_tokens, device=logits.device).expand(batch, -1).contiguous()
+    return tokens, parents
+
+
+def sample_draft_tokens(
+    logits: torch.Tensor,
+    temperature: torch.Tensor,
+    seed: torch.Tensor,
+    positions: torch.Tensor,
+    stream: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Draw a draft token from softmax(logits / T) at each of D positions of B rows, by
+    Gumbel-max with counter-based noise keyed by (row seed + position, `stream`) on the device,
+    as `verify` keys its own streams per node; rows at temperature 0 take the argmax.
+
+    logits: float `[B, D, V]`; temperature: float `[B]`; seed: int64 `[B]`; positions: int64
+    `[B, D]`, each drawn token's position in its sequence (fresh noise per position); stream: the
+    caller's random stream (`verify` uses 0 and 1). Returns the tokens (int64 `[B, D]`) and the
+    distributions they were drawn from (`[B, D, V]`; one-hot for greedy rows), which is what
+    `verify` needs as `draft_probs` to stay lossless.
+    """
+    sampled = (temperature > 0)[:, None, None]
+    scaled = logits / torch.where(temperature > 0, temperature, 1.0)[:, None, None]
+    vocab = torch.arange(logits.shape[-1], device=logits.device)
+    key = stream_key((seed[:, None] + positions)[:, :, None], 0, 0, stream)
+    drawn = (scaled + gumbel(key, vocab)).argmax(dim=-1)
+    greedy = logits.argmax(dim=-1)
+    one_hot = torch.nn.functional.one_hot(greedy, logits.shape[-1]).to(logits.dtype)
+    probs = torch.where(sampled, torch.softmax(scaled, dim=-1), one_hot)
+    return torch.where(sampled[..., 0], drawn, greedy), probs
+
+
+def sampled_block_chain(
+    logits: torch.Tensor,
+    roots: torch.Tensor,
+    num_tokens: int,
+    temperature: torch.Tensor,
+    seed: torch.Tensor,
+    root_positions: torch.Tensor,
+    stream: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A chain of `num_tokens` <= D tokens sampled from the positions' distributions (see
+    `sample_draft_tokens`), with the draft probabilities that `verify` takes for chains.
+
+    logits: float `[B, D, V]`; roots: int `[B]`; temperature: float `[B]`; seed: int64 `[B]`;
+    root_positions: int64 `[B]`, the root's position (node d sits at root_position + d).
+    Returns int64 `(tokens, parents)` `[B, num_tokens + 1]` and `draft_probs`
+    `[B, num_tokens + 1, V]` (row 0, the root's, zeros).
+    """
+    tokens, parents = block_chain(logits, roots, num_tokens)
+    depths = torch.arange(1, num_tokens + 1, device=logits.device)
+    positions = root_positions.long()[:, None] + depths
+    drawn, probs = sample_draft_tokens(logits[:, :num_tokens], temperature, seed, positions, stream)
+    tokens = torch.cat([tokens[:, :1], drawn], dim=1)
+    draft_probs = torch.cat([torch.zeros_like(probs[:, :1]), probs], dim=1)
+    return tokens, parents, draft_probs
+
+
+def best_first_tree(
+    log_probs: torch.Tensor, roots: torch.Tensor, max_nodes: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The DDTree-style tree of `max_nodes` nodes, root included: the `max_nodes - 1` token
+    paths with the highest product of per-position marginals, `q_1(x_1) q_2(x_2) ... q_d(x_d)`.
+
+    Node d's candidates are the K = min(max_nodes - 1, V) most likely tokens of q_d. Best-first
+    over rank paths: popping a node pushes its first child (rank 0 one level deeper) and its next
+    sibling (rank + 1 at its level); both score no higher than it, so the pops come out in
+    decreasing score and every node after its parent and its better siblings. The tree is thus
+    in topological order with siblings most likely first (the order `verify` tries them), and
+    its first n nodes are the best tree of n nodes (what a wrapper trimming it keeps). Ties go to
+    the candidate pushed first. Rows whose candidates run out are padded (parent -2).
+
+    log_probs: float `[B, D, V]`, log q_d at position d - 1 (-inf allowed); roots: int `[B]`.
+    Returns int64 `(tokens, parents)` `[B, max_nodes]`. A fixed number of batched tensor ops
+    for a given (B, D, max_nodes): no host reads.
+    """
+    if max_nodes < 2:
+        raise ValueError(f"max_nodes must be >= 2 (the root and a draft node), got {max_nodes}")
+    _check_block("log_probs", log_probs, 1)
+    batch, depth, vocab = log_probs.shape
+    width = min(max_nodes - 1, vocab)
+    device = log_probs.device
+    # Finite scores: -inf stays for empty frontier slots only.
+    top = log_probs.float().nan_to_num(nan=-1e30).clamp(min=-1e30).topk(width, dim=-1)
+    values, candidates = top.values.flatten(1), top.indices.flatten(1)  # [B, D * K]
+    slots = 1 + 2 * (max_nodes - 1)
+    score = torch.full((batch, slots), -torch.inf, device=device)
+    base = torch.zeros(batch, slots, device=device)  # the parent's score
+    level = torch.zeros(batch, slots, dtype=torch.long, device=device)
+    rank = torch.zeros_like(level)
+    parent = torch.zeros_like(level)
+    score[:, 0] = values[:, 0]
+    tokens = torch.zeros(batch, max_nodes, dtype=torch.long, device=device)
+    parents = torch.full_like(tokens, PAD_NODE)
+    tokens[:, 0], parents[:, 0] = roots.long(), -1
+    for node in range(1, max_nodes):
+        best = score.argmax(dim=1, keepdim=True)
+        found = score.gather(1, best) > -torch.inf
+        popped = [t.gather(1, best) for t in (score, base, level, rank, parent)]
+        best_score, best_base, best_level, best_rank, best_parent = popped
+        tokens[:, node : node + 1] = candidates.gather(1, best_level * width + best_rank)
+        parents[:, node : node + 1] = torch.where(found, best_parent, PAD_NODE)
+        score.scatter_(1, best, -torch.inf)
+        child = (
+            best_level + 1,
+            torch.zeros_like(best_rank),
+            torch.full_like(best_parent, node),
+            best_score,
+            best_level + 1 < depth,
+        )
+        sibling = (best_level, best_rank + 1, best_parent, best_base, best_rank + 1 < width)
+        # Fixed slots per pop: the frontier never needs compacting.
+        for slot, push in zip((2 * node - 1, 2 * node), (child, sibling), strict=True):
+            new_level, new_rank, new_parent, new_base, allowed = push
+            index = new_level.clamp(max=depth - 1) * width + new_rank.clamp(max=width - 1)
+            new_score = new_base + values.gather(1, index)
+            score[:, slot : slot + 1] = torch.where(found & allowed, new_score, -torch.inf)
+            base[:, slot : slot + 1] = new_base
+            level[:, slot : slot + 1] = new_level
+            rank[:, slot : slot + 1] = new_rank
+            parent[:, slot : slot + 1] = new_parent
+    return tokens, parents
+
+
+def _check_block(name: str, tensor: torch.Tensor, num_tokens: int) -> None:
+    if tensor.dim() != 3 or tensor.shape[1] < 1:
+        raise ValueError(f"{name}: expected shape [B, D, V] with D >= 1, got {tuple(tensor.shape)}")
+    if not 1 <= num_tokens <= tensor.shape[1]:
+        raise ValueError(
+            f"num_tokens must be in [1, D = {tensor.shape[1]}] (the block's positions), got "
+            f"{num_tokens}"
+        )

@@ -1,7 +1,7 @@
 """Smoke test of bench/bench_tree_attention.py at its CPU sizes: on a plain, a windowed and a
-soft-capped shape the exact peers compute what tree_attention computes, every case runs (ours
-under the interpreter), the script writes its table and JSON, and the pytest-benchmark mode records
-groups, per-call figures and the environment."""
+soft-capped shape the exact peers (and the 128-row tiling) compute what tree_attention computes,
+every case runs (ours under the interpreter), the script writes its table and JSON, and the
+pytest-benchmark mode records groups, per-call figures and the environment."""
 
 import dataclasses
 
@@ -38,6 +38,10 @@ def test_exact_peers_compute_tree_attention(bench, triton_backend):
         exact = "sdpa dense mask" if shape.softcap is None else "eager dense mask"
         peer = cases[shape.label, exact].build()()
         torch.testing.assert_close(ours, peer, rtol=1e-5, atol=1e-5, msg=shape.label)
+        if shape.compare_rows:  # the same kernel on 128-row blocks
+            rows128 = cases[shape.label, bench.ROWS_128].build()()
+            torch.testing.assert_close(ours, rows128, rtol=1e-5, atol=1e-5, msg=shape.label)
+    assert any(shape.compare_rows for shape in shapes)
 
 
 def test_features_change_the_output_and_the_floor(bench):
@@ -60,7 +64,7 @@ def test_every_case_runs(bench, triton_backend):
 
 
 def test_script_writes_table_and_json(tmp_path):
-    header = "| shape | floor us | ours tree us | ours causal us | sdpa dense mask us |"
+    header = "| shape | floor us | ours tree us | ours tree, 128-row blocks us | ours causal us |"
     check_script("tree_attention", tmp_path, header)
 
 

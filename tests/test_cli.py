@@ -214,3 +214,15 @@ def test_missing_model_is_a_clear_error(tmp_path, capsys):
         capsys, "generate", "--model", str(tmp_path / "nope.gguf"), "--prompt", "x"
     )
     assert code == 2 and "no such GGUF file" in err
+
+
+@pytest.mark.parametrize("flag", ["--compile", "--no-compile"])
+def test_compile_choice_does_not_outlive_the_command(flag, tmp_path, capsys):
+    """The command's compile choice travels through SPECDEC_COMPILE; an in-process caller gets its
+    own setting back, whether the command succeeds or fails."""
+    before = os.environ.get("SPECDEC_COMPILE")
+    code, _, _ = cli_in_process(
+        capsys, "generate", "--model", str(tmp_path / "nope"), "--prompt", "x", flag
+    )
+    assert code == 2
+    assert os.environ.get("SPECDEC_COMPILE") == before

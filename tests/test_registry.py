@@ -14,6 +14,7 @@ from specdec_fast.drafters.registry import (
     bundled_specs,
     spec_help,
 )
+from specdec_fast.heads.block import DFlashHead
 from specdec_fast.heads.eagle import EagleHead
 from specdec_fast.trees import default_tree
 
@@ -39,12 +40,18 @@ def _eagle_folder(folder, target):
     EagleHead.for_target(target).save_pretrained(folder)
 
 
+def _block_folder(folder, target):
+    torch.manual_seed(0)
+    DFlashHead.for_target(target, mask_token_id=1).save_pretrained(folder)
+
+
 # A checkpoint writer per kind that takes a PATH; a new kind without one fails the walk below.
 CHECKPOINTS = {
     "draft": _draft_folder,
     "draft-tree": _draft_folder,
     "medusa": _medusa_folder,
     "eagle": _eagle_folder,
+    "block": _block_folder,
 }
 
 
@@ -104,6 +111,7 @@ def test_a_budget_is_the_same_tree_for_every_static_kind(target, tmp_path):
         ("draft-tree:tiny-code-draft:16", "draft-tree", "tiny-code-draft", 16),
         ("medusa:some/heads:8", "medusa", "some/heads", 8),
         ("eagle:tiny-code-eagle3", "eagle", "tiny-code-eagle3", None),
+        ("block:tiny-code-dflash:16", "block", "tiny-code-dflash", 16),
         ("none", "none", None, None),
         ("plain", "none", None, None),
     ],

@@ -20,8 +20,10 @@ import torch
 import transformers
 
 import specdec_fast
-from specdec_fast import bundled, generate, transfer
+from specdec_fast import BlockDrafter, PardDraft, bundled, generate, transfer
+from specdec_fast.drafters.block import load_block_model
 from specdec_fast.drafters.registry import DrafterSpec
+from specdec_fast.heads.block import DFlashHead
 from specdec_fast.loading import load_model, load_tokenizer
 from specdec_fast.prompts import load_code_prompts
 
@@ -43,6 +45,9 @@ DRAFTERS = [
     ("draft-tree:tiny-code-draft:8", 1),
     ("eagle:tiny-code-eagle:8", 1),
     ("eagle:tiny-code-eagle3:8", 1),
+    # Block drafters over untrained checkpoints in the bundled layouts (written by `blocks`).
+    ("block:{dflash}:8", 0),
+    ("block:{pard}:8", 0),
 ]
 
 pytestmark = pytest.mark.skipif(
@@ -94,19 +99,30 @@ def setup():
     return target, prompt
 
 
-@pytest.mark.parametrize(("spec", "extra"), DRAFTERS, ids=[spec for spec, _ in DRAFTERS])
-@pytest.mark.parametrize("temperature", [0.0, 0.8], ids=["greedy", "sampled"])
-def test_one_host_read_per_step(setup, spec, extra, temperature):
-    target, prompt = setup
-    parsed = DrafterSpec.parse(spec)
-    make = parsed.factory(target)
+@pytest.fixture(scope="module")
+def blocks(setup, tmp_path_factory):
+    """Untrained block drafters for the bundled target: a DFlash head, and the bundled draft
+    model as a PARD model (its pad token as the mask)."""
+    target, _ = setup
+    dflash = tmp_path_factory.mktemp("dflash")
+    torch.manual_seed(0)
+    DFlashHead.for_target(target, num_layers=1, block_size=8).save_pretrained(dflash)
+    pard = tmp_path_factory.mktemp("pard")
+    draft = load_model("tiny-code-draft", torch.device("cpu"))
+    PardDraft(draft, draft.config.pad_token_id).save_pretrained(pard)
+    return {"dflash": str(dflash), "pard": str(pard)}
+
+
+def reads_per_step(target, prompt, make, temperature):
+    """Reads per step of `generate` with drafters from `make()` (a short and a long run), and
+    the long run's records and steps."""
     counts = []
     for new_tokens in (6, 30):
         with counted_reads() as reads:
             out = generate(
                 target,
                 [prompt],
-                drafter=make(None),
+                drafter=make(),
                 max_new_tokens=new_tokens,
                 eos_token_id=[],
                 temperature=temperature,
@@ -115,10 +131,29 @@ def test_one_host_read_per_step(setup, spec, extra, temperature):
         counts.append((len(reads), out.stats.steps, reads))
     (short_reads, short_steps, _), (long_reads, long_steps, records) = counts
     assert long_steps > short_steps
-    per_step = (long_reads - short_reads) / (long_steps - short_steps)
+    return (long_reads - short_reads) / (long_steps - short_steps), records, long_steps
+
+
+@pytest.mark.parametrize(("spec", "extra"), DRAFTERS, ids=[spec for spec, _ in DRAFTERS])
+@pytest.mark.parametrize("temperature", [0.0, 0.8], ids=["greedy", "sampled"])
+def test_one_host_read_per_step(setup, blocks, spec, extra, temperature):
+    target, prompt = setup
+    make = DrafterSpec.parse(spec.format(**blocks)).factory(target)
+    per_step, records, steps = reads_per_step(target, prompt, make, temperature)
     assert per_step <= 1 + extra, records[-20:]
     # The read-back itself happens every step (the count can fail: it is not zero).
-    assert sum(1 for kind, _, _ in records if kind == "to_host") >= long_steps
+    assert sum(1 for kind, _, _ in records if kind == "to_host") >= steps
+
+
+@pytest.mark.parametrize("flavour", ["dflash", "pard"])
+def test_sampled_block_chains_read_nothing_more(setup, blocks, flavour):
+    """The sampled chain (the registry's block kind builds trees) draws on the device too."""
+    target, prompt = setup
+    model = load_block_model(blocks[flavour], target)
+    per_step, records, _ = reads_per_step(
+        target, prompt, lambda: BlockDrafter(model, max_nodes=5, tree="chain"), 0.8
+    )
+    assert per_step <= 1, records[-20:]
 
 
 def test_the_counter_sees_a_stray_read(setup):

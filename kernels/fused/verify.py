@@ -18,7 +18,7 @@ from ..reference.verify import (
     VerifyResult,
     gumbel,
     kept_tokens,
-    stream_key,
+    node_keys,
     uniform,
 )
 
@@ -74,7 +74,7 @@ def _node_samples(raw, temperature, top_k, top_p, seed, sequence):
     if bool((((top_k > 0) & (top_k < vocab)) | (top_p < 1)).any()):
         scaled = torch.where(kept_tokens(raw, scaled, top_k, top_p), scaled, float("-inf"))
     node = torch.arange(raw.shape[1], device=raw.device)[None, :, None]
-    key = stream_key(seed[:, None, None], sequence[:, None, None], node, STREAM_SAMPLE)
+    key = node_keys(seed, sequence, node[:, :, 0], STREAM_SAMPLE)[:, :, None]
     noise = gumbel(key, torch.arange(vocab, device=raw.device)[None, None, :])
     sampled = (scaled + noise).argmax(dim=-1)
     return torch.where(sampling[:, None], sampled, greedy), scaled, noise
@@ -95,7 +95,7 @@ def _chain_rule(scaled, noise, draft_tokens, draft_probs, seed, sequence, draws)
     q_child = child_q.gather(-1, child_token)[..., 0]
     child_node = torch.arange(1, num_nodes + 1, device=scaled.device)[None, :]
     u = uniform(
-        stream_key(seed[:, None], sequence[:, None], child_node, STREAM_ACCEPT),
+        node_keys(seed, sequence, child_node, STREAM_ACCEPT),
         torch.zeros_like(child_node),
     )
     residual = (target - child_q).clamp(min=0.0)
@@ -141,7 +141,8 @@ def verify_fused(
     top_p = per_sequence(top_p, 1.0, torch.float32)
     # Under per-sequence seeds a sequence's random numbers follow its seed, not its batch slot.
     sequence = torch.arange(batch, device=device) * (not isinstance(seed, torch.Tensor))
-    seed = per_sequence(seed, 0, torch.int64)
+    if not (isinstance(seed, torch.Tensor) and seed.dim() == 2):
+        seed = per_sequence(seed, 0, torch.int64)
 
     raw = logits.float()
     # amax propagates NaN and is +inf with any +inf, -inf only when the whole row is -inf.

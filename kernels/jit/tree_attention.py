@@ -148,8 +148,8 @@ def tree_attention_kernel(
 
     Split s attends to its share of the committed prefix's whole tiles; the last split also
     attends to the partial tile and the new tokens under the causal or tree mask. With one split
-    the result goes straight to `out`; otherwise the normalized partial output and its
-    log2-sum-exp go to the fp32 workspace.
+    the result goes straight to `out`; otherwise the normalized partial output (in the
+    workspace's dtype) and its fp32 log2-sum-exp go to the workspace.
     HAS_WINDOW: row r sees positions above `q_pos_r - window`; the loops start at the block's
     earliest visible slot (splits share only the visible tiles) and mask per row from there on.
     Tree rows and keys take their depths from `depths_ptr` (int32 [B, N]).
@@ -316,7 +316,7 @@ def tree_attention_kernel(
     if WRITE_PARTIAL:
         part_row = ((split * batch + b) * (num_kv_heads * GROUP) + head) * num_new + token
         part_ptrs = part_out_ptr + part_row[:, None] * HEAD_DIM + offs_d[None, :]
-        tl.store(part_ptrs, result, store_mask)
+        tl.store(part_ptrs, result.to(part_out_ptr.dtype.element_ty), store_mask)
         lse = tl.where(seen, m_i + tl.log2(l_safe), float("-inf"))
         tl.store(part_lse_ptr + part_row, lse, row_exists)
     else:
@@ -363,6 +363,7 @@ def tree_attention_combine_kernel(
         row = split * rows_per_split + part_row
         weight = tl.exp2(tl.load(part_lse_ptr + row, token_ok, float("-inf")) - lse_ref)
         partial = tl.load(part_out_ptr + row[:, None] * head_dim + offs_d[None, :], tile_mask, 0.0)
+        partial = partial.to(tl.float32)
         acc += weight[:, None] * partial
         weight_sum += weight
     result = tl.where(

@@ -5,23 +5,25 @@ each node's logits, writing per (row, slice) the raw max and its first argmax, t
 exp((l - max) / T) (when needed), the Gumbel-max race winner over the unfiltered target
 (token, logit, noise) and a flag for NaN/+inf. Nothing of size V is written.
 
-Launch 2, `verify_walk_kernel`, grid (sequence blocks,): merges the slices of the node it stands
-on and walks the tree from the root. The expensive cases stay exact with passes over one row
-of V for just the node that needs them: top-k/top-p thresholds (a multiway bisection on the
-logits' order-preserving integer keys, counting tokens and mass above NUM_THRESHOLDS candidate
-keys per pass), a race restricted to the kept tokens when the unfiltered winner was cut, and the
-race over max(0, p - q) at a rejected chain node.
+Launch 2, `verify_walk_kernel`, grid (sequence blocks, race slices): merges the slices of the
+node it stands on and walks the tree from the root. The expensive cases stay exact with passes
+over one row of V for just the node that needs them: top-k/top-p thresholds (a multiway
+bisection on the logits' order-preserving integer keys, counting tokens and mass above
+NUM_THRESHOLDS candidate keys per pass), a race restricted to the kept tokens when the
+unfiltered winner was cut, and the race over max(0, p - q) at a rejected chain node. That last
+race can be split over the vocabulary: every program of a sequence walks the same (cheap) path,
+races its own slice, and the last to arrive (an atomic counter that launch 1 zeroes) merges the
+slices' winners and writes the outputs.
 
 Both kernels handle blocks of rows/sequences (BLOCK_R / BLOCK_B) so the launcher can use one row
 per program on a GPU and many per program under the interpreter; every per-row decision is a
 mask, and loops over V run only when some row of the block needs them.
 
 Cost: greedy rows, deterministic drafts without filters and fully accepted chains never pass
-over V in the walk. A rejected chain node costs one pass over its row in a single program (per
-element a hash, three logs and an exp: on an H200 roughly 10-20 us for V = 128256, estimated, not
-measured), top-k/top-p about 8 passes per bisection per visited node. Spreading those passes
-over several programs per sequence would need a cross-program merge (an arrival counter) inside
-launch 2; that is the next step if the B=1 chain target is missed.
+over V in the walk. A rejected chain node costs one pass over its row (per element a hash, three
+logs and an exp), spread over the race slices (at B1 on an H200, 126 programs of 1024 tokens:
+bench/NOTES.md has the estimate); top-k/top-p cost about 8 passes per bisection per visited
+node, in one program per sequence.
 """
 
 import triton
@@ -63,6 +65,19 @@ def _stream_sequence(seqs, SEED_PER_SEQUENCE: tl.constexpr):
 
 
 @triton.jit
+def _node_key(seed_ptr, node_stride, seed, seqs, stream_seqs, node, mask, stream,
+              SEED_PER_NODE: tl.constexpr):  # fmt: skip
+    """uint32 key of `node`'s random stream `stream`: from (seed, sequence, node), or with
+    per-node seeds (`seed_ptr` int64 [B, N], rows at `seqs`) from the node's own seed alone."""
+    if SEED_PER_NODE:
+        node_seed = tl.load(seed_ptr + node * node_stride, mask=mask, other=0).to(tl.int64)
+        key = stream_key(node_seed, node * 0, node * 0, stream)
+    else:
+        key = stream_key(seed, stream_seqs, node, stream)
+    return key
+
+
+@triton.jit
 def _inverse_temperature(temperature, sampling):
     """1 / T, correctly rounded like torch's division, and 1 for greedy rows (never used)."""
     return tl.where(sampling, tl.math.div_rn(1.0, tl.where(sampling, temperature, 1.0)), 1.0)
@@ -93,6 +108,7 @@ def verify_stats_kernel(
     temperature_ptr,
     seed_ptr,
     stats_ptr,
+    arrivals_ptr,
     temperature_value,
     seed_value,
     num_rows,
@@ -106,17 +122,23 @@ def verify_stats_kernel(
     stride_pn,
     stride_temperature,
     stride_seed,
+    stride_seed_node,
     stride_sf,
     stride_sr,
     TEMPERATURE_PER_SEQUENCE: tl.constexpr,
     SEED_PER_SEQUENCE: tl.constexpr,
+    SEED_PER_NODE: tl.constexpr,
     ALL_GREEDY: tl.constexpr,
     NEED_SUMEXP: tl.constexpr,
     RACE_LEAVES_ONLY: tl.constexpr,
+    ZERO_ARRIVALS: tl.constexpr,
     BLOCK_R: tl.constexpr,
     BLOCK_V: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
+    """Grid: (row blocks, vocabulary slices). ZERO_ARRIVALS: the root rows' first slice also
+    zeroes the walk's arrival counters (int32 [B] at `arrivals_ptr`), so launch 2 finds them at
+    0 on every call and every graph replay."""
     rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
     split = tl.program_id(1).to(tl.int64)
     in_range = rows < num_rows
@@ -151,7 +173,17 @@ def verify_stats_kernel(
         has_child = tl.max((other_parents == nodes[:, None]).to(tl.int32), axis=1) > 0
         racing = sampling & ~has_child
     seed = _per_sequence(seed_ptr, stride_seed, seed_value, seqs, live, tl.int64, SEED_PER_SEQUENCE)
-    key = stream_key(seed, _stream_sequence(seqs, SEED_PER_SEQUENCE), nodes, STREAM_SAMPLE)
+    key = _node_key(
+        seed_ptr + seqs * stride_seed,
+        stride_seed_node,
+        seed,
+        seqs,
+        _stream_sequence(seqs, SEED_PER_SEQUENCE),
+        nodes,
+        live,
+        STREAM_SAMPLE,
+        SEED_PER_NODE,
+    )
     any_sampling = tl.max(sampling.to(tl.int32), axis=0) > 0
     any_racing = tl.max(racing.to(tl.int32), axis=0) > 0
 
@@ -197,6 +229,12 @@ def verify_stats_kernel(
                 best_noise = tl.where(better, won_noise, best_noise)
         run_max = new_max
 
+    if ZERO_ARRIVALS:
+        tl.store(
+            arrivals_ptr + seqs,
+            tl.zeros((BLOCK_R,), tl.int32),
+            mask=in_range & (nodes == 0) & (split == 0),
+        )
     out = stats_ptr + rows * stride_sr + split
     tl.store(out + FIELD_MAX * stride_sf, run_max, mask=in_range)
     tl.store(out + FIELD_ARGMAX * stride_sf, run_arg.to(tl.float32), mask=in_range)
@@ -346,7 +384,8 @@ def _race_pass(
     stride_v,
     draft_ptr,
     stride_dv,
-    vocab,
+    lo,
+    hi,
     row_max,
     inv_t,
     threshold,
@@ -356,16 +395,18 @@ def _race_pass(
     minus_draft,
     BLOCK_V: tl.constexpr,
 ):
-    """Gumbel-max over one row per sequence where `need`: the kept tokens (key >= threshold) of
-    the target p, or, where `minus_draft`, max(0, p - q) with q read at `draft_ptr`.
+    """Gumbel-max over the vocabulary ids [lo, hi) of one row per sequence where `need`: the kept
+    tokens (key >= threshold) of the target p, or, where `minus_draft`, max(0, p - q) with q read
+    at `draft_ptr`.
 
-    Returns the winning token, -1 when nothing has positive weight.
+    Returns (the winning race value, -inf when nothing has positive weight; the winning token,
+    the first on ties, -1 when nothing has positive weight).
     """
     best = tl.full(row_max.shape, float("-inf"), tl.float32)
     best_token = tl.full(row_max.shape, -1, tl.int32)
-    end = tl.where(tl.max(need.to(tl.int32), axis=0) > 0, vocab, 0)
-    for v0 in range(0, end, BLOCK_V):
-        cols, mask, logit = _load_chunk(row_ptr, stride_v, v0, vocab, need, BLOCK_V)
+    end = tl.where(tl.max(need.to(tl.int32), axis=0) > 0, hi, lo)
+    for v0 in range(lo, end, BLOCK_V):
+        cols, mask, logit = _load_chunk(row_ptr, stride_v, v0, hi, need, BLOCK_V)
         kept = mask & (_order_key(logit) >= threshold[:, None])
         scaled = tl.where(kept, (logit - row_max[:, None]) * inv_t[:, None], float("-inf"))
         draft = tl.load(
@@ -384,7 +425,93 @@ def _race_pass(
         better = chunk_best > best
         best_token = tl.where(better, (tl.argmax(race, axis=1) + v0).to(tl.int32), best_token)
         best = tl.maximum(best, chunk_best)
-    return best_token
+    return best, best_token
+
+
+@triton.jit
+def _node_distribution(
+    stats_ptr,
+    stride_sf,
+    stride_sr,
+    rows,
+    row_ptr,
+    stride_v,
+    vocab,
+    active,
+    inv_t,
+    num_splits,
+    top_k,
+    top_p,
+    filtered,
+    HAS_FILTERS: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+    SEARCH_BLOCK_V: tl.constexpr,
+    NUM_THRESHOLDS: tl.constexpr,
+):
+    """The target distribution at one node per sequence (`rows` of the workspace, logits at
+    `row_ptr`): (shifted max, argmax, unfiltered race winner and its logit, key threshold of the
+    kept set, and its mass, 1 where there is none)."""
+    row_max, argmax, sumexp, race_token, race_logit = _node_stats(
+        stats_ptr, stride_sf, stride_sr, rows, active, inv_t, num_splits, BLOCK_S
+    )
+    threshold = tl.full(row_max.shape, KEY_BELOW_ALL + 1, tl.int32)
+    kept_mass = sumexp
+    if HAS_FILTERS:
+        threshold, kept_mass = _filter_threshold(
+            row_ptr,
+            stride_v,
+            vocab,
+            row_max,
+            inv_t,
+            sumexp,
+            top_k,
+            top_p,
+            active & filtered,
+            SEARCH_BLOCK_V,
+            NUM_THRESHOLDS,
+        )
+    kept_mass = tl.where(kept_mass > 0, kept_mass, 1.0)  # greedy and inactive rows
+    return row_max, argmax, race_token, race_logit, threshold, kept_mass
+
+
+@triton.jit
+def _own_sample(
+    row_ptr,
+    stride_v,
+    vocab,
+    row_max,
+    inv_t,
+    threshold,
+    kept_mass,
+    key,
+    wants_sample,
+    sampling,
+    argmax,
+    race_token,
+    race_logit,
+    BLOCK_V: tl.constexpr,
+):
+    """A node's own sample y: the argmax for greedy rows; for sampling rows the unfiltered race
+    winner when the filters kept it, else (one pass, where `wants_sample`) a race over the kept
+    tokens."""
+    winner_kept = (race_token >= 0) & (_order_key(race_logit) >= threshold)
+    _, raced = _race_pass(
+        row_ptr,
+        stride_v,
+        row_ptr,
+        stride_v,
+        0,
+        vocab,
+        row_max,
+        inv_t,
+        threshold,
+        kept_mass,
+        key,
+        wants_sample & ~winner_kept,
+        tl.zeros(wants_sample.shape, tl.int1),
+        BLOCK_V,
+    )
+    return tl.where(sampling, tl.where(winner_kept, race_token, raced), argmax)
 
 
 @triton.jit
@@ -398,6 +525,8 @@ def verify_walk_kernel(
     top_p_ptr,
     seed_ptr,
     stats_ptr,
+    race_ptr,
+    arrivals_ptr,
     accepted_ptr,
     num_accepted_ptr,
     next_tokens_ptr,
@@ -409,6 +538,8 @@ def verify_walk_kernel(
     num_nodes,
     vocab,
     num_splits,
+    race_splits,
+    race_slice_len,
     stride_lb,
     stride_ln,
     stride_lv,
@@ -423,23 +554,36 @@ def verify_walk_kernel(
     stride_top_k,
     stride_top_p,
     stride_seed,
+    stride_seed_node,
     stride_sf,
     stride_sr,
+    stride_rf,
+    stride_rs,
     stride_ab,
     stride_an,
     TEMPERATURE_PER_SEQUENCE: tl.constexpr,
     TOP_K_PER_SEQUENCE: tl.constexpr,
     TOP_P_PER_SEQUENCE: tl.constexpr,
     SEED_PER_SEQUENCE: tl.constexpr,
+    SEED_PER_NODE: tl.constexpr,
     HAS_FILTERS: tl.constexpr,
     HAS_DRAFT_PROBS: tl.constexpr,
+    SPLIT_RACE: tl.constexpr,
     BLOCK_B: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_S: tl.constexpr,
+    BLOCK_RS: tl.constexpr,
     BLOCK_V: tl.constexpr,
     SEARCH_BLOCK_V: tl.constexpr,
     NUM_THRESHOLDS: tl.constexpr,
 ):
+    """Grid: (sequence blocks, race_splits). Every program of a sequence block walks its trees
+    the same way; with SPLIT_RACE program s races the residual max(0, p - q) of a rejected chain
+    node over its own slice of the vocabulary ([s, s + 1) x race_slice_len), publishes its winner
+    in `race_ptr` (fp32 [2, race_splits, B]: value, token) and counts itself in `arrivals_ptr`
+    (int32 [B], zeroed by launch 1). The last program of a sequence to arrive merges the slices
+    (the highest value, the lowest slice on ties: the same winner as one pass over the row) and
+    alone writes the outputs."""
     seqs = tl.program_id(0).to(tl.int64) * BLOCK_B + tl.arange(0, BLOCK_B)
     seq_ok = seqs < batch
     nodes = tl.arange(0, BLOCK_N)
@@ -493,31 +637,39 @@ def verify_walk_kernel(
     depth = tl.zeros((BLOCK_B,), tl.int32)
     next_tokens = tl.full((BLOCK_B,), -1, tl.int64)
     path = tl.where(nodes[None, :] == 0, 0, tl.full((BLOCK_B, BLOCK_N), -1, tl.int32))
+    race_lo = tl.program_id(1) * race_slice_len
+    race_hi = tl.minimum(race_lo + race_slice_len, vocab)
+    # SPLIT_RACE: the rejected chain nodes whose residual this program raced over its slice.
+    pending = tl.zeros((BLOCK_B,), tl.int1)
+    pending_best = tl.full((BLOCK_B,), float("-inf"), tl.float32)
+    pending_token = tl.full((BLOCK_B,), -1, tl.int32)
     while tl.max(active.to(tl.int32), axis=0) > 0:
-        row = seqs * num_nodes + current
-        row_max, argmax, sumexp, race_token, race_logit = _node_stats(
-            stats_ptr, stride_sf, stride_sr, row, active, inv_t, num_splits, BLOCK_S
-        )
         row_ptr = logits_ptr + seqs * stride_lb + current * stride_ln
-        threshold = tl.full((BLOCK_B,), KEY_BELOW_ALL + 1, tl.int32)
-        kept_mass = sumexp
-        if HAS_FILTERS:
-            threshold, kept_mass = _filter_threshold(
-                row_ptr,
-                stride_lv,
-                vocab,
-                row_max,
-                inv_t,
-                sumexp,
-                top_k,
-                top_p,
-                active & filtered,
-                SEARCH_BLOCK_V,
-                NUM_THRESHOLDS,
-            )
-        kept_mass = tl.where(kept_mass > 0, kept_mass, 1.0)  # greedy and inactive rows
+        row_max, argmax, race_token, race_logit, threshold, kept_mass = _node_distribution(
+            stats_ptr,
+            stride_sf,
+            stride_sr,
+            seqs * num_nodes + current,
+            row_ptr,
+            stride_lv,
+            vocab,
+            active,
+            inv_t,
+            num_splits,
+            top_k,
+            top_p,
+            filtered,
+            HAS_FILTERS,
+            BLOCK_S,
+            SEARCH_BLOCK_V,
+            NUM_THRESHOLDS,
+        )
         children = real & (parents == current[:, None]) & (nodes[None, :] > current[:, None])
-        sample_key = stream_key(seed, stream_seqs, current, STREAM_SAMPLE)
+        seed_row = seed_ptr + seqs * stride_seed
+        sample_key = _node_key(
+            seed_row, stride_seed_node, seed, seqs, stream_seqs, current, seq_ok, STREAM_SAMPLE,
+            SEED_PER_NODE,
+        )  # fmt: skip
 
         chain = tl.zeros((BLOCK_B,), tl.int1)
         chain_accept = tl.zeros((BLOCK_B,), tl.int1)
@@ -538,31 +690,41 @@ def verify_walk_kernel(
             )
             child_probs_ptr = draft_probs_ptr + seqs * stride_db + first_child * stride_dn
             q_draft = tl.load(child_probs_ptr + draft * stride_dv, mask=draft_ok, other=1.0)
-            u = uniform(stream_key(seed, stream_seqs, first_child, STREAM_ACCEPT), first_child * 0)
+            accept_key = _node_key(
+                seed_row, stride_seed_node, seed, seqs, stream_seqs, first_child, chain,
+                STREAM_ACCEPT, SEED_PER_NODE,
+            )  # fmt: skip
+            u = uniform(accept_key, first_child * 0)
             chain_accept = draft_ok & (u * q_draft.to(tl.float32) < p_draft)
-            residual_token = _race_pass(
+            rejected = chain & ~chain_accept
+            slice_best, residual_token = _race_pass(
                 row_ptr,
                 stride_lv,
                 child_probs_ptr,
                 stride_dv,
-                vocab,
+                race_lo,
+                race_hi,
                 row_max,
                 inv_t,
                 threshold,
                 kept_mass,
                 sample_key,
-                chain & ~chain_accept,
+                rejected,
                 chain,
                 BLOCK_V,
             )
+            if SPLIT_RACE:
+                # The residual is known once every slice has arrived, after the walk; until
+                # then a placeholder token (>= 0) stands for it.
+                pending = pending | rejected
+                pending_best = tl.where(rejected, slice_best, pending_best)
+                pending_token = tl.where(rejected, residual_token, pending_token)
+                residual_token = tl.where(rejected, 0, residual_token)
 
         # The node's own sample y: the argmax, or the unfiltered race winner when the filters
         # kept it, else a race over the kept tokens.
         wants_sample = active & sampling & (~chain | ((~chain_accept) & (residual_token < 0)))
-        winner_kept = (race_token >= 0) & (_order_key(race_logit) >= threshold)
-        raced = _race_pass(
-            row_ptr,
-            stride_lv,
+        sample = _own_sample(
             row_ptr,
             stride_lv,
             vocab,
@@ -571,11 +733,13 @@ def verify_walk_kernel(
             threshold,
             kept_mass,
             sample_key,
-            wants_sample & ~winner_kept,
-            tl.zeros(wants_sample.shape, tl.int1),
+            wants_sample,
+            sampling,
+            argmax,
+            race_token,
+            race_logit,
             BLOCK_V,
         )
-        sample = tl.where(sampling, tl.where(winner_kept, race_token, raced), argmax)
 
         matching = children & (tokens == sample[:, None])
         matched = tl.min(tl.where(matching, nodes[None, :], BLOCK_N), axis=1)
@@ -589,10 +753,81 @@ def verify_walk_kernel(
         current = tl.where(advance, child, current)
         active = advance
 
+    writes = seq_ok
+    if SPLIT_RACE:
+        slot = race_ptr + tl.program_id(1) * stride_rs + seqs
+        tl.store(slot, pending_best, mask=seq_ok)
+        tl.store(slot + stride_rf, pending_token.to(tl.float32), mask=seq_ok)
+        # The barrier orders every thread's stores before the (one-thread) atomic, whose release
+        # then publishes them; its acquire lets the last to arrive see every slice (read past
+        # L1, which holds none of them anyway).
+        tl.debug_barrier()
+        arrived = tl.atomic_add(arrivals_ptr + seqs, 1, mask=seq_ok, sem="acq_rel")
+        writes = seq_ok & (arrived == race_splits - 1)
+        merging = writes & pending
+        race_slices = tl.arange(0, BLOCK_RS)
+        cells = race_ptr + race_slices[None, :] * stride_rs + seqs[:, None]
+        cell_ok = merging[:, None] & (race_slices < race_splits)[None, :]
+        slice_best = tl.load(cells, mask=cell_ok, other=float("-inf"), cache_modifier=".cg")
+        slice_token = tl.load(cells + stride_rf, mask=cell_ok, other=-1.0, cache_modifier=".cg")
+        won = race_slices[None, :] == tl.argmax(slice_best, axis=1)[:, None]
+        residual_token = tl.max(tl.where(won, slice_token, -1.0), axis=1).to(tl.int32)
+        residual_token = tl.where(tl.max(slice_best, axis=1) > float("-inf"), residual_token, -1)
+        # Nothing of positive weight in the residual (p = q): the node's own sample, as above.
+        fallback = merging & (residual_token < 0)
+        row_ptr = logits_ptr + seqs * stride_lb + current * stride_ln
+        row_max, argmax, race_token, race_logit, threshold, kept_mass = _node_distribution(
+            stats_ptr,
+            stride_sf,
+            stride_sr,
+            seqs * num_nodes + current,
+            row_ptr,
+            stride_lv,
+            vocab,
+            fallback,
+            inv_t,
+            num_splits,
+            top_k,
+            top_p,
+            filtered,
+            HAS_FILTERS,
+            BLOCK_S,
+            SEARCH_BLOCK_V,
+            NUM_THRESHOLDS,
+        )
+        sample = _own_sample(
+            row_ptr,
+            stride_lv,
+            vocab,
+            row_max,
+            inv_t,
+            threshold,
+            kept_mass,
+            _node_key(
+                seed_ptr + seqs * stride_seed,
+                stride_seed_node,
+                seed,
+                seqs,
+                stream_seqs,
+                current,
+                seq_ok,
+                STREAM_SAMPLE,
+                SEED_PER_NODE,
+            ),  # fmt: skip
+            fallback,
+            sampling,
+            argmax,
+            race_token,
+            race_logit,
+            BLOCK_V,
+        )
+        emit = tl.where(residual_token >= 0, residual_token, sample)
+        next_tokens = tl.where(merging, emit.to(tl.int64), next_tokens)
+
     tl.store(
         accepted_ptr + seqs[:, None] * stride_ab + nodes[None, :] * stride_an,
         path,
-        mask=tree_mask,
+        mask=tree_mask & writes[:, None],
     )
-    tl.store(num_accepted_ptr + seqs, depth, mask=seq_ok)
-    tl.store(next_tokens_ptr + seqs, next_tokens, mask=seq_ok)
+    tl.store(num_accepted_ptr + seqs, depth, mask=writes)
+    tl.store(next_tokens_ptr + seqs, next_tokens, mask=writes)

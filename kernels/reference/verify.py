@@ -15,7 +15,8 @@ numbers):
   `argmax_v (logits_v - max) / temperature + G_v`, with `G_v` from the counter-based hash of
   (seed, sequence, node, stream 0, v); "sequence" is the batch index under an int seed and 0
   under per-sequence seeds, so that a sequence's draws then follow its own seed wherever it sits
-  in the batch.
+  in the batch. Per-node seeds (int64 `[B, N]`) key each node by its own seed alone (sequence
+  and node 0), so a node's numbers do not depend on its index in the tree.
 - Deterministic drafts (no `draft_probs`): the walk accepts the first child (node order) whose
   token is `y`, else emits `y`. This has exactly the law of trying the children in node order,
   accepting child x with probability p'(x) and removing x from the residual p' on rejection:
@@ -77,6 +78,16 @@ def uniform(key: torch.Tensor, counter: torch.Tensor) -> torch.Tensor:
     """`jit/rng.py:uniform`: fp32 in (0, 1), bit for bit."""
     bits = _mix32(_mix32(key ^ counter) ^ key)
     return ((bits >> 9).to(torch.float32) + 0.5) * 2.0**-23
+
+
+def node_keys(seed: torch.Tensor, sequence: torch.Tensor, nodes: torch.Tensor, stream: int):
+    """int64 `[B, K]` uint32 keys of stream `stream` at `nodes` (int64 `[1 or B, K]`): from
+    (seed `[B]`, sequence `[B]`, node), or with per-node seeds (`seed` int64 `[B, N]`) from the
+    node's own seed alone (`jit/verify.py:_node_key`); nodes past N take the last seed."""
+    if seed.dim() == 2:
+        index = nodes.clamp(max=seed.shape[1] - 1).expand(seed.shape[0], -1)
+        return stream_key(seed.gather(1, index), 0, 0, stream)
+    return stream_key(seed[:, None], sequence[:, None], nodes, stream)
 
 
 def gumbel(key: torch.Tensor, counter: torch.Tensor) -> torch.Tensor:
@@ -160,7 +171,8 @@ def verify_reference(
     top_p = per_sequence(1.0 if top_p is None else top_p, batch, torch.float32, device)
     # Under per-sequence seeds a sequence's random numbers follow its seed, not its batch slot.
     sequence = torch.arange(batch, device=device) * (not isinstance(seed, torch.Tensor))
-    seed = per_sequence(draw_seed() if seed is None else seed, batch, torch.int64, device)
+    if not (isinstance(seed, torch.Tensor) and seed.dim() == 2):
+        seed = per_sequence(draw_seed() if seed is None else seed, batch, torch.int64, device)
 
     raw = logits.float()
     real = parents != -2
@@ -230,7 +242,7 @@ def _sample_rows(raw, draft_tokens, draft_probs, temperature, top_k, top_p, seed
         scaled = torch.where(kept_tokens(raw, scaled, top_k, top_p), scaled, float("-inf"))
     node = torch.arange(num_nodes, device=raw.device)[None, :, None]
     vocab_ids = torch.arange(vocab, device=raw.device)[None, None, :]
-    key = stream_key(seed[:, None, None], sequence[:, None, None], node, STREAM_SAMPLE)
+    key = node_keys(seed, sequence, node[:, :, 0], STREAM_SAMPLE)[:, :, None]
     noise = gumbel(key, vocab_ids)
     sampled = (scaled + noise).argmax(dim=-1)
     if draft_probs is None:
@@ -256,7 +268,7 @@ def _chain_decisions(scaled, noise, draft_tokens, draft_probs, seed, sequence, n
     p_child = target.gather(-1, child_tokens)[..., 0]
     q_child = child_probs.gather(-1, child_tokens)[..., 0]
     child_node = torch.arange(1, num_nodes + 1, device=device)[None, :]
-    key = stream_key(seed[:, None], sequence[:, None], child_node, STREAM_ACCEPT)
+    key = node_keys(seed, sequence, child_node, STREAM_ACCEPT)
     u = uniform(key, torch.zeros_like(child_node))
     accept = u * q_child < p_child
     residual = (target - child_probs).clamp(min=0.0)

@@ -1,6 +1,7 @@
 """Drafters: objects that propose draft trees for the target to verify (protocol in `base`)."""
 
 from .base import Drafter, DraftState, Proposal, StepOutcome, pack_trees
+from .block import BlockDrafter, PardDraft
 from .draft_model import DraftModelDrafter
 from .eagle import EagleDrafter
 from .medusa import MedusaDrafter
@@ -8,12 +9,14 @@ from .ngram import NGramDrafter
 from .suffix import SuffixDrafter
 
 __all__ = [
+    "BlockDrafter",
     "DraftModelDrafter",
     "DraftState",
     "Drafter",
     "EagleDrafter",
     "MedusaDrafter",
     "NGramDrafter",
+    "PardDraft",
     "Proposal",
     "StepOutcome",
     "SuffixDrafter",

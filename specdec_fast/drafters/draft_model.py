@@ -9,15 +9,14 @@ import numpy as np
 import torch
 from transformers import PreTrainedModel
 
-from specdec_fast.kernels.reference.verify import gumbel, stream_key
 from specdec_fast.runner import ModelRunner
 from specdec_fast.transfer import to_device
-from specdec_fast.trees import StaticTree, parse_tree
+from specdec_fast.trees import StaticTree, parse_tree, sample_draft_tokens
 
 from .base import Drafter, DraftState, Proposal, StepOutcome
 
 SPECIAL_TOKEN_FIELDS = ("bos_token_id", "eos_token_id", "pad_token_id")
-# Random stream of the draft's own samples (verify uses 0 and 1).
+# Random stream of the draft's own samples (verify uses 0 and 1, block drafters 3).
 STREAM_DRAFT = 2
 
 
@@ -60,6 +59,30 @@ def check_compatible(draft, target, draft_tokenizer=None, target_tokenizer=None)
                     for t in differing[:3]
                 )
             )
+
+
+def open_draft_runner(
+    draft_model, target, max_cache_len: int, draft_tokenizer=None, target_tokenizer=None
+) -> ModelRunner:
+    """The draft model's runner for sequences of `max_cache_len` tokens, after checking that it
+    can draft for `target` (`check_compatible`, same device)."""
+    check_compatible(draft_model, target, draft_tokenizer, target_tokenizer)
+    if draft_model.device != target.device:
+        raise ValueError(f"draft model is on {draft_model.device}, the target on {target.device}")
+    return ModelRunner.for_model(draft_model, max_cache_len)
+
+
+def prefill_draft(runner: ModelRunner, state: DraftState) -> list[int]:
+    """Prefill the draft's cache with every row's tokens but the last (the root); returns the
+    cached count per row (a host mirror)."""
+    width = max(len(row) for row in state.tokens)
+    ids = np.zeros((state.batch_size, width), dtype=np.int64)
+    mask = np.zeros_like(ids)
+    for row, tokens in enumerate(state.tokens):
+        ids[row, : len(tokens)] = tokens
+        mask[row, : len(tokens)] = 1
+    runner.prefill(to_device(ids, state.device), to_device(mask, state.device))
+    return [len(row) - 1 for row in state.tokens]
 
 
 class DraftModelDrafter(Drafter):
@@ -119,23 +142,13 @@ class DraftModelDrafter(Drafter):
         return f"DraftModelDrafter({self.draft_model.config.model_type}, {mode})"
 
     def attach(self, target, max_cache_len: int) -> None:
-        check_compatible(self.draft_model, target, self.draft_tokenizer, self.target_tokenizer)
-        if self.draft_model.device != target.device:
-            raise ValueError(
-                f"draft model is on {self.draft_model.device}, the target on {target.device}"
-            )
         self.end()
-        self.runner = ModelRunner.for_model(self.draft_model, max_cache_len)
+        self.runner = open_draft_runner(
+            self.draft_model, target, max_cache_len, self.draft_tokenizer, self.target_tokenizer
+        )
 
     def begin(self, state: DraftState) -> None:
-        width = max(len(row) for row in state.tokens)
-        ids = np.zeros((state.batch_size, width), dtype=np.int64)
-        mask = np.zeros_like(ids)
-        for row, tokens in enumerate(state.tokens):
-            ids[row, : len(tokens)] = tokens
-            mask[row, : len(tokens)] = 1
-        self.runner.prefill(to_device(ids, state.device), to_device(mask, state.device))
-        self._cached = [len(row) - 1 for row in state.tokens]
+        self._cached = prefill_draft(self.runner, state)
 
     def keep(self, rows: list[int]) -> None:
         self.runner.keep(rows)
@@ -190,13 +203,15 @@ class DraftModelDrafter(Drafter):
         for depth in range(1, self.num_tokens + 1):
             # The draft token drawn here sits at the fed token's position + 1.
             position = cache.cache_lens.long() + 1
-            logits = self.runner.verify(current[:, None], root_parent).logits[:, 0]
-            greedy_next = logits.argmax(dim=-1)
+            logits = self.runner.verify(current[:, None], root_parent).logits[:, :1]
             if state.greedy:
-                current = greedy_next
+                current = logits[:, 0].argmax(dim=-1)
             else:
-                current, dist = _sample(logits, greedy_next, state, position)
-                probs.append(dist)
+                drawn, dist = sample_draft_tokens(
+                    logits, state.temperature, state.seed, position[:, None], STREAM_DRAFT
+                )
+                current = drawn[:, 0]
+                probs.append(dist[:, 0])
             tokens.append(current)
             if depth < self.num_tokens:
                 # Commit the node just fed so the next one attends to it.
@@ -247,20 +262,6 @@ class DraftModelDrafter(Drafter):
             root + 1 + sum(1 for node in nodes if node < fed)
             for root, nodes in zip(roots, outcome.accepted_paths, strict=True)
         ]
-
-
-def _sample(logits, greedy_next, state: DraftState, position):
-    """Draw each sampled row's next draft token from softmax(logits / T) by Gumbel-max, with
-    noise keyed by (row seed, position) on the device; greedy rows take the argmax. Returns the
-    tokens and the distributions they were drawn from ([B, V]; one-hot for greedy rows)."""
-    sampled = state.temperature > 0
-    scaled = logits / torch.where(sampled, state.temperature, 1.0)[:, None]
-    dist = torch.softmax(scaled, dim=-1)
-    vocab = torch.arange(logits.shape[-1], device=logits.device)
-    noise = gumbel(stream_key(state.seed[:, None], 0, position[:, None], STREAM_DRAFT), vocab)
-    drawn = (scaled + noise).argmax(dim=-1)
-    one_hot = torch.nn.functional.one_hot(greedy_next, dist.shape[-1]).to(dist.dtype)
-    return torch.where(sampled, drawn, greedy_next), torch.where(sampled[:, None], dist, one_hot)
 
 
 @dataclass(frozen=True)

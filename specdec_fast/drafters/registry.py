@@ -29,6 +29,7 @@ from specdec_fast.loading import load_model
 from specdec_fast.trees import default_tree
 
 from .base import Drafter
+from .block import BlockDrafter, load_block_model
 from .draft_model import DraftModelDrafter
 from .eagle import EagleDrafter
 from .medusa import MedusaDrafter
@@ -113,6 +114,10 @@ def _eagle(head, size: int) -> Drafter:
     return EagleDrafter(head, max_nodes=size)
 
 
+def _block(model, size: int) -> Drafter:
+    return BlockDrafter(model, max_nodes=size)
+
+
 KINDS = (
     DrafterKind(
         "ngram",
@@ -160,6 +165,14 @@ KINDS = (
         _eagle,
         load=load_eagle_head,
         bundled=("tiny-code-eagle", "tiny-code-eagle3"),
+    ),
+    DrafterKind(
+        "block",
+        "a DFlash- or PARD-style block drafter's best-first (DDTree) tree",
+        16,
+        _block,
+        load=load_block_model,
+        bundled=("tiny-code-dflash", "tiny-code-pard"),
     ),
 )
 REGISTRY: dict[str, DrafterKind] = {kind.name: kind for kind in KINDS}

@@ -49,6 +49,30 @@ def read_weights(folder: Path, names: Sequence[str]) -> dict[str, torch.Tensor]:
     raise ValueError(f"{folder}: no weights file (looked for {', '.join(names)})")
 
 
+SAFETENSORS_NAME = "model.safetensors"
+SAFETENSORS_INDEX = "model.safetensors.index.json"
+
+
+def read_safetensors(folder: Path) -> dict[str, torch.Tensor]:
+    """The state dict in `folder`'s `model.safetensors`, or in the shards its
+    `model.safetensors.index.json` lists; nothing but safetensors is read."""
+    single, index = folder / SAFETENSORS_NAME, folder / SAFETENSORS_INDEX
+    if single.is_file():
+        return load_file(str(single))
+    if not index.is_file():
+        raise ValueError(f"{folder}: no {SAFETENSORS_NAME} nor {SAFETENSORS_INDEX}")
+    shards = sorted(set(json.loads(index.read_text()).get("weight_map", {}).values()))
+    if not shards:
+        raise ValueError(f"{index}: its weight_map lists no shard")
+    state = {}
+    for shard in shards:
+        path = folder / shard
+        if not path.is_file():
+            raise ValueError(f"{index}: shard {shard} is missing")
+        state.update(load_file(str(path)))
+    return state
+
+
 def load_strict(module: nn.Module, state: dict[str, torch.Tensor], what: str) -> None:
     """`module.load_state_dict(state)` with errors that name every missing or unexpected key and
     every shape that differs."""
@@ -78,6 +102,30 @@ def write_checkpoint(
     (folder / CONFIG_NAME).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     tensors = {key: value.detach().to("cpu").contiguous() for key, value in state.items()}
     save_file(tensors, str(folder / weights_name), metadata={"format": "pt"})
+
+
+# The fields that shape one decoder layer, copied from a target's config into a head's.
+LAYER_SHAPE_FIELDS = (
+    "hidden_size",
+    "intermediate_size",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "rms_norm_eps",
+    "vocab_size",
+    "max_position_embeddings",
+    "hidden_act",
+    "rope_parameters",
+)
+
+
+def layer_shape(config) -> dict:
+    """The `LAYER_SHAPE_FIELDS` that a (text) config sets, for a head shaped like its layers."""
+    return {
+        key: getattr(config, key)
+        for key in LAYER_SHAPE_FIELDS
+        if getattr(config, key, None) is not None
+    }
 
 
 def check_fits(what: str, name: str, head_value, target_value) -> None:

@@ -42,6 +42,7 @@ from transformers.models.llama.modeling_llama import (
 
 from .checkpoint import (
     check_fits,
+    layer_shape,
     load_strict,
     read_config,
     read_weights,
@@ -275,22 +276,7 @@ class Eagle3Head(nn.Module):
         num_layers = base.num_hidden_layers
         vocab = base.vocab_size
         draft_ids = list(range(vocab)) if draft_ids is None else list(draft_ids)
-        fields = {
-            key: getattr(base, key)
-            for key in (
-                "hidden_size",
-                "intermediate_size",
-                "num_attention_heads",
-                "num_key_value_heads",
-                "head_dim",
-                "rms_norm_eps",
-                "vocab_size",
-                "max_position_embeddings",
-                "hidden_act",
-                "rope_parameters",
-            )
-            if getattr(base, key, None) is not None
-        }
+        fields = layer_shape(base)
         fields.update(overrides, draft_vocab_size=len(draft_ids))
         head = cls(
             head_config(LlamaConfig, fields),

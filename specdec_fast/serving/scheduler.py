@@ -712,12 +712,13 @@ class Scheduler:
         return type(part)(accepted, num_accepted, next_tokens)
 
     def _step_params(self, positions: torch.Tensor) -> SamplingParams:
-        """As `Batch.sampling_params`: each row's seed offset by its root's position."""
+        """As `Batch.sampling_params`: per-node seeds, each row's seed plus the node's position
+        (`positions` int64 `[B, N]`)."""
         if self._all_greedy:
             return SamplingParams(0.0, 0, 1.0, 0)
         params = self._params()
         return SamplingParams(
-            params.temperature, params.top_k, params.top_p, params.seed + positions[:, 0]
+            params.temperature, params.top_k, params.top_p, params.seed[:, None] + positions
         )
 
     def _emit(self, host, now: float) -> tuple[list[list[int]], list[int]]:

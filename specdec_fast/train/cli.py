@@ -1,4 +1,4 @@
-"""`python -m specdec_fast.train COMMAND`: tokenizer, lm, eval, the head commands, prompts.
+"""`python -m specdec_fast.train COMMAND`: tokenizer, lm, eval, the head commands, block, prompts.
 
 Each command is a registrar that adds its subparser and sets `run`; further commands (drafter
 heads) append their registrar to `REGISTRARS`.
@@ -109,6 +109,12 @@ def register_heads(sub) -> None:
     register_head_commands(sub)
 
 
+def register_block(sub) -> None:
+    from .block import register_block_command
+
+    register_block_command(sub)
+
+
 def register_prompts(sub) -> None:
     from .prompts import register_prompts as register
 
@@ -120,6 +126,7 @@ REGISTRARS: list[Callable] = [
     register_lm,
     register_eval,
     register_heads,
+    register_block,
     register_prompts,
 ]
 

@@ -23,6 +23,7 @@ import copy
 import dataclasses
 import json
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -253,17 +254,26 @@ def _ratios(correct: list[int], counts: list[int]) -> list[float]:
     return [round(c / max(n, 1), 4) for c, n in zip(correct, counts, strict=True)]
 
 
-@torch.no_grad()
 def heldout_accuracy(options: HeadOptions, head, target, rows: list[torch.Tensor]) -> list[float]:
     """Top-1 agreement with the target's greedy token per head (Medusa) or step (EAGLE) over
     held-out token rows."""
-    was_training = head.training
-    head.eval()
+    return heldout_top1(head, lambda row: head_loss(options, head, target, row), rows)
+
+
+@torch.no_grad()
+def heldout_top1(
+    module: nn.Module, loss_of: Callable[[torch.Tensor], HeadLoss], rows: list[torch.Tensor]
+) -> list[float]:
+    """The top-1 agreement ratios of `loss_of(row [1, L])` summed over held-out token rows,
+    with `module` in eval mode."""
+    was_training = module.training
+    module.eval()
+    device = next(module.parameters()).device
     correct = counts = None
     for row in rows:
-        result = head_loss(options, head, target, row[None].to(target.device))
+        result = loss_of(row[None].to(device))
         correct, counts = _add(correct, result.correct), _add(counts, result.counts)
-    head.train(was_training)
+    module.train(was_training)
     return _ratios(correct, counts)
 
 
@@ -278,22 +288,53 @@ def train_heads(
 ) -> tuple[nn.Module, int]:
     """Train a head of `options.kind` for the (frozen) `target` on windows of the int32 token
     `stream`; returns (fp32 head, steps done). See the module doc."""
-    run_dir = Path(run_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
     target.eval().requires_grad_(False)
     torch.manual_seed(settings.seed)
     head = build_head(options, target, stream)
-    optimizer = _optimizer(head, settings)
+    steps = train_module(
+        head,
+        lambda step, rows: head_loss(options, head, target, rows),
+        options,
+        settings,
+        stream,
+        run_dir,
+        f"train {options.kind}",
+        resume,
+        stop_at,
+    )
+    return head, steps
+
+
+def train_module(
+    module: nn.Module,
+    loss_at: Callable[[int, torch.Tensor], HeadLoss],
+    options,
+    settings: TrainSettings,
+    stream: np.ndarray,
+    run_dir: str | Path,
+    desc: str,
+    resume: bool = False,
+    stop_at: int | None = None,
+) -> int:
+    """The seeded, resumable loop of every drafter command: `loss_at(step, rows)` on the
+    batch of each step (int64 token rows `[batch_size, seq_len]` on the module's device, a
+    function of (seed, step)), AdamW on `module`'s trainable parameters, a JSONL log with the
+    per-position top-1 agreement, checkpoints recording `options.to_dict()` (a resumed run must
+    match it). Returns the steps done."""
+    run_dir = Path(run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    device = next(module.parameters()).device
+    optimizer = _optimizer(module, settings)
     checkpoint = run_dir / CHECKPOINT_NAME
     step = 0
     if resume and checkpoint.exists():
-        step = _load_checkpoint(checkpoint, head, optimizer, settings, options)
+        step = _load_checkpoint(checkpoint, module, optimizer, settings, options)
     end = settings.steps if stop_at is None else min(stop_at, settings.steps)
     tokens_per_step = settings.batch_size * settings.seq_len
     progress = Progress(
         settings.steps,
         initial=step,
-        desc=f"train {options.kind}",
+        desc=desc,
         unit="step",
         min_interval_s=LOG_EVERY_S,
         log_every_s=LOG_EVERY_S,
@@ -301,16 +342,16 @@ def train_heads(
     last_checkpoint = time.monotonic()
     window_start, window_steps, loss_sum = time.monotonic(), 0, 0.0
     correct = counts = None
-    head.train()
+    module.train()
     with (run_dir / LOG_NAME).open("a") as log:
         while step < end:
             rows = batch_at_step(stream, step, settings.batch_size, settings.seq_len, settings.seed)
             for group in optimizer.param_groups:
                 group["lr"] = lr_at(step, settings)
-            result = head_loss(options, head, target, rows.to(target.device))
+            result = loss_at(step, rows.to(device))
             optimizer.zero_grad(set_to_none=True)
             result.loss.backward()
-            torch.nn.utils.clip_grad_norm_(head.parameters(), settings.grad_clip)
+            torch.nn.utils.clip_grad_norm_(module.parameters(), settings.grad_clip)
             optimizer.step()
             step += 1
             window_steps += 1
@@ -337,11 +378,11 @@ def train_heads(
                 window_start, window_steps, loss_sum = time.monotonic(), 0, 0.0
                 correct = counts = None
             if time.monotonic() - last_checkpoint > settings.checkpoint_minutes * 60:
-                _save_checkpoint(checkpoint, head, optimizer, step, settings, options)
+                _save_checkpoint(checkpoint, module, optimizer, step, settings, options)
                 last_checkpoint = time.monotonic()
     progress.close()
-    _save_checkpoint(checkpoint, head, optimizer, step, settings, options)
-    return head, step
+    _save_checkpoint(checkpoint, module, optimizer, step, settings, options)
+    return step
 
 
 def export_heads(head: nn.Module, out_dir: str | Path, info: dict) -> None:
@@ -375,12 +416,29 @@ DESCRIPTIONS = {
 }
 
 
-def _run_heads(args) -> int:
+def training_target(args) -> tuple[str, nn.Module, np.ndarray]:
+    """(target folder, fp32 target on the GPU when there is one, the training split's token
+    stream) of a drafter command's `--target` and `--data-dir`."""
     from specdec_fast.loading import load_model, resolve_path
 
     from .data import token_stream
+
+    target_dir = resolve_path(args.target)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    target = load_model(args.target, device, torch.float32)
+    return target_dir, target, token_stream("train", target_dir, args.data_dir)
+
+
+def heldout_rows(args, target_dir: str) -> list[torch.Tensor]:
+    """`--eval-windows` held-out token rows of `--seq-len` + 1 tokens."""
+    from .data import token_stream
     from .evaluate import _windows
 
+    stream = token_stream("heldout", target_dir, args.data_dir)
+    return _windows(stream, args.seq_len, args.eval_windows)
+
+
+def _run_heads(args) -> int:
     options = HeadOptions(
         kind=args.kind,
         num_heads=args.num_heads,
@@ -390,18 +448,13 @@ def _run_heads(args) -> int:
         draft_vocab=args.draft_vocab,
     )
     settings = run_settings(args)
-    target_dir = resolve_path(args.target)
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    target = load_model(args.target, device, torch.float32)
-    stream = token_stream("train", target_dir, args.data_dir)
+    target_dir, target, stream = training_target(args)
     head, steps_done = train_heads(
         options, settings, target, stream, args.run_dir, resume=args.resume, stop_at=args.stop_at
     )
     if steps_done < settings.steps or args.out is None:
         return 0
-    rows = _windows(
-        token_stream("heldout", target_dir, args.data_dir), args.seq_len, args.eval_windows
-    )
+    rows = heldout_rows(args, target_dir)
     accuracy = heldout_accuracy(options, head, target, rows)
     description = DESCRIPTIONS[options.kind].format(
         **dataclasses.asdict(options),

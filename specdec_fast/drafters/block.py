@@ -1,0 +1,379 @@
+"""Block drafters: one draft forward per step gives the distributions of the next b tokens.
+
+Two flavours behind `BlockDrafter`:
+
+- feature-conditioned (DFlash-style, `specdec_fast.heads.block.DFlashHead`): the head's own KV
+  cache holds one context entry per token the target verified (its fused target features), the
+  same c entries as the target's cache. Each step feeds the block `[root, MASK x (b - 1)]` at
+  positions c .. c + b - 1 above the cached context, bidirectional within the block, and reads
+  the b - 1 distributions of depths 1 .. b - 1 (block entries are written past the committed
+  length and never committed). After verification the accepted path's features (root and
+  accepted nodes, positions c .. c + a) enter the context.
+- standalone (PARD-style, `PardDraft`): a small causal LM on its own runner and cache, trained to
+  fill b - 1 mask tokens after the context. Its cache holds the tokens up to the previous root;
+  each step feeds, as one ragged chain, the tokens since then (the accepted drafts, whose cached
+  K/V were computed over masks), the root and b - 1 masks, and reads the b distributions at the
+  root (depth 1) and at the masks (depths 2 .. b); the fed tokens up to the root are committed.
+
+Either way the per-position distributions become a proposal through `specdec_fast.trees`: the
+DDTree-style best-first tree (`tree="ddtree"`, deterministic, so lossless through verification's
+one-hot path when sampling too) or a chain (`tree="chain"`: the top-1 tokens when greedy, tokens
+sampled from the draft distributions with their probabilities otherwise, lossless through
+verification's draft-probability path). Nothing is read back from the device: what the drafter
+needs on the host (lengths, pending tokens, accepted paths) comes with the state and outcome.
+
+PARD layout (AMD-AGI/PARD; vLLM and TensorRT-LLM read the same): an HF causal LM checkpoint
+whose `config.json` names the mask token as `pard_token` (or `ptd_token_id`), with
+`spd_type: "pard"`; read here from safetensors only. The number of tokens per block is a
+run-time choice there; `block_size` in the config, when present, is the one it was trained
+for (default 8, PARD's published `para_num`).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from transformers import PreTrainedModel
+
+from specdec_fast.cache import SpecKVCache
+from specdec_fast.heads.block import DFlashHead, is_dflash_config, load_dflash_head
+from specdec_fast.heads.checkpoint import (
+    SAFETENSORS_INDEX,
+    SAFETENSORS_NAME,
+    read_config,
+    resolve_folder,
+)
+from specdec_fast.kernels import pack_tree_mask
+from specdec_fast.kernels.tree_attention import MAX_TREE_NODES, run_tree_attention
+from specdec_fast.loading import quiet_transformers
+from specdec_fast.runner import ModelRunner
+from specdec_fast.transfer import to_device
+from specdec_fast.trees import best_first_tree, block_chain, sampled_block_chain
+
+from .base import Drafter, DraftState, Proposal, StepOutcome
+from .draft_model import check_compatible, open_draft_runner, prefill_draft
+from .features import gather_rows
+
+TREE_MODES = ("ddtree", "chain")
+PARD_TOKEN_FIELDS = ("pard_token", "ptd_token_id")
+PARD_TYPE = "pard"
+DEFAULT_PARD_BLOCK = 8
+# Random stream of the sampled chains' draws (verify uses 0 and 1, draft models 2).
+STREAM_BLOCK = 3
+
+
+@dataclass
+class PardDraft:
+    """A PARD-style draft model: an HF causal LM with the target's vocabulary that fills
+    `block_size - 1` masks (token `mask_token_id`) after its context in one forward."""
+
+    model: PreTrainedModel
+    mask_token_id: int
+    block_size: int = DEFAULT_PARD_BLOCK
+
+    def __post_init__(self):
+        vocab = self.model.config.get_text_config(decoder=True).vocab_size
+        if not 0 <= self.mask_token_id < vocab:
+            raise ValueError(
+                f"mask_token_id: expected a token id in [0, {vocab}), got {self.mask_token_id}"
+            )
+        if self.block_size < 2:
+            raise ValueError(
+                f"block_size must be >= 2 (the root and a mask), got {self.block_size}"
+            )
+
+    def save_pretrained(self, folder: str | os.PathLike) -> None:
+        """Write the public layout: the model's HF folder (safetensors), after recording
+        `pard_token`, `spd_type` and `block_size` in the model's config."""
+        config = self.model.config
+        config.pard_token, config.spd_type, config.block_size = (
+            self.mask_token_id,
+            PARD_TYPE,
+            self.block_size,
+        )
+        self.model.save_pretrained(folder, safe_serialization=True)
+
+
+def load_pard(name_or_path: str | os.PathLike, target) -> PardDraft:
+    """A PARD draft model from a folder in the public layout (or a bundled name), on the
+    target's device and dtype; raises ValueError when the config names no mask token, the
+    weights are not safetensors, or the model does not share the target's vocabulary."""
+    from transformers import AutoModelForCausalLM
+
+    folder = resolve_folder(name_or_path)
+    fields = read_config(folder)
+    what = f"PARD draft model at {folder}"
+    mask_token_id = next((fields[f] for f in PARD_TOKEN_FIELDS if f in fields), None)
+    if mask_token_id is None:
+        raise ValueError(f"{what}: config.json has none of {', '.join(PARD_TOKEN_FIELDS)}")
+    if not any((folder / name).is_file() for name in (SAFETENSORS_NAME, SAFETENSORS_INDEX)):
+        raise ValueError(f"{what}: no {SAFETENSORS_NAME} nor {SAFETENSORS_INDEX}")
+    with quiet_transformers():
+        model = AutoModelForCausalLM.from_pretrained(
+            folder,
+            dtype=target.dtype,
+            local_files_only=True,
+            trust_remote_code=False,
+            use_safetensors=True,
+        )
+    model = model.to(target.device).eval()
+    try:
+        check_compatible(model, target)
+    except ValueError as error:
+        raise ValueError(f"{what}: {error}") from None
+    return PardDraft(model, int(mask_token_id), int(fields.get("block_size", DEFAULT_PARD_BLOCK)))
+
+
+def load_block_model(name_or_path: str | os.PathLike, target) -> DFlashHead | PardDraft:
+    """A DFlash head or a PARD draft model, told apart by the checkpoint's config."""
+    fields = read_config(resolve_folder(name_or_path))
+    if is_dflash_config(fields):
+        return load_dflash_head(name_or_path, target)
+    if any(field in fields for field in PARD_TOKEN_FIELDS) or fields.get("spd_type") == PARD_TYPE:
+        return load_pard(name_or_path, target)
+    raise ValueError(
+        f"{Path(name_or_path)}: config.json is neither a DFlash head's (dflash_config, or a "
+        f"DFlash architecture) nor a PARD model's ({' or '.join(PARD_TOKEN_FIELDS)})"
+    )
+
+
+class _FeatureBlock:
+    """The DFlash flavour: the head's context cache and one block forward per step."""
+
+    def __init__(self, head: DFlashHead):
+        self.head = head
+        self.positions = head.block_size - 1
+        self.hidden_layers = head.hidden_layers
+        self._cache: SpecKVCache | None = None
+        self._lengths: list[int] = []  # committed context entries per row (host mirror)
+        self._masks: dict[int, torch.Tensor] = {}
+
+    def attach(self, target, max_cache_len: int, depth: int) -> None:
+        self.head.check_target(target)
+        self.head.to(device=target.device, dtype=target.dtype).eval()
+        self._embed = target.get_input_embeddings()
+        self._lm_head = target.get_output_embeddings()
+        self._capacity = max_cache_len + max(self.head.block_size, depth + 1)
+        self._depth = depth
+
+    def begin(self, state: DraftState) -> None:
+        head, device = self.head, state.device
+        self._cache = SpecKVCache(
+            head.config,
+            state.batch_size,
+            self._capacity,
+            dtype=head.fc.weight.dtype,
+            device=device,
+        )
+        self._lengths = [0] * state.batch_size
+        cached = [len(row) - 1 for row in state.tokens]
+        if max(cached) > 0:
+            features = [state.hidden[layer] for layer in self.hidden_layers]
+            self._write_context(features, cached)
+
+    def _write_context(self, features: list[torch.Tensor], counts: list[int]) -> None:
+        """Commit `counts[r]` context entries per row from target features `[B, n, H]` each."""
+        cache = self._cache
+        width = features[0].shape[1]
+        cache.bound_lengths(max(self._lengths))
+        cache.ensure_room(width)
+        cache.prepare_write(width)
+        positions = cache.cache_lens[:, None].long() + torch.arange(width, device=cache.kv.device)
+        for layer, (keys, values) in zip(
+            cache.layers, self.head.context(self.head.fuse(features), positions), strict=True
+        ):
+            layer.update(keys, values)
+        cache.cache_lens.add_(to_device(counts, cache.kv.device, torch.int32))
+        self._lengths = [
+            length + count for length, count in zip(self._lengths, counts, strict=True)
+        ]
+
+    def _attend(self, layer: int, queries, keys, values) -> torch.Tensor:
+        cache = self._cache
+        key_cache, value_cache = cache.layers[layer].update(keys, values)
+        batch, _, size, _ = queries.shape
+        mask = self._masks.get(batch)
+        if mask is None:
+            # Bidirectional within the block; the committed context is always visible.
+            full = torch.ones(batch, size, size, dtype=torch.bool, device=queries.device)
+            mask = self._masks[batch] = pack_tree_mask(full)
+        scale = queries.shape[-1] ** -0.5
+        return run_tree_attention(
+            queries, key_cache, value_cache, cache.cache_lens, mask, None, scale, None, None, None
+        )
+
+    def block_logits(self, state: DraftState) -> torch.Tensor:
+        head, cache = self.head, self._cache
+        size = head.block_size
+        masks = state.roots.new_full((state.batch_size, size - 1), head.mask_token_id)
+        tokens = torch.cat([state.roots[:, None].long(), masks], dim=1)
+        cache.bound_lengths(max(self._lengths))
+        cache.ensure_room(size)
+        cache.prepare_write(size)
+        positions = cache.cache_lens[:, None].long() + torch.arange(size, device=tokens.device)
+        outputs = head(self._embed(tokens), positions, self._attend)
+        return self._lm_head(outputs[:, 1:]).float()
+
+    def update(self, state: DraftState, outcome: StepOutcome) -> None:
+        nodes = outcome.accepted_nodes[:, : self._depth + 1].long().clamp(min=0)
+        features = [gather_rows(outcome.hidden[layer], nodes) for layer in self.hidden_layers]
+        self._write_context(features, [len(path) + 1 for path in outcome.accepted_paths])
+
+    def keep(self, rows: list[int]) -> None:
+        self._cache.select(rows)
+        self._lengths = [self._lengths[r] for r in rows]
+
+    def end(self) -> None:
+        self._cache = None
+        self._masks.clear()
+
+
+class _StandaloneBlock:
+    """The PARD flavour: a causal LM on its own runner, one chain forward per step."""
+
+    hidden_layers: tuple[int, ...] = ()
+
+    def __init__(self, draft: PardDraft):
+        self.draft = draft
+        self.positions = draft.block_size
+        self.runner: ModelRunner | None = None
+        self._cached: list[int] = []  # tokens in the draft's cache per row (host mirror)
+
+    def attach(self, target, max_cache_len: int, depth: int) -> None:
+        self.end()
+        # A step feeds the accepted drafts (<= depth), the root and the masks past the cache.
+        self.runner = open_draft_runner(
+            self.draft.model, target, max_cache_len + depth + self.draft.block_size
+        )
+
+    def begin(self, state: DraftState) -> None:
+        self._cached = prefill_draft(self.runner, state)
+
+    def block_logits(self, state: DraftState) -> torch.Tensor:
+        size, device = self.draft.block_size, state.device
+        # Per row: the tokens after the cache up to the root, then the masks (host data).
+        fed = [row[cached:] for row, cached in zip(state.tokens, self._cached, strict=True)]
+        width = max(len(chunk) for chunk in fed) + size - 1
+        tokens = np.full((state.batch_size, width), self.draft.mask_token_id, dtype=np.int64)
+        for row, chunk in enumerate(fed):
+            tokens[row, : len(chunk)] = chunk
+        parents = np.tile(np.arange(-1, width - 1), (state.batch_size, 1))
+        roots = [len(chunk) - 1 for chunk in fed]
+        q_lens = [root + size for root in roots]
+        logits = self.runner.verify(
+            to_device(tokens, device),
+            to_device(parents, device),
+            to_device(q_lens, device, torch.int32),
+        ).logits
+        index = to_device(roots, device)[:, None] + torch.arange(size, device=device)
+        block = logits.gather(1, index[..., None].expand(-1, -1, logits.shape[-1]))
+        # The root is committed with the tokens before it; the masks' K/V are dropped.
+        lengths = [len(row) for row in state.tokens]
+        self.runner.cache.commit_lengths(to_device(lengths, device, torch.int32), max(lengths))
+        self._cached = lengths
+        return block
+
+    def update(self, state: DraftState, outcome: StepOutcome) -> None:
+        """Nothing to follow: the next step feeds the accepted drafts."""
+
+    def keep(self, rows: list[int]) -> None:
+        self.runner.keep(rows)
+        self._cached = [self._cached[r] for r in rows]
+
+    def end(self) -> None:
+        if self.runner is not None:
+            self.runner.close()
+            self.runner = None
+
+
+class BlockDrafter(Drafter):
+    """Speculation with a block drafter (DFlash-style or PARD-style, see the module doc).
+
+    Args:
+        model: a `DFlashHead` (feature-conditioned) or a `PardDraft` (standalone).
+        max_nodes: the budget N, tokens verified per step with the root included (>= 2). A
+            chain drafts N - 1 tokens, at most the block's positions (b - 1 for DFlash, b for
+            PARD); a tree reaches at most that deep.
+        tree: "ddtree" (best-first tree by product of marginals) or "chain".
+    """
+
+    def __init__(self, model: DFlashHead | PardDraft, max_nodes: int = 16, tree: str = "ddtree"):
+        if isinstance(model, DFlashHead):
+            self.flavour: _FeatureBlock | _StandaloneBlock = _FeatureBlock(model)
+        elif isinstance(model, PardDraft):
+            self.flavour = _StandaloneBlock(model)
+        else:
+            raise ValueError(
+                f"model: expected a DFlashHead or a PardDraft, got {type(model).__name__}"
+            )
+        if tree not in TREE_MODES:
+            raise ValueError(f"tree: expected one of {TREE_MODES}, got {tree!r}")
+        positions = self.flavour.positions
+        if tree == "chain" and max_nodes - 1 > positions:
+            raise ValueError(
+                f"max_nodes={max_nodes}: a chain of {max_nodes - 1} tokens is longer than the "
+                f"block's {positions} positions"
+            )
+        if max_nodes > MAX_TREE_NODES:
+            raise ValueError(f"max_nodes must be <= {MAX_TREE_NODES}, got {max_nodes}")
+        super().__init__(max_nodes, min(positions, max_nodes - 1))
+        self.model, self.tree = model, tree
+        self.hidden_layers = self.flavour.hidden_layers
+
+    @classmethod
+    def from_pretrained(cls, name_or_path: str | os.PathLike, target, **kwargs) -> BlockDrafter:
+        """Load a DFlash head or a PARD draft model (told apart by its config) for `target`;
+        `kwargs` are `max_nodes` and `tree`."""
+        return cls(load_block_model(name_or_path, target), **kwargs)
+
+    @property
+    def flavour_name(self) -> str:
+        return "dflash" if isinstance(self.flavour, _FeatureBlock) else "pard"
+
+    def __repr__(self) -> str:
+        return (
+            f"BlockDrafter({self.flavour_name}, b={self.model.block_size}, "
+            f"max_nodes={self.max_nodes}, tree={self.tree})"
+        )
+
+    def attach(self, target, max_cache_len: int) -> None:
+        self.flavour.attach(target, max_cache_len, self.max_depth)
+
+    @torch.no_grad()
+    def begin(self, state: DraftState) -> None:
+        self.flavour.begin(state)
+
+    @torch.no_grad()
+    def propose(self, state: DraftState) -> Proposal:
+        logits = self.flavour.block_logits(state)[:, : self.max_depth]
+        if self.tree == "ddtree":
+            log_probs = torch.log_softmax(logits, dim=-1)
+            return Proposal(*best_first_tree(log_probs, state.roots, self.max_nodes))
+        if state.greedy:
+            return Proposal(*block_chain(logits, state.roots, self.max_depth))
+        root_positions = to_device([len(row) - 1 for row in state.tokens], state.device)
+        return Proposal(
+            *sampled_block_chain(
+                logits,
+                state.roots,
+                self.max_depth,
+                state.temperature,
+                state.seed,
+                root_positions,
+                STREAM_BLOCK,
+            )
+        )
+
+    @torch.no_grad()
+    def update(self, state: DraftState, outcome: StepOutcome) -> None:
+        self.flavour.update(state, outcome)
+
+    def keep(self, rows: list[int]) -> None:
+        self.flavour.keep(rows)
+
+    def end(self) -> None:
+        self.flavour.end()

@@ -1,0 +1,462 @@
+"""Self-distillation of block drafters for a target: `block --flavour dflash|pard`.
+
+The target runs over windows of the corpus' training split, and the drafter learns the target's
+own next-token distributions (soft labels) at every position of blocks anchored in the window,
+trained "as tested": each block sees exactly what it sees at inference.
+
+- dflash: a fresh `DFlashHead`. A block anchored at c is `[x_c, MASK x (b - 1)]` at positions
+  c .. c + b - 1; it attends to the context entries (fused target features) of positions < c and
+  bidirectionally to itself. Block position j learns the target's distribution at c + j - 1 (the
+  token x_{c+j}), j = 1 .. b - 1.
+- pard: a causal LM (default: the bundled draft model) fine-tuned with mask tokens. The window's
+  tokens keep their causal next-token loss (depth 1); a block anchored at c adds b - 1 masks at
+  positions c + 1 .. c + b - 1 that see the tokens up to c and the block's earlier masks, and
+  mask j learns the target's distribution at c + j (depth j + 1). Anchors subsample positions as
+  PARD's conditional drop-token training does, at a fixed count per window.
+
+Losses are soft cross-entropies over the full vocabulary, weighted `exp(-(d - 1) / loss_decay)`
+at depth d (DFlash's decay, gamma 7 for b = 16). Anchors are a function of (seed, step), like the
+batches, so runs are seeded and resumable as the other head commands (`checkpoint.pt`,
+`train_log.jsonl`). Reported accuracy per depth is top-1 agreement with the target's greedy
+token. `--out` exports the drafter in its public layout (bf16) with a README giving the command,
+the held-out per-position agreement, the acceptance of a 16-node best-first tree on held-out code
+prompts, and the size.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import dataclasses
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from specdec_fast.drafters.block import BlockDrafter, PardDraft
+from specdec_fast.heads.block import DFlashHead
+
+from .heads import (
+    HeadLoss,
+    heldout_rows,
+    heldout_top1,
+    soft_cross_entropy,
+    target_pass,
+    train_module,
+    training_target,
+)
+from .lm import TrainSettings
+from .options import add_run_arguments, command_line, run_settings
+
+FLAVOURS = ("dflash", "pard")
+# Published defaults: DFlash's "-b16" heads, PARD's training `para_num`.
+DEFAULT_BLOCK_SIZES = {"dflash": 16, "pard": 8}
+# A fresh head learns at the head commands' rate; a pretrained draft model is fine-tuned.
+DEFAULT_LR = {"dflash": 2e-3, "pard": 5e-4}
+EVAL_NODES = 16
+EVAL_NEW_TOKENS = 64
+ANCHOR_SEED_STRIDE = 1_000_003
+
+
+@dataclasses.dataclass
+class BlockOptions:
+    """What to train. block_size: tokens per block b (None: the flavour's default);
+    num_layers, target_layers: the DFlash head's layers and the target layers it reads (None:
+    the reference's default); init: the PARD model to start from; anchors: blocks per window;
+    loss_decay: gamma of the per-depth weights; mask_token_id: None for the target's pad token."""
+
+    flavour: str
+    block_size: int | None = None
+    num_layers: int = 2
+    target_layers: list[int] | None = None
+    init: str = "tiny-code-draft"
+    anchors: int = 32
+    loss_decay: float = 7.0
+    mask_token_id: int | None = None
+
+    def __post_init__(self):
+        if self.flavour not in FLAVOURS:
+            raise ValueError(f"flavour: expected one of {FLAVOURS}, got {self.flavour!r}")
+        if self.block_size is None:
+            self.block_size = DEFAULT_BLOCK_SIZES[self.flavour]
+        if self.block_size < 2:
+            raise ValueError(f"block_size must be >= 2, got {self.block_size}")
+        if self.anchors < 1:
+            raise ValueError(f"anchors must be >= 1, got {self.anchors}")
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def build_block_model(options: BlockOptions, target) -> nn.Module:
+    """A trainable fp32 module on the target's device: a fresh DFlash head, or the PARD model
+    `options.init` with its mask token set."""
+    config = target.config.get_text_config(decoder=True)
+    mask = config.pad_token_id if options.mask_token_id is None else options.mask_token_id
+    if mask is None:
+        raise ValueError("mask_token_id: the target has no pad token to use as the mask; give one")
+    if options.flavour == "dflash":
+        module = DFlashHead.for_target(
+            target, options.num_layers, options.block_size, mask, options.target_layers
+        )
+        # The head's outputs feed the target's LM head: start its final norm as the target's.
+        with torch.no_grad():
+            module.norm.weight.copy_(target.get_decoder().norm.weight)
+    else:
+        from specdec_fast.loading import load_model
+
+        module = load_model(options.init, target.device, torch.float32)
+        PardDraft(module, mask, options.block_size)  # validates the mask token and block size
+        module.config.pard_token, module.config.block_size = mask, options.block_size
+        module.set_attn_implementation("sdpa")
+    return module.to(device=target.device, dtype=torch.float32)
+
+
+def anchors_at(step: int, seed: int, batch: int, count: int, low: int, high: int):
+    """int64 `[batch, count]` block anchors in [low, high], a function of (seed, step)."""
+    if high < low:
+        raise ValueError(f"seq_len is too short for blocks: anchors in [{low}, {high}]")
+    generator = torch.Generator().manual_seed(seed * ANCHOR_SEED_STRIDE + step)
+    return torch.randint(low, high + 1, (batch, count), generator=generator)
+
+
+def depth_weights(depths: int, loss_decay: float) -> list[float]:
+    return [math.exp(-d / loss_decay) for d in range(depths)]
+
+
+def dflash_block_outputs(head: DFlashHead, target, features: dict, rows, anchors) -> torch.Tensor:
+    """Head outputs `[B, A, b, h]` of the blocks anchored at `anchors` (int64 `[B, A]`) in token
+    rows `[B, L]`, each over the context entries before its anchor (see the module doc)."""
+    batch, length = rows.shape
+    size = head.block_size
+    device = rows.device
+    fused = head.fuse([features[layer] for layer in head.hidden_layers])
+    context = head.context(fused, torch.arange(length, device=device).expand(batch, -1))
+    count = anchors.shape[1]
+    offsets = torch.arange(size, device=device)
+    tokens = torch.full((batch, count, size), head.mask_token_id, device=device)
+    tokens[..., 0] = rows.gather(1, anchors)
+    positions = (anchors[..., None] + offsets).flatten(1)
+    with torch.no_grad():
+        embeds = target.get_input_embeddings()(tokens.flatten(1))
+    query_anchor = anchors.repeat_interleave(size, dim=1)  # [B, A b]
+    sees_context = torch.arange(length, device=device) < query_anchor[..., None]
+    block_of = torch.arange(count, device=device).repeat_interleave(size)
+    sees_block = (block_of[:, None] == block_of[None, :]).expand(batch, -1, -1)
+    mask = torch.cat([sees_context, sees_block], dim=2)[:, None]
+
+    def attend(layer: int, queries, keys, values):
+        context_keys, context_values = context[layer]
+        return F.scaled_dot_product_attention(
+            queries,
+            torch.cat([context_keys, keys], dim=2),
+            torch.cat([context_values, values], dim=2),
+            attn_mask=mask,
+            enable_gqa=True,
+        )
+
+    return head(embeds.to(fused.dtype), positions, attend).unflatten(1, (count, size))
+
+
+def pard_block_logits(draft: nn.Module, mask_token_id: int, block_size: int, rows, anchors):
+    """(logits `[B, L, V]` at the window's tokens, logits `[B, A, b - 1, V]` at the masks of the
+    blocks anchored at `anchors` (int64 `[B, A]`)) of a PARD model (see the module doc)."""
+    batch, length = rows.shape
+    count, masks = anchors.shape[1], block_size - 1
+    device = rows.device
+    offsets = torch.arange(1, block_size, device=device)
+    tokens = torch.cat([rows, rows.new_full((batch, count * masks), mask_token_id)], dim=1)
+    mask_positions = (anchors[..., None] + offsets).flatten(1)
+    positions = torch.cat(
+        [torch.arange(length, device=device).expand(batch, -1), mask_positions], 1
+    )
+    causal = torch.ones(length, length, dtype=torch.bool, device=device).tril()
+    real_rows = torch.cat(
+        [
+            causal.expand(batch, -1, -1),
+            torch.zeros(batch, length, count * masks, dtype=torch.bool, device=device),
+        ],
+        dim=2,
+    )
+    anchor_of = anchors.repeat_interleave(masks, dim=1)  # [B, A (b - 1)]
+    sees_real = torch.arange(length, device=device) <= anchor_of[..., None]
+    block_of = torch.arange(count, device=device).repeat_interleave(masks)
+    order = offsets.repeat(count)
+    own_earlier = (block_of[:, None] == block_of[None, :]) & (order[None, :] <= order[:, None])
+    mask_rows = torch.cat([sees_real, own_earlier.expand(batch, -1, -1)], dim=2)
+    mask = torch.cat([real_rows, mask_rows], dim=1)[:, None]
+    logits = draft(input_ids=tokens, position_ids=positions, attention_mask=mask).logits
+    return logits[:, :length], logits[:, length:].unflatten(1, (count, masks))
+
+
+def _depth_loss(logits, teacher, weight: float) -> tuple[torch.Tensor, int, int]:
+    """Weighted soft cross-entropy of `logits` `[..., V]` against `teacher`, and the top-1
+    matches and count."""
+    mask = torch.ones(logits.shape[:-1], device=logits.device)
+    loss = weight * soft_cross_entropy(logits, teacher, mask)
+    matches = int((logits.argmax(-1) == teacher.argmax(-1)).sum())
+    return loss, matches, mask.numel()
+
+
+def block_loss(options: BlockOptions, module, target, rows, anchors) -> HeadLoss:
+    """The loss of one batch of token rows `[B, L]` with blocks at `anchors` `[B, A]`."""
+    size = options.block_size
+    if options.flavour == "dflash":
+        features, teacher = target_pass(target, rows, module.hidden_layers)
+        outputs = dflash_block_outputs(module, target, features, rows, anchors)
+        logits = target.get_output_embeddings()(outputs[:, :, 1:])
+        # Block position j learns the target's distribution at anchor + j - 1.
+        index = anchors[..., None] + torch.arange(size - 1, device=rows.device)
+        per_depth = [
+            (logits[:, :, j], _gather_positions(teacher, index[..., j])) for j in range(size - 1)
+        ]
+    else:
+        _, teacher = target_pass(target, rows, ())
+        real, masks = pard_block_logits(module, module.config.pard_token, size, rows, anchors)
+        index = anchors[..., None] + torch.arange(1, size, device=rows.device)
+        per_depth = [(real, teacher)] + [
+            (masks[:, :, j], _gather_positions(teacher, index[..., j])) for j in range(size - 1)
+        ]
+    loss, correct, counts = 0.0, [], []
+    for (logits, labels), weight in zip(
+        per_depth, depth_weights(len(per_depth), options.loss_decay), strict=True
+    ):
+        depth_loss, matches, count = _depth_loss(logits, labels, weight)
+        loss = loss + depth_loss
+        correct.append(matches)
+        counts.append(count)
+    return HeadLoss(loss, correct, counts)
+
+
+def _gather_positions(values: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """`values[b, index[b, a]]`: values `[B, L, V]`, index int `[B, A]` -> `[B, A, V]`."""
+    return values.gather(1, index[..., None].expand(-1, -1, values.shape[-1]))
+
+
+def anchor_range(options: BlockOptions, seq_len: int) -> tuple[int, int]:
+    """The anchors whose blocks have labels in a window of `seq_len` tokens (DFlash also needs
+    one context entry)."""
+    if options.flavour == "dflash":
+        return 1, seq_len - options.block_size + 1
+    return 0, seq_len - options.block_size
+
+
+def train_block(
+    options: BlockOptions,
+    settings: TrainSettings,
+    target,
+    stream: np.ndarray,
+    run_dir: str | Path,
+    resume: bool = False,
+    stop_at: int | None = None,
+) -> tuple[nn.Module, int]:
+    """Train a block drafter of `options.flavour` for the (frozen) `target` on windows of the
+    int32 token `stream`; returns (fp32 module, steps done). See the module doc."""
+    target.eval().requires_grad_(False)
+    torch.manual_seed(settings.seed)
+    module = build_block_model(options, target)
+
+    def loss_at(step: int, rows: torch.Tensor) -> HeadLoss:
+        low, high = anchor_range(options, rows.shape[1])
+        anchors = anchors_at(step, settings.seed, rows.shape[0], options.anchors, low, high)
+        return block_loss(options, module, target, rows, anchors.to(rows.device))
+
+    steps = train_module(
+        module,
+        loss_at,
+        options,
+        settings,
+        stream,
+        run_dir,
+        f"train block {options.flavour}",
+        resume,
+        stop_at,
+    )
+    return module, steps
+
+
+def heldout_block_top1(options: BlockOptions, module, target, rows: list[torch.Tensor]):
+    """Per-depth top-1 agreement with the target's greedy token over held-out token rows (fixed
+    anchors per row)."""
+
+    def loss_of(row: torch.Tensor) -> HeadLoss:
+        low, high = anchor_range(options, row.shape[1])
+        anchors = anchors_at(0, 0, 1, options.anchors, low, high).to(row.device)
+        return block_loss(options, module, target, row, anchors)
+
+    return heldout_top1(module, loss_of, rows)
+
+
+def export_block(
+    options: BlockOptions, module: nn.Module, tokenizer_dir: str | Path, out_dir: str | Path
+) -> None:
+    """Save the drafter in bf16 in its public layout; a PARD model gets the target's tokenizer
+    (`tokenizer_dir`), so that its folder loads as any HF model."""
+    out_dir = Path(out_dir)
+    bf16 = copy.deepcopy(module).to(device="cpu", dtype=torch.bfloat16).eval()
+    if options.flavour == "dflash":
+        bf16.save_pretrained(out_dir)
+    else:
+        from .tokenizer import load_tokenizer
+
+        PardDraft(bf16, bf16.config.pard_token, options.block_size).save_pretrained(out_dir)
+        load_tokenizer(tokenizer_dir).save_pretrained(str(out_dir))
+    # safetensors writes 0600; installed package data must be readable by every user.
+    for weights in out_dir.glob("*.safetensors"):
+        weights.chmod(0o644)
+
+
+def eval_prompts(target_name: str, count: int) -> list[list[int]]:
+    """The first `count` held-out code prompts, encoded for the target (BOS first)."""
+    from specdec_fast.loading import load_tokenizer
+    from specdec_fast.prompts import load_code_prompts
+
+    tokenizer = load_tokenizer(target_name)
+    return [
+        [tokenizer.bos_token_id, *tokenizer.encode(r["prompt"], add_special_tokens=False)]
+        for r in load_code_prompts(count)
+    ]
+
+
+def engine_acceptance(out_dir: str | Path, target, prompts: list[list[int]]) -> dict:
+    """Greedy acceptance of an exported drafter (a 16-node best-first tree) on `prompts`, and
+    whether its output equals plain decoding."""
+    from specdec_fast.engine import generate
+
+    drafter = BlockDrafter.from_pretrained(out_dir, target, max_nodes=EVAL_NODES)
+    with torch.no_grad():
+        out = generate(
+            target, prompts, drafter=drafter, max_new_tokens=EVAL_NEW_TOKENS, eos_token_id=[]
+        )
+        plain = generate(
+            target, prompts, drafter=None, max_new_tokens=EVAL_NEW_TOKENS, eos_token_id=[]
+        )
+    stats = out.stats
+    return {
+        "identical": [s.tolist() for s in out.sequences] == [s.tolist() for s in plain.sequences],
+        "nodes": EVAL_NODES,
+        "prompts": len(prompts),
+        "new_tokens": EVAL_NEW_TOKENS,
+        "mean_accepted_per_step": round(stats.mean_accepted_per_step, 4),
+        "per_position_acceptance": [round(a, 4) for a in stats.per_position_acceptance],
+    }
+
+
+def write_readme(out_dir: Path, info: dict) -> None:
+    agreement = ", ".join(
+        f"depth {d + 1}: {value:.1%}" for d, value in enumerate(info["heldout_top1"])
+    )
+    engine = info["engine"]
+    positions = ", ".join(f"{value:.2f}" for value in engine["per_position_acceptance"])
+    (out_dir / "README.md").write_text(
+        f"# {out_dir.name}\n\n"
+        f"{info['description']}, self-distilled from the bundled target `{info['target']}` "
+        f"({info['parameters']:,} parameters, {info['bytes'] / 1e6:.1f} MB in bf16).\n\n"
+        f"Trained with:\n\n```\n{info['command']}\n```\n\n"
+        f"Data: {info['tokens_trained']:,} tokens of windows of the corpus' training split "
+        f"(the Python standard library without its held-out modules), labelled by the target "
+        f"itself.\n\n"
+        f"Held-out top-1 agreement with the target's greedy token per block depth "
+        f"({info['heldout_windows']} windows of held-out modules): {agreement}.\n\n"
+        f"Greedy speculation with a {engine['nodes']}-node best-first tree on "
+        f"{engine['prompts']} held-out code prompts x {engine['new_tokens']} tokens: "
+        f"{engine['mean_accepted_per_step']:.2f} tokens per step (bonus included); "
+        f"acceptance by position: {positions}; output identical to plain decoding: "
+        f"{'yes' if engine['identical'] else 'NO'}.\n"
+    )
+
+
+DESCRIPTIONS = {
+    "dflash": "A DFlash-style block drafter ({num_layers} layers over target layers {layers}, "
+    "blocks of {block_size})",
+    "pard": "A PARD-style block drafter (`{init}` fine-tuned to fill {masks} masks)",
+}
+
+
+def _run_block(args) -> int:
+    options = BlockOptions(
+        flavour=args.flavour,
+        block_size=args.block_size,
+        num_layers=args.num_layers,
+        target_layers=args.target_layers,
+        init=args.init,
+        anchors=args.anchors,
+        loss_decay=args.loss_decay,
+        mask_token_id=args.mask_token_id,
+    )
+    args.lr = DEFAULT_LR[options.flavour] if args.lr is None else args.lr
+    settings = run_settings(args)
+    target_dir, target, stream = training_target(args)
+    module, steps_done = train_block(
+        options, settings, target, stream, args.run_dir, resume=args.resume, stop_at=args.stop_at
+    )
+    if steps_done < settings.steps or args.out is None:
+        return 0
+    rows = heldout_rows(args, target_dir)
+    agreement = heldout_block_top1(options, module, target, rows)
+    out_dir = Path(args.out)
+    export_block(options, module, target_dir, out_dir)
+    prompts = eval_prompts(args.target, args.eval_prompts)
+    layers = list(module.target_layers) if options.flavour == "dflash" else []
+    info = {
+        "command": command_line(),
+        "flavour": options.flavour,
+        "description": DESCRIPTIONS[options.flavour].format(
+            **options.to_dict(), layers=layers, masks=options.block_size - 1
+        ),
+        "target": args.target,
+        "options": options.to_dict(),
+        "settings": dataclasses.asdict(settings),
+        "tokens_trained": steps_done * settings.batch_size * settings.seq_len,
+        "heldout_top1": agreement,
+        "heldout_windows": len(rows),
+        "engine": engine_acceptance(out_dir, target, prompts),
+        "parameters": sum(p.numel() for p in module.parameters()),
+        "bytes": sum(p.stat().st_size for p in out_dir.glob("*.safetensors")),
+    }
+    (out_dir / "training_info.json").write_text(json.dumps(info, indent=2, sort_keys=True) + "\n")
+    write_readme(out_dir, info)
+    print(json.dumps({"heldout_top1": agreement, "engine": info["engine"]}), flush=True)
+    return 0
+
+
+def _layer_list(text: str) -> list[int]:
+    try:
+        return [int(part) for part in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated ints, got {text!r}") from None
+
+
+def register_block_command(sub) -> None:
+    """Add the `block` command to the training CLI."""
+    parser = sub.add_parser("block", help="self-distill a DFlash- or PARD-style block drafter")
+    parser.add_argument("--flavour", required=True, choices=FLAVOURS)
+    parser.add_argument("--target", default="tiny-code", help="folder or bundled name")
+    add_run_arguments(
+        parser,
+        batch_size=4,
+        seq_len=256,
+        lr=None,
+        warmup_steps=10,
+        checkpoint_minutes=3.0,
+        log_every=5,
+    )
+    defaults = BlockOptions("dflash")
+    parser.add_argument(
+        "--block-size", type=int, help=f"tokens per block (default {DEFAULT_BLOCK_SIZES})"
+    )
+    parser.add_argument("--num-layers", type=int, default=defaults.num_layers, help="dflash")
+    parser.add_argument(
+        "--target-layers", type=_layer_list, help="dflash: comma-separated target layers"
+    )
+    parser.add_argument("--init", default=defaults.init, help="pard: the model to fine-tune")
+    parser.add_argument("--anchors", type=int, default=defaults.anchors, help="blocks per window")
+    parser.add_argument("--loss-decay", type=float, default=defaults.loss_decay)
+    parser.add_argument("--mask-token-id", type=int, help="default: the target's pad token")
+    parser.add_argument("--eval-windows", type=int, default=8, help="held-out windows")
+    parser.add_argument("--eval-prompts", type=int, default=4, help="held-out code prompts")
+    parser.set_defaults(run=_run_block)

@@ -1,0 +1,517 @@
+"""Block drafters (`BlockDrafter`, DFlash-style and PARD-style) with random models on random tiny
+targets: greedy identity on ragged batches, the per-step block distributions against a
+from-scratch recomputation (the training forward), sampling through `generate` against the
+exact target, the public checkpoint layouts and the errors of a bad fit, and the training
+command (loss, resume, export)."""
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import save_file
+from test_generate import hf_greedy
+from test_generate_sampling import P_MIN, chi_square_p, exact_pair_probs, sample_pairs
+from tiny_models import repetitive_prompts, tiny_llama
+
+from specdec_fast import AdaptiveDrafter, BlockDrafter, CostModel, PardDraft, bundled, generate
+from specdec_fast.drafters.block import load_block_model, load_pard
+from specdec_fast.guardrails import GuardedDrafter, GuardrailPolicy, RouteGuard
+from specdec_fast.heads.block import DFlashHead, default_target_layers, load_dflash_head
+from specdec_fast.train.block import (
+    BlockOptions,
+    dflash_block_outputs,
+    export_block,
+    pard_block_logits,
+    train_block,
+)
+from specdec_fast.train.cli import build_parser
+from specdec_fast.train.heads import target_pass
+from specdec_fast.train.lm import LOG_NAME, TrainSettings
+
+# Random drafters guess right often enough on a small vocabulary for acceptance to be exercised.
+VOCAB = 32
+MASK = 5
+BLOCK = 6
+SAMPLING_VOCAB = 16
+
+
+@pytest.fixture(scope="module")
+def target():
+    return tiny_llama(vocab_size=VOCAB, layers=4)
+
+
+def dflash_head(target, seed=0, **overrides):
+    torch.manual_seed(seed)
+    args = dict(num_layers=2, block_size=BLOCK, mask_token_id=MASK, target_layers=[0, 3])
+    return DFlashHead.for_target(target, **{**args, **overrides}).eval()
+
+
+def pard_draft(vocab=VOCAB, seed=1):
+    model = tiny_llama(vocab_size=vocab, hidden_size=32, seed=seed)
+    model.set_attn_implementation("sdpa")
+    return PardDraft(model, MASK, BLOCK)
+
+
+MODELS = {"dflash": dflash_head, "pard": lambda target: pard_draft()}
+
+
+@pytest.fixture(scope="module")
+def ragged():
+    prompts = repetitive_prompts([13, 5, 1, 30, 9, 2, 17, 8, 3, 21, 1, 11, 6, 14, 4, 25], VOCAB)
+    return prompts
+
+
+@pytest.fixture(scope="module")
+def references(target, ragged):
+    return hf_greedy(target, ragged, 32)
+
+
+@pytest.mark.parametrize("batch", [1, 3, 16])
+@pytest.mark.parametrize("tree", [("ddtree", 10), ("chain", BLOCK)], ids=["ddtree", "chain"])
+@pytest.mark.parametrize("flavour", list(MODELS))
+def test_greedy_equals_hf_generate(target, ragged, references, flavour, tree, batch):
+    mode, nodes = tree
+    drafter = BlockDrafter(MODELS[flavour](target), max_nodes=nodes, tree=mode)
+    out = generate(target, ragged[:batch], drafter=drafter, max_new_tokens=32)
+    assert [s.tolist() for s in out.sequences] == references[:batch]
+    # Random drafters: over 16 rows some drafts are right, so acceptance is exercised.
+    assert out.stats.accepted_tokens > 0 or batch < 16
+
+
+@pytest.mark.parametrize("flavour", list(MODELS))
+def test_sampled_trees_emit_what_plain_sampling_emits(target, flavour):
+    """Best-first trees carry no draft probabilities: with randomness keyed by (row seed,
+    position), sampled speculation emits exactly what plain sampling with the same seeds does."""
+    prompts = repetitive_prompts([9, 5, 13], VOCAB, seed=4)
+    options = dict(max_new_tokens=24, temperature=0.9, top_k=8, top_p=0.95, seed=[11, 12, 13])
+    plain = generate(target, prompts, drafter=None, **options)
+    drafter = BlockDrafter(MODELS[flavour](target), max_nodes=10)
+    speculative = generate(target, prompts, drafter=drafter, **options)
+    assert [s.tolist() for s in speculative.sequences] == [s.tolist() for s in plain.sequences]
+    assert speculative.stats.accepted_tokens > 0
+
+
+class RecordingDrafter(BlockDrafter):
+    """Keeps, per step, row 0's tokens so far and its block distributions."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.steps = []
+        block_logits = self.flavour.block_logits
+
+        def recorded(state):
+            logits = block_logits(state)
+            self.steps.append((list(state.tokens[0]), logits[0].clone()))
+            return logits
+
+        self.flavour.block_logits = recorded
+
+
+def from_scratch(model, target, tokens):
+    """The block distributions `[D, V]` after `tokens` (the last is the root), by the training
+    forward over the whole sequence without a cache."""
+    root = len(tokens) - 1
+    rows, anchors = torch.tensor([tokens]), torch.tensor([[root]])
+    with torch.no_grad():
+        if isinstance(model, DFlashHead):
+            features, _ = target_pass(target, rows, model.hidden_layers)
+            outputs = dflash_block_outputs(model, target, features, rows, anchors)
+            return target.get_output_embeddings()(outputs[0, 0, 1:])
+        real, masks = pard_block_logits(model.model, MASK, BLOCK, rows, anchors)
+        return torch.cat([real[0, root : root + 1], masks[0, 0]])
+
+
+@pytest.mark.parametrize("flavour", list(MODELS))
+def test_block_distributions_match_the_training_forward(target, flavour):
+    """Every step's distributions equal the training forward's over the whole sequence: the
+    drafter's caches follow the accepted paths, and training computes what inference does."""
+    model = MODELS[flavour](target)
+    drafter = RecordingDrafter(model, max_nodes=8)
+    prompts = repetitive_prompts([11, 6], VOCAB, seed=9)
+    out = generate(target, prompts, drafter=drafter, max_new_tokens=24)
+    assert [s.tolist() for s in out.sequences] == hf_greedy(target, prompts, 24)
+    assert out.stats.accepted_tokens > 0  # the caches followed accepted paths, not only roots
+    positions = BLOCK - 1 if flavour == "dflash" else BLOCK
+    for tokens, logits in drafter.steps:
+        assert logits.shape == (positions, VOCAB)
+        torch.testing.assert_close(
+            logits, from_scratch(model, target, tokens), rtol=1e-4, atol=1e-4
+        )
+
+
+@pytest.fixture(scope="module")
+def sampling_target():
+    return tiny_llama(vocab_size=SAMPLING_VOCAB, initializer_range=0.15, seed=2, layers=4)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("flavour", "tree", "setting"),
+    [
+        ("dflash", "chain", (1.0, 0, 1.0)),
+        ("dflash", "ddtree", (0.7, 5, 0.9)),
+        ("pard", "chain", (0.7, 5, 0.9)),
+        ("pard", "ddtree", (1.0, 0, 1.0)),
+    ],
+)
+def test_sampling_follows_the_target(sampling_target, flavour, tree, setting):
+    """Chi-square tests of the first two sampled tokens (the method and tolerance of
+    tests/test_generate_sampling.py): sampled chains carry their draft probabilities, trees are
+    deterministic proposals."""
+    temperature, top_k, top_p = setting
+    if flavour == "dflash":
+        model = dflash_head(sampling_target, seed=4, block_size=3)
+    else:
+        model = PardDraft(pard_draft(SAMPLING_VOCAB, seed=5).model, MASK, 3)
+    drafter = BlockDrafter(model, max_nodes=3, tree=tree)
+    counts, stats = sample_pairs(sampling_target, drafter, temperature, top_k, top_p, seed=41)
+    exact = exact_pair_probs(sampling_target, temperature, top_k, top_p)
+    assert chi_square_p(counts.sum(1), exact.sum(1)) >= P_MIN
+    assert chi_square_p(counts, exact) >= P_MIN
+    assert stats.accepted_tokens > 0
+
+
+@pytest.mark.parametrize("flavour", list(MODELS))
+def test_adaptive_and_guarded_block_drafters_stay_exact(target, ragged, references, flavour):
+    """Under the adaptive wrapper (budgets changing step to step, trees trimmed to their best
+    nodes) and guardrails, the drafters' caches follow and the output stays exact."""
+    cheap = CostModel()
+    for batch in range(1, 5):
+        for nodes in range(1, 11):
+            cheap.observe_verify(batch, nodes, 1.0)
+    adaptive = AdaptiveDrafter(
+        BlockDrafter(MODELS[flavour](target), max_nodes=10), cheap, explore_every=2
+    )
+    adaptive.acceptance.add(10, [[0, 1, 2, 3] + [-1] * 6] * 4)
+    guarded = GuardedDrafter(adaptive, RouteGuard("r", GuardrailPolicy(min_acceptance_rate=0.0)))
+    out = generate(target, ragged[:4], drafter=guarded, max_new_tokens=32)
+    assert [s.tolist() for s in out.sequences] == references[:4]
+    assert len(set(adaptive.chosen)) >= 2 and not guarded.events
+
+
+# --- checkpoints -------------------------------------------------------------------------------
+
+
+def public_dflash_state(config, generator):
+    """The keys and shapes of z-lab/dflash `DFlashDraftModel` checkpoints, written out by hand as
+    an independent statement of the layout."""
+    hidden, inter, head_dim = config["hidden_size"], config["intermediate_size"], config["head_dim"]
+    heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
+    # One fused feature per target layer; by default as many target layers as draft layers.
+    layers = config["dflash_config"].get("target_layer_ids") or range(config["num_hidden_layers"])
+    shapes = {
+        "fc.weight": (hidden, len(layers) * hidden),
+        "hidden_norm.weight": (hidden,),
+        "norm.weight": (hidden,),
+    }
+    for i in range(config["num_hidden_layers"]):
+        shapes.update(
+            {
+                f"layers.{i}.input_layernorm.weight": (hidden,),
+                f"layers.{i}.post_attention_layernorm.weight": (hidden,),
+                f"layers.{i}.self_attn.q_proj.weight": (heads * head_dim, hidden),
+                f"layers.{i}.self_attn.k_proj.weight": (kv_heads * head_dim, hidden),
+                f"layers.{i}.self_attn.v_proj.weight": (kv_heads * head_dim, hidden),
+                f"layers.{i}.self_attn.o_proj.weight": (hidden, heads * head_dim),
+                f"layers.{i}.self_attn.q_norm.weight": (head_dim,),
+                f"layers.{i}.self_attn.k_norm.weight": (head_dim,),
+                f"layers.{i}.mlp.gate_proj.weight": (inter, hidden),
+                f"layers.{i}.mlp.up_proj.weight": (inter, hidden),
+                f"layers.{i}.mlp.down_proj.weight": (hidden, inter),
+            }
+        )
+    return {key: torch.randn(shape, generator=generator) * 0.2 for key, shape in shapes.items()}
+
+
+def write_public_dflash(folder, target, generator, **config_changes):
+    """A folder laid out as the published DFlash checkpoints (Qwen3 config, `dflash_config`)."""
+    base = target.config
+    config = {
+        "architectures": ["DFlashDraftModel"],
+        "auto_map": {"AutoModel": "dflash.DFlashDraftModel"},
+        "model_type": "qwen3",
+        "attention_bias": False,
+        "block_size": BLOCK,
+        "dflash_config": {"mask_token_id": MASK, "target_layer_ids": [1, 2]},
+        "dtype": "bfloat16",
+        "head_dim": base.head_dim,
+        "hidden_act": "silu",
+        "hidden_size": base.hidden_size,
+        "intermediate_size": 64,
+        "layer_types": ["full_attention", "full_attention"],
+        "max_position_embeddings": 512,
+        "num_attention_heads": 4,
+        "num_hidden_layers": 2,
+        "num_key_value_heads": 2,
+        "num_target_layers": base.num_hidden_layers,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 1000000,
+        "tie_word_embeddings": False,
+        "use_sliding_window": False,
+        "vocab_size": base.vocab_size,
+    }
+    config.update(config_changes)
+    folder.mkdir(exist_ok=True)
+    (folder / "config.json").write_text(json.dumps(config))
+    state = public_dflash_state(config, generator)
+    save_file(state, str(folder / "model.safetensors"))
+    return state
+
+
+def test_dflash_loads_the_public_layout(target, tmp_path):
+    state = write_public_dflash(tmp_path, target, torch.Generator().manual_seed(3))
+    head = load_dflash_head(tmp_path, target)
+    assert head.block_size == BLOCK and head.mask_token_id == MASK
+    assert head.target_layers == (1, 2) and head.hidden_layers == (1, 2)
+    torch.testing.assert_close(head.fc.weight, state["fc.weight"])
+    drafter = BlockDrafter.from_pretrained(tmp_path, target, max_nodes=8)
+    prompts = repetitive_prompts([10, 3], VOCAB, seed=12)
+    out = generate(target, prompts, drafter=drafter, max_new_tokens=16)
+    assert [s.tolist() for s in out.sequences] == hf_greedy(target, prompts, 16)
+
+
+def test_dflash_defaults_and_sharded_weights(target, tmp_path):
+    """Without `target_layer_ids` the reference's default layers are read; the last target
+    layer's entry is the final normed state; a sharded safetensors checkpoint loads."""
+    assert default_target_layers(36, 5) == [1, 9, 17, 25, 33]  # Qwen3-8B-DFlash-b16's layers
+    assert default_target_layers(4, 1) == [2]
+    generator = torch.Generator().manual_seed(4)
+    state = write_public_dflash(
+        tmp_path,
+        target,
+        generator,
+        dflash_config={"mask_token_id": MASK},
+        num_hidden_layers=1,
+        layer_types=["full_attention"],
+    )
+    (tmp_path / "model.safetensors").unlink()
+    keys = sorted(state)
+    shards = {
+        "model-00001-of-00002.safetensors": keys[:3],
+        "model-00002-of-00002.safetensors": keys[3:],
+    }
+    for name, names in shards.items():
+        save_file({key: state[key] for key in names}, str(tmp_path / name))
+    weight_map = {key: name for name, names in shards.items() for key in names}
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    head = load_dflash_head(tmp_path, target)
+    assert head.target_layers == (2,)
+    last = dflash_head(target, target_layers=[1, 3])
+    assert last.hidden_layers == (1, -1)
+
+
+def test_dflash_save_and_load_round_trip(target, tmp_path):
+    head = dflash_head(target, seed=2)
+    head.save_pretrained(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    assert config["architectures"] == ["DFlashDraftModel"]
+    assert config["dflash_config"] == {
+        "block_size": BLOCK,
+        "mask_token_id": MASK,
+        "target_layer_ids": [0, 3],
+    }
+    loaded = load_block_model(tmp_path, target)
+    assert isinstance(loaded, DFlashHead)
+    for (name, expected), (_, got) in zip(
+        head.state_dict().items(), loaded.state_dict().items(), strict=True
+    ):
+        assert torch.equal(expected, got), name
+
+
+def test_pard_save_and_load_round_trip(target, tmp_path):
+    draft = pard_draft()
+    draft.save_pretrained(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    assert (config["pard_token"], config["spd_type"], config["block_size"]) == (MASK, "pard", BLOCK)
+    loaded = load_block_model(tmp_path, target)
+    assert isinstance(loaded, PardDraft)
+    assert (loaded.mask_token_id, loaded.block_size) == (MASK, BLOCK)
+    for (name, expected), (_, got) in zip(
+        draft.model.state_dict().items(), loaded.model.state_dict().items(), strict=True
+    ):
+        assert torch.equal(expected, got), name
+    # The published configs carry no block size (it is a run-time choice): PARD's default.
+    del config["block_size"]
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    assert load_pard(tmp_path, target).block_size == 8
+
+
+MISFITS = {
+    "wide": ({"hidden_size": 64}, "hidden_size is 64, the target's is 48"),
+    "vocab": ({"vocab_size": VOCAB + 4}, "vocab_size is 36, the target's is 32"),
+    "layers": ({"num_target_layers": 36}, "num_target_layers is 36, the target's is 4"),
+    "layer-ids": (
+        {"dflash_config": {"mask_token_id": MASK, "target_layer_ids": [1, 7]}},
+        r"target layers \[7\] do not exist in a 4-layer target",
+    ),
+    "mask": (
+        {"dflash_config": {"mask_token_id": VOCAB, "target_layer_ids": [1, 2]}},
+        "mask_token_id 32 is outside the target's 32 token ids",
+    ),
+    "dflash2": (
+        {"architectures": ["DFlash2DraftModel"]},
+        r"architectures \['DFlash2DraftModel'\] are not supported",
+    ),
+    "inconsistent": ({"layer_types": ["full_attention"]}, "(?s)config.json: .*layer_types"),
+}
+
+
+@pytest.mark.parametrize("misfit", list(MISFITS))
+def test_dflash_heads_that_do_not_fit_raise_clear_errors(target, tmp_path, misfit):
+    changes, message = MISFITS[misfit]
+    write_public_dflash(tmp_path, target, torch.Generator().manual_seed(13), **changes)
+    with pytest.raises(ValueError, match=message):
+        load_dflash_head(tmp_path, target)
+
+
+def test_bad_checkpoints_and_misfits_raise_clear_errors(target, tmp_path):
+    generator = torch.Generator().manual_seed(13)
+
+    folder = tmp_path / "missing"
+    state = write_public_dflash(folder, target, generator)
+    del state["layers.1.mlp.up_proj.weight"]
+    save_file(state, str(folder / "model.safetensors"))
+    with pytest.raises(ValueError, match=r"missing keys \['layers.1.mlp.up_proj.weight'\]"):
+        load_dflash_head(folder, target)
+
+    folder = tmp_path / "pickle"
+    write_public_dflash(folder, target, generator)
+    (folder / "model.safetensors").rename(folder / "pytorch_model.bin")
+    with pytest.raises(ValueError, match="no model.safetensors nor model.safetensors.index.json"):
+        load_dflash_head(folder, target)
+
+    folder = tmp_path / "pard-vocab"
+    pard_draft(vocab=VOCAB + 1).save_pretrained(folder)
+    with pytest.raises(ValueError, match="vocabularies differ in size: draft 33, target 32"):
+        load_pard(folder, target)
+
+    folder = tmp_path / "pard-pickle"
+    pard_draft().save_pretrained(folder)
+    (folder / "model.safetensors").rename(folder / "pytorch_model.bin")
+    with pytest.raises(ValueError, match="no model.safetensors nor model.safetensors.index.json"):
+        load_pard(folder, target)
+
+    folder = tmp_path / "pard"
+    pard_draft().save_pretrained(folder)
+    config = json.loads((folder / "config.json").read_text())
+    del config["pard_token"], config["spd_type"]
+    (folder / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="neither a DFlash head's .* nor a PARD model's"):
+        load_block_model(folder, target)
+    with pytest.raises(ValueError, match="config.json has none of pard_token, ptd_token_id"):
+        load_pard(folder, target)
+
+    with pytest.raises(ValueError, match="a chain of 6 tokens is longer than the block's 5"):
+        BlockDrafter(dflash_head(target), max_nodes=7, tree="chain")
+    with pytest.raises(ValueError, match="tree: expected one of"):
+        BlockDrafter(dflash_head(target), tree="beam")
+    with pytest.raises(ValueError, match="model: expected a DFlashHead or a PardDraft"):
+        BlockDrafter(target)
+    with pytest.raises(ValueError, match=r"mask_token_id: expected a token id in \[0, 32\)"):
+        PardDraft(pard_draft().model, VOCAB)
+    other = tiny_llama(vocab_size=VOCAB + 1, layers=4)
+    with pytest.raises(ValueError, match="vocab_size is 32, the target's is 33"):
+        generate(other, [[1, 2, 3]], drafter=BlockDrafter(dflash_head(target)), max_new_tokens=2)
+
+
+# --- training ------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def stream():
+    return np.array(sum(repetitive_prompts([40] * 100, VOCAB, seed=3), []), dtype=np.int32)
+
+
+@pytest.fixture(scope="module")
+def pard_init(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("pard-init")
+    pard_draft().model.save_pretrained(folder)
+    return str(folder)
+
+
+def options(flavour, pard_init):
+    return BlockOptions(
+        flavour,
+        block_size=BLOCK,
+        num_layers=1,
+        target_layers=[1, 3],
+        init=pard_init,
+        anchors=8,
+        mask_token_id=MASK,
+    )
+
+
+def settings(steps):
+    return TrainSettings(
+        steps=steps, batch_size=2, seq_len=32, lr=1e-2, warmup_steps=2, log_every=5
+    )
+
+
+@pytest.mark.parametrize("flavour", ["dflash", "pard"])
+def test_training_lowers_the_loss_and_resumes_exactly(target, stream, pard_init, tmp_path, flavour):
+    run = options(flavour, pard_init)
+    whole, _ = train_block(run, settings(20), target, stream, tmp_path / "whole")
+    lines = (tmp_path / "whole" / LOG_NAME).read_text().splitlines()
+    losses = [json.loads(line)["loss"] for line in lines]
+    assert len(losses) == 4 and losses[-1] < 0.95 * losses[0]
+    train_block(run, settings(20), target, stream, tmp_path / "split", stop_at=9)
+    resumed, steps = train_block(run, settings(20), target, stream, tmp_path / "split", resume=True)
+    assert steps == 20
+    for (name, expected), (_, got) in zip(
+        whole.state_dict().items(), resumed.state_dict().items(), strict=True
+    ):
+        torch.testing.assert_close(got, expected, rtol=0, atol=0, msg=name)
+    with pytest.raises(ValueError, match="this run asks for"):
+        train_block(run, settings(21), target, stream, tmp_path / "split", resume=True)
+
+
+@pytest.mark.parametrize("flavour", ["dflash", "pard"])
+def test_exported_drafters_load_and_are_exact(target, stream, pard_init, tmp_path, flavour):
+    run = options(flavour, pard_init)
+    module, _ = train_block(run, settings(2), target, stream, tmp_path / "run")
+    export_block(run, module, bundled.path("tiny-code"), tmp_path / "out")
+    drafter = BlockDrafter.from_pretrained(tmp_path / "out", target, max_nodes=8)
+    assert drafter.flavour_name == flavour and drafter.model.block_size == BLOCK
+    prompts = repetitive_prompts([12, 5], VOCAB, seed=2)
+    out = generate(target, prompts, drafter=drafter, max_new_tokens=10)
+    assert [s.tolist() for s in out.sequences] == hf_greedy(target, prompts, 10)
+
+
+def test_the_command_line_and_its_defaults():
+    parser = build_parser()
+    args = parser.parse_args(["block", "--flavour", "dflash", "--run-dir", "r", "--steps", "3"])
+    assert args.target == "tiny-code" and args.lr is None and args.num_layers == 2
+    flavour_defaults = {f: BlockOptions(f).block_size for f in ("dflash", "pard")}
+    assert flavour_defaults == {"dflash": 16, "pard": 8}
+    args = parser.parse_args(
+        ["block", "--flavour", "pard", "--run-dir", "r", "--steps", "3", "--target-layers", "1,3"]
+    )
+    assert args.target_layers == [1, 3] and args.init == "tiny-code-draft"
+    with pytest.raises(SystemExit):
+        parser.parse_args(["block", "--flavour", "medusa", "--run-dir", "r", "--steps", "3"])
+    with pytest.raises(ValueError, match="flavour: expected one of"):
+        BlockOptions("medusa")
+
+
+# --- the bundled block drafters (shipped once trained for the bundled target) --------------------
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["tiny-code-dflash", "tiny-code-pard"])
+def test_bundled_block_drafters_keep_their_recorded_acceptance(name):
+    """Exact, and within a BLAS-sized margin of the acceptance recorded at export on the same
+    held-out prompts: a damaged, swapped or retrained-badly checkpoint fails."""
+    if name not in bundled.available() or "tiny-code" not in bundled.available():
+        pytest.skip(f"{name} is not installed")
+    from specdec_fast.loading import load_model
+    from specdec_fast.train.block import engine_acceptance, eval_prompts
+    from specdec_fast.train.export import read_info
+
+    recorded = read_info(bundled.path(name))["engine"]
+    target = load_model("tiny-code", torch.device("cpu"))
+    measured = engine_acceptance(name, target, eval_prompts("tiny-code", recorded["prompts"]))
+    assert measured["identical"]
+    assert measured["mean_accepted_per_step"] >= recorded["mean_accepted_per_step"] - 0.1
+    assert "Held-out top-1" in (Path(bundled.path(name)) / "README.md").read_text()

@@ -1,0 +1,197 @@
+"""Trees from a block drafter's per-position distributions (`specdec_fast.trees`): the best-first
+(DDTree) tree against a brute-force enumeration, its order and padding, the chains, and
+losslessness of both through `verify`, in the style of tests/test_verify_lossless.py."""
+
+import itertools
+
+import pytest
+import torch
+from test_verify_lossless import (
+    DRAFT,
+    P_VALUE_FLOOR,
+    ROOT_TOKEN,
+    TARGET,
+    VOCAB,
+    Case,
+    emitted_pairs,
+    p_values,
+)
+
+from specdec_fast.kernels import verify
+from specdec_fast.trees import (
+    PAD_NODE,
+    best_first_tree,
+    block_chain,
+    sample_draft_tokens,
+    sampled_block_chain,
+)
+
+
+def paths_of(tokens, parents):
+    """Token paths below the root of each existing node, in node order."""
+    paths = [()]
+    for node in range(1, len(tokens)):
+        parent = parents[node]
+        paths.append(None if parent == PAD_NODE else (*paths[parent], tokens[node]))
+    return [path for path in paths[1:] if path is not None]
+
+
+def brute_force(log_probs, count):
+    """The `count` best token paths by summed log-probability over every rank path of up to D
+    tokens, each position's candidates its `count` most likely tokens (plain Python)."""
+    depth = log_probs.shape[0]
+    ranked = [log_probs[d].topk(min(count, log_probs.shape[1])) for d in range(depth)]
+    scored = []
+    for length in range(1, depth + 1):
+        for ranks in itertools.product(range(len(ranked[0].values)), repeat=length):
+            score = sum(float(ranked[d].values[r]) for d, r in enumerate(ranks))
+            tokens = tuple(int(ranked[d].indices[r]) for d, r in enumerate(ranks))
+            scored.append((score, tokens))
+    scored.sort(key=lambda item: -item[0])
+    return [tokens for _, tokens in scored[:count]]
+
+
+@pytest.mark.parametrize(("depth", "vocab", "nodes"), [(1, 7, 5), (3, 5, 9), (4, 6, 16), (2, 3, 7)])
+def test_best_first_tree_keeps_the_best_paths_in_order(depth, vocab, nodes):
+    generator = torch.Generator().manual_seed(depth * 100 + vocab)
+    batch = 3
+    log_probs = torch.log_softmax(torch.randn(batch, depth, vocab, generator=generator) * 2, -1)
+    roots = torch.tensor([4, 0, 2])
+    tokens, parents = best_first_tree(log_probs, roots, nodes)
+    assert tokens.shape == parents.shape == (batch, nodes)
+    assert tokens[:, 0].tolist() == roots.tolist() and parents[:, 0].eq(-1).all()
+    for row in range(batch):
+        row_tokens, row_parents = tokens[row].tolist(), parents[row].tolist()
+        paths = paths_of(row_tokens, row_parents)
+        assert set(paths) == set(brute_force(log_probs[row], nodes - 1))
+        assert all(0 <= p < i for i, p in enumerate(row_parents[1:], start=1))
+        scores = [sum(float(log_probs[row, d, t]) for d, t in enumerate(path)) for path in paths]
+        # Pops in decreasing score: siblings most likely first, any prefix is the best subtree.
+        assert scores == sorted(scores, reverse=True)
+    for smaller in range(2, nodes):
+        prefix = best_first_tree(log_probs, roots, smaller)
+        assert torch.equal(prefix[0], tokens[:, :smaller])
+        assert torch.equal(prefix[1], parents[:, :smaller])
+
+
+def test_best_first_tree_pads_when_candidates_run_out_and_handles_ties():
+    log_probs = torch.log(torch.tensor([[[0.7, 0.3], [0.5, 0.5]]]))
+    tokens, parents = best_first_tree(log_probs, torch.tensor([1]), 8)
+    # 2 + 4 candidates for 7 draft nodes: the last node is padding.
+    assert parents[0].tolist() == [-1, 0, 1, 1, 0, 4, 4, PAD_NODE]
+    assert tokens[0].tolist() == [1, 0, 0, 1, 1, 0, 1, 0]
+    # Probability 0 (-inf) and uniform rows still give a valid tree.
+    flat = torch.full((2, 3, 4), -torch.inf)
+    flat[0] = 0.0
+    flat[1, :, 0] = 0.0
+    tokens, parents = best_first_tree(flat, torch.tensor([3, 3]), 6)
+    for row in range(2):
+        assert all(0 <= p < i for i, p in enumerate(parents[row, 1:].tolist(), start=1))
+    assert parents[1].tolist()[:4] == [-1, 0, 1, 2]  # the one likely path first
+
+
+def test_chains_and_their_draft_probabilities():
+    generator = torch.Generator().manual_seed(5)
+    logits = torch.randn(4, 5, 9, generator=generator)
+    roots = torch.tensor([1, 2, 3, 4])
+    tokens, parents = block_chain(logits, roots, 3)
+    assert tokens[:, 1:].tolist() == logits[:, :3].argmax(-1).tolist()
+    assert parents.tolist() == [[-1, 0, 1, 2]] * 4
+    temperature = torch.tensor([0.0, 0.7, 1.0, 1.3])
+    seed = torch.tensor([10, 11, 12, 13])
+    positions = torch.tensor([0, 5, 9, 2])
+    sampled = sampled_block_chain(logits, roots, 3, temperature, seed, positions, stream=3)
+    again = sampled_block_chain(logits, roots, 3, temperature, seed, positions, stream=3)
+    assert all(torch.equal(a, b) for a, b in zip(sampled, again, strict=True))
+    tokens, parents, probs = sampled
+    assert probs.shape == (4, 4, 9) and probs[:, 0].eq(0).all()
+    assert tokens[0, 1:].tolist() == logits[0, :3].argmax(-1).tolist()  # greedy row
+    one_hot = torch.nn.functional.one_hot(logits[0, :3].argmax(-1), 9).float()
+    assert torch.equal(probs[0, 1:], one_hot)
+    for row in range(1, 4):
+        expected = torch.softmax(logits[row, :3] / temperature[row], -1)
+        torch.testing.assert_close(probs[row, 1:], expected)
+    # The noise is keyed by (seed, position, stream): another stream or position draws anew.
+    grid = positions[:, None] + 1 + torch.arange(5)
+    drawn = sample_draft_tokens(logits, temperature, seed, grid, 3)[0][1:]
+    assert not torch.equal(drawn, sample_draft_tokens(logits, temperature, seed, grid, 2)[0][1:])
+    assert not torch.equal(
+        drawn, sample_draft_tokens(logits, temperature, seed, grid + 1, 3)[0][1:]
+    )
+    with pytest.raises(ValueError, match=r"num_tokens must be in \[1, D = 5\]"):
+        block_chain(logits, roots, 6)
+    with pytest.raises(ValueError, match=r"logits: expected shape \[B, D, V\]"):
+        block_chain(logits[0], roots, 1)
+    with pytest.raises(ValueError, match="max_nodes must be >= 2"):
+        best_first_tree(logits, roots, 1)
+
+
+# --- losslessness through verify ---------------------------------------------------------------
+
+DEPTH = 3
+
+
+def block_marginals() -> torch.Tensor:
+    """float64 `[DEPTH, V]` draft logits per position, independent of the drafted tokens: the
+    draft bigram along its own most likely path from the root."""
+    rows, token = [], ROOT_TOKEN
+    for _ in range(DEPTH):
+        rows.append(DRAFT[token])
+        token = int(DRAFT[token].argmax())
+    return torch.stack(rows)
+
+
+def run_block_case(case: Case, mode: str, draws: int, seed: int, wrong_probs: bool = False):
+    """The first two emitted tokens of `draws` independent rows whose proposals come from the
+    block marginals (a best-first tree of `nodes`, or a sampled chain of DEPTH tokens)."""
+    generator = torch.Generator().manual_seed(seed)
+    logits = block_marginals().float().expand(draws, -1, -1)
+    roots = torch.full((draws,), ROOT_TOKEN)
+    draft_probs = None
+    if mode == "ddtree":
+        tokens, parents = best_first_tree(torch.log_softmax(logits, -1), roots, 9)
+    else:
+        temperature = torch.full((draws,), case.temperature)
+        seeds = torch.arange(draws) + seed * draws
+        tokens, parents, draft_probs = sampled_block_chain(
+            logits, roots, DEPTH, temperature, seeds, torch.zeros(draws, dtype=torch.long), 3
+        )
+        if wrong_probs:
+            draft_probs = torch.full_like(draft_probs, 1.0 / VOCAB)
+    result = verify(
+        TARGET[tokens].float(),
+        tokens,
+        parents,
+        draft_probs,
+        temperature=case.temperature,
+        top_k=case.top_k,
+        top_p=case.top_p,
+        seed=seed,
+    )
+    return emitted_pairs(case, result, tokens, generator), result
+
+
+BLOCK_CASES = [
+    ("ddtree", Case("ddtree", (-1,), temperature=1.0)),
+    ("ddtree", Case("ddtree T=0.7 top-k=5", (-1,), temperature=0.7, top_k=5)),
+    ("chain", Case("chain", (-1,), temperature=1.0)),
+    ("chain", Case("chain T=0.8 top-p=0.9", (-1,), temperature=0.8, top_p=0.9)),
+]
+
+
+@pytest.mark.parametrize(("mode", "case"), BLOCK_CASES, ids=[c.name for _, c in BLOCK_CASES])
+def test_block_proposals_are_lossless(monkeypatch, mode, case):
+    monkeypatch.setenv("SPECDEC_BACKEND", "fused")
+    pairs, result = run_block_case(case, mode, 40000, 300 + BLOCK_CASES.index((mode, case)))
+    first, pair = p_values(case, pairs)
+    assert first > P_VALUE_FLOOR and pair > P_VALUE_FLOOR, (first, pair)
+    assert float((result.num_accepted >= 1).double().mean()) > 0.2
+
+
+def test_the_check_rejects_a_chain_with_wrong_draft_probabilities(monkeypatch):
+    """The same check fails a sampled chain whose draft probabilities are not those it was drawn
+    from: the test above can fail."""
+    monkeypatch.setenv("SPECDEC_BACKEND", "fused")
+    case = Case("chain", (-1,), temperature=1.0)
+    pairs, _ = run_block_case(case, "chain", 40000, 7, wrong_probs=True)
+    assert min(p_values(case, pairs)) < 1e-30

@@ -1,0 +1,74 @@
+"""bench/gpu_suite.py fits the device's limits: its dry run plays every part on the CPU with tiny
+shapes and writes exactly two files (archive and summary), the quick plan is predicted under 8
+minutes and each part's full plan under 4; a part that does not fit what is left of the budget
+is skipped, and one that overruns its timeout is killed with its output kept."""
+
+import json
+import os
+import subprocess
+import sys
+import tarfile
+
+import pytest
+from bench_smoke import BENCH_DIR, import_bench
+
+
+@pytest.fixture
+def suite(monkeypatch):
+    return import_bench(monkeypatch, "gpu_suite")
+
+
+def run_suite(tmp_path, *args):
+    out = tmp_path / "out"
+    out.mkdir()
+    result = subprocess.run(
+        [sys.executable, str(BENCH_DIR / "gpu_suite.py"), *args],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "OUT": str(out)},
+        check=False,
+    )
+    return result, out
+
+
+def test_dry_run_plays_every_part_and_predicts_the_quick_budget(tmp_path, suite):
+    result, out = run_suite(tmp_path, "--dry-run", "--quick")
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert sorted(path.name for path in out.iterdir()) == sorted([suite.ARCHIVE, suite.SUMMARY])
+    summary = json.loads((out / suite.SUMMARY).read_text())
+    assert [part["name"] for part in summary["parts"]] == list(suite.PARTS)
+    assert all(part["status"] == "ok" for part in summary["parts"])
+    estimates = summary["estimates_s"]
+    assert sum(estimates.values()) < suite.QUICK_LIMIT_S
+    assert all(0 < seconds < suite.PART_LIMIT_S for seconds in estimates.values())
+    # The benchmarks' JSON results travel in the summary; logs and results in the archive.
+    results = {name for part in summary["parts"] for name in part.get("results", {})}
+    assert {"tree_attention.json", "verify.json", "kv_compact.json", "e2e.json"} <= results
+    with tarfile.open(out / suite.ARCHIVE) as archive:
+        names = {name.rsplit("/", 1)[-1] for name in archive.getnames()}
+    assert {f"{name}.log" for name in suite.PARTS} <= names
+    assert "| total (quick) |" in result.stdout and "estimated device s" in result.stdout
+    # Rows are printed as cases finish, before each benchmark's closing table.
+    assert "| shape | peer | us median (min-max) | floor us |" in result.stdout
+
+
+def test_every_full_part_is_predicted_under_four_minutes(suite):
+    for part in suite.PARTS.values():
+        assert 0 < part.estimate(quick=False) < suite.PART_LIMIT_S, part.name
+
+
+def test_a_part_that_does_not_fit_the_budget_is_skipped(tmp_path, suite):
+    result, out = run_suite(tmp_path, "--quick", "--part", "kv_compact", "--budget", "1")
+    assert result.returncode == 1
+    summary = json.loads((out / suite.SUMMARY).read_text())
+    assert summary["parts"][0]["status"].startswith("skipped")
+    assert sorted(path.name for path in out.iterdir()) == sorted([suite.ARCHIVE, suite.SUMMARY])
+
+
+def test_a_part_past_its_timeout_is_killed_and_its_output_kept(tmp_path, suite):
+    part = suite.Part("slow", command=None, plan=None)
+    command = [sys.executable, "-c", "import time; print('started', flush=True); time.sleep(60)"]
+    result = suite.run_part(part, command, tmp_path, timeout=2)
+    assert result["status"] == "timed out" and result["seconds"] < 30
+    assert result["tail"] == ["started"]
+    assert (tmp_path / "slow.log").read_text() == "started\n"
