@@ -17,6 +17,7 @@ import openai
 import pytest
 import torch
 import uvicorn
+from prometheus_client.parser import text_string_to_metric_families
 
 from specdec_fast import bundled, generate
 from specdec_fast.cli import main
@@ -84,6 +85,16 @@ class Server:
                 if all(f'{key}="{val}"' in head for key, val in labels.items()):
                     total += float(value)
         return total
+
+    def decode_steps(self) -> dict[int, float]:
+        """The server's decode steps so far, by batch size."""
+        text = httpx.get(self.url + "/metrics", timeout=TIMEOUT_S).text
+        return {
+            int(sample.labels["batch"]): sample.value
+            for family in text_string_to_metric_families(text)
+            for sample in family.samples
+            if sample.name == "specdec_decode_steps_total"
+        }
 
 
 def make_engine(routes, **options) -> ServingEngine:
@@ -169,7 +180,11 @@ def test_sixteen_concurrent_requests_equal_generate(server, reference):
         ]
         return await asyncio.gather(*calls)
 
+    before = server.decode_steps()
     replies = asyncio.run(run())
+    after = server.decode_steps()
+    # They shared batches: decode steps of eight rows or more ran.
+    assert any(after[b] > before.get(b, 0) for b in after if b >= 8)
     for i, reply in enumerate(replies):
         prompt = PROMPTS[i % len(PROMPTS)] + "#" * (i // len(PROMPTS))
         expected, count = reference(prompt=prompt, max_tokens=12 + i)
@@ -284,9 +299,10 @@ def test_a_canary_share_of_requests_speculates(server):
     assert server.metric("vllm:request_success_total", **labels) == 8.0
 
 
-def test_overload_gets_429_and_a_disconnect_frees_the_slot(reference):
+def test_overload_gets_429_a_disconnect_frees_the_slot_and_a_stop_503(reference):
     """One slot, one queue place: a long stream holds the slot, a second request waits, a third
-    is refused with a 429; when the stream's client disconnects, the waiting one is served."""
+    is refused with a 429; when the stream's client disconnects, the waiting one is served. A
+    stopped scheduler gets 503s."""
     small = Server(make_engine(server_routes("none", []), max_batch=1, max_queue=1))
     try:
         body = {"prompt": PROMPTS[0], "max_tokens": 2000, "ignore_eos": True, "stream": True}
@@ -333,6 +349,12 @@ def test_overload_gets_429_and_a_disconnect_frees_the_slot(reference):
             assert time.monotonic() < deadline
             time.sleep(0.05)
         assert small.metric("vllm:num_requests_running") == 0.0
+        # Once the scheduler has stopped, health and requests get 503s in OpenAI's shape.
+        small.engine.scheduler.close()
+        assert httpx.get(small.url + "/health", timeout=TIMEOUT_S).status_code == 503
+        stopped = httpx.post(small.url + "/v1/completions", json=body, timeout=TIMEOUT_S)
+        assert stopped.status_code == 503 and stopped.json()["error"]["code"] == "stopped"
+        assert small.metric("specdec_requests_rejected_total", reason="stopped") == 1.0
     finally:
         small.close()
 
