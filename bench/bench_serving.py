@@ -22,9 +22,9 @@ The server runs as its own process (`specdec-fast serve`, one torch thread, eage
 `--no-compile`, which is faster than compiled steps for this 6M-parameter model on a CPU),
 the load generator in this one. The 4 QPS level runs in six segments, the plain and the n-gram
 route in turn; between segments, while the server idles, this process times `generate()`'s
-steps (batches 1 to 10, one torch thread) and replays the segment's arrivals on its own
-scheduler: on a shared machine whose speed drifts, served and offline figures then come from
-the same minutes. The harness runs last.
+steps (eight batch sizes from 1 to 16, one torch thread) and replays the segment's arrivals on
+its own scheduler: on a shared machine whose speed drifts, served and offline figures then come
+from the same minutes. The harness runs last.
 
     python bench/bench_serving.py            # ~10 minutes; writes bench/results/serving-cpu-DATE/
     python bench/bench_serving.py --quick    # 10 s at 4 QPS, 200 saturation requests
@@ -45,6 +45,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 import httpx
+import numpy
 import torch
 
 from specdec_fast import generate
@@ -72,7 +73,8 @@ SATURATION_QPS = 200.0
 SATURATION_TOKENS = 16
 DRAFTER = "ngram:8"
 ROUNDS = 6  # segments of the 4 QPS level, plain and n-gram in turn, generate() timed between
-MAX_BATCH_TIMED = 10
+MAX_BATCH = 16  # the server's slots
+TIMED_BATCHES = (1, 2, 3, 4, 6, 8, 12, 16)  # generate()'s step timed at these, interpolated
 
 
 def free_port() -> int:
@@ -146,18 +148,15 @@ def replay(scheduler: Scheduler, prompts: list[list[int]], duration: float, seed
 def versus(steps: dict[int, float], served: dict[int, list]) -> float:
     """Decode steps measured in a scheduler ({B: [steps, seconds]}) against `generate()`'s at
     the same batch sizes, weighted by the scheduler's steps: the relative excess."""
-    timed = [b for b in served if b in steps and served[b][0]]
-    measured = sum(served[b][1] for b in timed)
-    return measured / sum(served[b][0] * steps[b] for b in timed) - 1.0
+    measured = sum(seconds for count, seconds in served.values() if count)
+    expected = sum(count * interpolate(steps, b) for b, (count, _) in served.items() if count)
+    return measured / expected - 1.0
 
 
 def interpolate(values: dict[int, float], at: float) -> float:
-    """Piecewise-linear through values[1], values[2], ...; clamped to the keys' range."""
-    at = min(max(at, min(values)), max(values))
-    low, high = math.floor(at), math.ceil(at)
-    if low == high:
-        return values[low]
-    return values[low] + (values[high] - values[low]) * (at - low)
+    """Piecewise-linear through the points (key, value), clamped to the keys' range."""
+    keys = sorted(values)
+    return float(numpy.interp(at, keys, [values[k] for k in keys]))
 
 
 def main() -> int:
@@ -178,7 +177,7 @@ def main() -> int:
     tokenizer = load_tokenizer("tiny-code")
     ids = [encode_prompt(tokenizer, r.prompt, chat=False) for r in records]
     generate(model, ids[:2], drafter=None, max_new_tokens=8, eos_token_id=[])  # warm-up
-    measured: dict[int, list[float]] = {b: [] for b in range(1, MAX_BATCH_TIMED + 1)}
+    measured: dict[int, list[float]] = {b: [] for b in TIMED_BATCHES}
     # The scheduler alone, in this process: its own model copy, the model's stop ids.
     local = Scheduler(
         load_model("tiny-code", torch.device("cpu")),
@@ -199,7 +198,8 @@ def main() -> int:
             record.index += len(local_records)
         local_records.extend(records)
 
-    server = ServerProcess("--max-batch", "16", "--max-queue", "256")
+    load_before = os.getloadavg()
+    server = ServerProcess("--max-batch", str(MAX_BATCH), "--max-queue", "256")
     try:
         served = run_sweep(
             LoadConfig(
@@ -232,6 +232,7 @@ def main() -> int:
         )
         write_serving_report(saturated, out / "saturation")
     finally:
+        load_after = os.getloadavg()
         server.close()
 
     level = str(int(QPS))
@@ -279,6 +280,10 @@ def main() -> int:
         "versions": versions(),
         "server": server.command,
         "command": "python bench/bench_serving.py" + (" --quick" if args.quick else ""),
+        # The machine's 1, 5 and 15 minute load averages around the served levels (its CPUs:
+        # os.cpu_count()); a load above the CPU count slows every figure alike, but it also
+        # pushes the served level nearer to saturation.
+        "load_average": {"before": load_before, "after": load_after, "cpus": os.cpu_count()},
         "overhead": {
             "qps": QPS,
             "duration_s": duration,

@@ -24,10 +24,16 @@ from specdec_fast.cli import main
 from specdec_fast.guardrails import Guardrails
 from specdec_fast.harness.prompts import PromptRecord
 from specdec_fast.loading import load_model, load_tokenizer
-from specdec_fast.serving.loadgen import LoadConfig, run_sweep, write_serving_report
+from specdec_fast.serving.loadgen import (
+    LoadConfig,
+    RequestRecord,
+    integrity,
+    run_sweep,
+    write_serving_report,
+)
 from specdec_fast.serving.protocol import TextStream
 from specdec_fast.serving.routes import ROUTE_HEADER, RouteConfig, load_routes, server_routes
-from specdec_fast.serving.server import ServingEngine, create_app
+from specdec_fast.serving.server import REQUEST_ID_HEADER, ServingEngine, create_app
 from specdec_fast.text import decode, encode_prompt, stop_token_ids
 
 pytestmark = pytest.mark.skipif(
@@ -241,10 +247,10 @@ def test_bad_requests_get_a_400_in_openai_shape(server, body, param):
     reply = httpx.post(
         server.url + "/v1/completions",
         content=body,
-        headers={"content-type": "application/json"},
+        headers={"content-type": "application/json", REQUEST_ID_HEADER: "bad-1"},
         timeout=TIMEOUT_S,
     )
-    assert reply.status_code == 400
+    assert reply.status_code == 400 and reply.headers[REQUEST_ID_HEADER] == "bad-1"
     error = reply.json()["error"]
     assert error["type"] == "invalid_request_error" and error["param"] == param
     assert error["message"]
@@ -325,9 +331,14 @@ def test_overload_gets_429_a_disconnect_frees_the_slot_and_a_stop_503(reference)
                 while small.engine.scheduler.waiting < 1:
                     assert time.monotonic() < deadline
                     time.sleep(0.01)
-                refused = client.post(small.url + "/v1/completions", json={"prompt": "x"})
+                refused = client.post(
+                    small.url + "/v1/completions",
+                    json={"prompt": "x"},
+                    headers={REQUEST_ID_HEADER: "refused-1"},
+                )
                 assert refused.status_code == 429
                 assert refused.json()["error"]["code"] == "queue_full"
+                assert refused.headers[REQUEST_ID_HEADER] == "refused-1"  # the client's own
             # The stream is closed here, long before its 2000 tokens.
             started = time.monotonic()
             thread.join(TIMEOUT_S)
@@ -439,6 +450,27 @@ def test_a_short_qps_sweep_writes_its_report(server, tmp_path):
         assert cell["quality"]["greedy_exact_matches"] == cell["quality"]["greedy_prompts"] == 6
         assert cell["metrics"]["acceptance_rate"] is not None
     assert (tmp_path / "speedup_vs_concurrency.png").exists()
+
+
+def test_integrity_counts_refusals_as_errors_and_catches_misdelivered_responses():
+    prompts = [PromptRecord(prompt="x", task="code", temperature=0.0, id="p0")]
+
+    def record(index, request_id, status=200, text="a", error=None):
+        finish = None if error else "length"
+        return RequestRecord(
+            index, 0, "plain", 0.0, text=text, finish_reason=finish, error=error,
+            status=status, request_id=request_id,
+        )  # fmt: skip
+
+    served = [record(0, "0"), record(1, "1"), record(2, "2", 429, "", "HTTP 429: full")]
+    checks = integrity(served, {"ended": 2.0, "rejected": 1.0}, prompts)
+    assert checks["completed"] == 2 and checks["refused"] == checks["errors"] == 1
+    assert checks["lost"] == checks["unaccounted"] == checks["wrong_ids"] == 0
+    # Request 1 got request 0's response, and one the server never counted.
+    crossed = [record(0, "0"), record(1, "0", text="b"), record(2, "2", 429, "", "HTTP 429")]
+    checks = integrity(crossed, {"ended": 1.0, "rejected": 1.0}, prompts)
+    assert checks["wrong_ids"] == 2 and checks["inconsistent_outputs"] == 1
+    assert checks["unaccounted"] == -1
 
 
 def test_bench_url_on_the_command_line(server, tmp_path):

@@ -10,7 +10,8 @@ Requests are routed (`specdec_fast.serving.routes`) and decoded by one continuou
 `Scheduler` on its own thread; tokens travel to the event loop as they are accepted and are
 decoded there incrementally. Errors use OpenAI's error shape: 400 for a malformed request (bad
 JSON, an unknown model or route, a bad field, a prompt over the context), 429 when the queue of
-waiting requests is full, 503 when the scheduler has stopped. A client that disconnects, from a
+waiting requests is full, 503 when the scheduler has stopped; a request's `X-Request-Id` comes
+back on every response to it, errors included. A client that disconnects, from a
 stream or while waiting for a whole response, has its request cancelled: its slot goes to the
 next request.
 
@@ -149,6 +150,12 @@ def _error(status: int, message: str, kind: str, param=None, code=None, headers=
     return JSONResponse(error_body(message, kind, param, code), status, headers=headers)
 
 
+def _echoed(request: Request) -> dict[str, str]:
+    """The client's request id, for the response's headers (errors included), if it sent one."""
+    given = request.headers.get(REQUEST_ID_HEADER)
+    return {} if given is None else {REQUEST_ID_HEADER: given}
+
+
 def create_app(engine: ServingEngine) -> FastAPI:
     """The FastAPI application over `engine`; its lifespan starts and closes the scheduler."""
 
@@ -166,7 +173,7 @@ def create_app(engine: ServingEngine) -> FastAPI:
 
     @app.exception_handler(RequestError)
     async def request_error(request: Request, error: RequestError):
-        return JSONResponse(error.body(), error.status)
+        return JSONResponse(error.body(), error.status, headers=_echoed(request))
 
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, error: HTTPException):
@@ -281,11 +288,11 @@ async def _generate(engine: ServingEngine, request: Request, kind: str):
             str(error),
             "rate_limit_error",
             code="queue_full",
-            headers={"Retry-After": RETRY_AFTER_S},
+            headers={"Retry-After": RETRY_AFTER_S} | _echoed(request),
         )
     except SchedulerStopped as error:
         engine.metrics.reject("stopped")
-        return _error(503, str(error), "server_error", code="stopped")
+        return _error(503, str(error), "server_error", code="stopped", headers=_echoed(request))
     except ValueError as error:
         raise RequestError(str(error)) from None
     request_id = new_id(kind)
@@ -305,7 +312,7 @@ async def _generate(engine: ServingEngine, request: Request, kind: str):
     watcher.cancel()
     completion = collector.result()
     if completion is not None and completion.finish_reason == FAILED:
-        return _error(500, completion.error or "generation failed", "server_error")
+        return _error(500, completion.error or "generation failed", "server_error", headers=headers)
     reason = "stop" if text.stopped else finish_reason(completion.finish_reason)
     body = response(
         kind, request_id, model, text.text, reason, usage(len(params.prompt_ids), len(text.ids))
