@@ -11,6 +11,7 @@ import json
 import random
 import threading
 import time
+import warnings
 
 import httpx
 import openai
@@ -450,6 +451,20 @@ def test_a_short_qps_sweep_writes_its_report(server, tmp_path):
         assert cell["quality"]["greedy_exact_matches"] == cell["quality"]["greedy_prompts"] == 6
         assert cell["metrics"]["acceptance_rate"] is not None
     assert (tmp_path / "speedup_vs_concurrency.png").exists()
+
+
+def test_a_baseline_alone_reports_without_empty_plots(server, tmp_path):
+    prompts = [PromptRecord(prompt=PROMPTS[0], task="code", max_new_tokens=4, id="p0")]
+    config = LoadConfig(
+        url=server.url, qps=[8], duration=None, num_requests=2, routes=[], baseline="default"
+    )
+    with warnings.catch_warnings():
+        # What matplotlib says of a legend with nothing in it.
+        warnings.filterwarnings("error", message="No artists with labels")
+        write_serving_report(run_sweep(config, prompts, None, lambda line: None), tmp_path)
+    assert [p.name for p in tmp_path.glob("*.png")] == ["latency_percentiles.png"]
+    saved = json.loads((tmp_path / "report.json").read_text())
+    assert saved["integrity"]["8"]["default"]["completed"] == 2
 
 
 def test_integrity_counts_refusals_as_errors_and_catches_misdelivered_responses():

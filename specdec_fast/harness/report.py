@@ -346,49 +346,51 @@ def plot(report: dict, out_dir: Path) -> list[str]:
         paths.append(str(path))
 
     smallest = min(report["config"]["batches"])
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for c in cells:
-        if c["batch"] == smallest and c["metrics"]["per_position_acceptance"]:
-            acc = c["metrics"]["per_position_acceptance"]
-            ax.plot(range(1, len(acc) + 1), acc, marker="o", label=c["name"])
-    ax.set(xlabel="draft position (depth)", ylabel="acceptance", title="Acceptance by position")
-    ax.legend(fontsize=7)
-    save(fig, "acceptance_by_position")
+    # A report without speculative cells (a served baseline alone) has no curves to draw.
+    if report["cells"]:
+        fig, ax = plt.subplots(figsize=(6, 4))
+        for c in cells:
+            if c["batch"] == smallest and c["metrics"]["per_position_acceptance"]:
+                acc = c["metrics"]["per_position_acceptance"]
+                ax.plot(range(1, len(acc) + 1), acc, marker="o", label=c["name"])
+        ax.set(xlabel="draft position (depth)", ylabel="acceptance", title="Acceptance by position")
+        ax.legend(fontsize=7)
+        save(fig, "acceptance_by_position")
 
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for drafter in sorted({c["drafter"] for c in cells}):
-        for batch in report["config"]["batches"]:
-            points = sorted(
-                (c["nodes"], c["speedup"] or 0)
-                for c in cells
-                if c["drafter"] == drafter and c["batch"] == batch
-            )
-            ax.plot(*zip(*points, strict=True), marker="o", label=f"{drafter} {level}={batch}")
-    ax.axhline(1.0, color="grey", linestyle="--")
-    ax.set(
-        xlabel="N, tokens verified per step (a chain of k: N = k + 1)",
-        ylabel="speed-up",
-        title="Speed-up against the tree size",
-    )
-    ax.legend(fontsize=7)
-    save(fig, "speedup_vs_k")
-
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for name in sorted({c["name"] for c in report["cells"]}):
-        points = sorted(
-            (c["batch"], c["speedup"] or 0) for c in report["cells"] if c["name"] == name
+        fig, ax = plt.subplots(figsize=(6, 4))
+        for drafter in sorted({c["drafter"] for c in cells}):
+            for batch in report["config"]["batches"]:
+                points = sorted(
+                    (c["nodes"], c["speedup"] or 0)
+                    for c in cells
+                    if c["drafter"] == drafter and c["batch"] == batch
+                )
+                ax.plot(*zip(*points, strict=True), marker="o", label=f"{drafter} {level}={batch}")
+        ax.axhline(1.0, color="grey", linestyle="--")
+        ax.set(
+            xlabel="N, tokens verified per step (a chain of k: N = k + 1)",
+            ylabel="speed-up",
+            title="Speed-up against the tree size",
         )
-        adaptive = name.startswith("adaptive(")
-        ax.plot(*zip(*points, strict=True), marker="o", ls=":" if adaptive else "-", label=name)
-    ax.axhline(1.0, color="grey", linestyle="--")
-    ax.set(
-        xscale="log",
-        xlabel="QPS" if level == "QPS" else "batch (concurrency)",
-        ylabel="speed-up",
-        title="Speed-up against concurrency",
-    )
-    ax.legend(fontsize=7)
-    save(fig, "speedup_vs_concurrency")
+        ax.legend(fontsize=7)
+        save(fig, "speedup_vs_k")
+
+        fig, ax = plt.subplots(figsize=(6, 4))
+        for name in sorted({c["name"] for c in report["cells"]}):
+            points = sorted(
+                (c["batch"], c["speedup"] or 0) for c in report["cells"] if c["name"] == name
+            )
+            adaptive = name.startswith("adaptive(")
+            ax.plot(*zip(*points, strict=True), marker="o", ls=":" if adaptive else "-", label=name)
+        ax.axhline(1.0, color="grey", linestyle="--")
+        ax.set(
+            xscale="log",
+            xlabel="QPS" if level == "QPS" else "batch (concurrency)",
+            ylabel="speed-up",
+            title="Speed-up against concurrency",
+        )
+        ax.legend(fontsize=7)
+        save(fig, "speedup_vs_concurrency")
 
     fig, ax = plt.subplots(figsize=(7, 4))
     rows = [("plain", report["baseline"][str(smallest)])] + [
