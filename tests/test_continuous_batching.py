@@ -13,11 +13,13 @@ import random
 
 import pytest
 import torch
+from test_block import MODELS as BLOCK_MODELS
+from test_block import VOCAB as BLOCK_VOCAB
 from test_transfers import counted_reads
 from tiny_models import repetitive_prompts, tiny_llama
 from transformers import LlamaConfig
 
-from specdec_fast import NGramDrafter, bundled, generate
+from specdec_fast import BlockDrafter, NGramDrafter, bundled, generate
 from specdec_fast.cache import SpecKVCache
 from specdec_fast.drafters.base import Drafter, Proposal, supports_join
 from specdec_fast.drafters.registry import DrafterSpec
@@ -279,6 +281,36 @@ def test_random_arrivals_on_every_route_equal_generate(code_model, code_prompts)
     scheduler.close()
     for (_, request), handle in zip(arrivals, handles, strict=True):
         assert handle.completion.tokens == expected_output(code_model, request["route"], request)
+
+
+@pytest.mark.parametrize("flavour", list(BLOCK_MODELS))
+def test_block_drafters_take_rows_joining_and_leaving(flavour):
+    """Block drafters (random models, both flavours; not bundled) in three slots, eight requests
+    arriving every other step, one of them a one-token prompt, prompts fed in chunks: each
+    request's tokens and accepted drafts are those of `generate()` with the drafter on that
+    request alone, and rows joined through `join`."""
+    target = tiny_llama(BLOCK_VOCAB, layers=4)
+    drafter = BlockDrafter(BLOCK_MODELS[flavour](target), max_nodes=10)
+    joins = []
+    join = drafter.join
+    drafter.join = lambda state: (joins.append(state.batch_size), join(state))
+    prompts = repetitive_prompts([13, 5, 1, 30, 9, 2, 17, 8], BLOCK_VOCAB)
+    arrivals = [
+        (2 * i, {"prompt": p, "max_new_tokens": 10 + i, "route": "block"})
+        for i, p in enumerate(prompts)
+    ]
+    scheduler = Scheduler(target, {"block": drafter}, max_batch=3, prefill_chunk=8, eos_token_id=[])
+    handles = run_scripted(scheduler, arrivals)
+    scheduler.close()
+    for (_, request), handle in zip(arrivals, handles, strict=True):
+        alone = BlockDrafter(drafter.model, max_nodes=10)
+        out = generate(
+            target, [request["prompt"]], drafter=alone, max_new_tokens=request["max_new_tokens"]
+        )
+        assert handle.completion.tokens == out.sequences[0][len(request["prompt"]) :].tolist()
+        # A joined row's drafts are those of the row alone: its context entries came along.
+        assert handle.completion.stats.accepted == out.stats.sequences[0].accepted
+    assert joins and scheduler.lanes["block"].counters.accepted_tokens > 0
 
 
 def test_a_cancelled_request_frees_its_slot_for_the_next():
