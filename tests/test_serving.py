@@ -493,12 +493,13 @@ def test_bench_url_on_the_command_line(server, tmp_path):
     prompts.write_text(
         "\n".join(json.dumps({"prompt": p, "task": "code", "max_new_tokens": 6}) for p in PROMPTS)
     )
-    argv = ["bench", "--url", server.url, "--qps", "8", "--duration", "0.5", "--num-requests"]
-    argv += ["3", "--prompts", str(prompts), "--route", "canary", "--out", str(tmp_path / "out")]
-    assert main(argv) == 0
+    # Two rounds of ceil(3 / 2) requests each (the count ends a round long before 10 s).
+    argv = ["bench", "--url", server.url, "--qps", "8", "--duration", "20", "--num-requests"]
+    argv += ["3", "--rounds", "2", "--prompts", str(prompts), "--route", "canary"]
+    assert main([*argv, "--out", str(tmp_path / "out")]) == 0
     report = json.loads((tmp_path / "out" / "report.json").read_text())
     assert report["config"]["drafters"] == ["canary"] and report["config"]["batches"] == [8]
-    assert report["integrity"]["8"]["canary"]["completed"] == 3
+    assert report["integrity"]["8"]["canary"]["completed"] == 4
 
 
 def test_serve_builds_its_routes_guardrails_and_template(monkeypatch, tmp_path):
