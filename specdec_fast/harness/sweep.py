@@ -310,24 +310,32 @@ def quality(
 ) -> dict:
     """Greedy exact match against the baseline, check pass counts, and every divergence (checks
     judge the outputs decoded without special tokens unless `keep_special_tokens`)."""
-    divergences, greedy, equal = [], 0, 0
-    checked, base_pass, cell_pass, regressions = 0, 0, 0, 0
+    pairs = []
     for prompt in prompts:
         ours, theirs = run.outputs.get(prompt.index), baseline.outputs.get(prompt.index)
         if ours is None or theirs is None:
             continue
-        ours_text = _detok(tokenizer, ours, keep_special_tokens)
-        theirs_text = _detok(tokenizer, theirs, keep_special_tokens)
+        texts = [_detok(tokenizer, tokens, keep_special_tokens) for tokens in (ours, theirs)]
+        pairs.append((prompt.record, ours, theirs, *texts))
+    return compare_outputs(pairs)
+
+
+def compare_outputs(pairs) -> dict:
+    """`quality`'s figures over (record, ours, theirs, ours_text, theirs_text) pairs: outputs
+    (token lists or texts) compared for equality, texts judged by the record's check."""
+    divergences, greedy, equal = [], 0, 0
+    checked, base_pass, cell_pass, regressions = 0, 0, 0, 0
+    for record, ours, theirs, ours_text, theirs_text in pairs:
         regressed = False
-        if prompt.record.check is not None:
+        if record.check is not None:
             checked += 1
-            was = passes(prompt.record.check, theirs_text, theirs_text)
-            now = passes(prompt.record.check, ours_text, theirs_text)
+            was = passes(record.check, theirs_text, theirs_text)
+            now = passes(record.check, ours_text, theirs_text)
             base_pass += was
             cell_pass += now
             regressed = was and not now
             regressions += regressed
-        greedy_row = prompt.record.temperature == 0
+        greedy_row = record.temperature == 0
         greedy += greedy_row
         same = ours == theirs
         equal += greedy_row and same
@@ -338,9 +346,9 @@ def quality(
             )
             divergences.append(
                 {
-                    "prompt_id": prompt.record.id,
-                    "task": prompt.record.task,
-                    "prompt": prompt.record.text,
+                    "prompt_id": record.id,
+                    "task": record.task,
+                    "prompt": record.text,
                     "baseline_output": theirs_text,
                     "speculative_output": ours_text,
                     "first_differing_token": first,
