@@ -39,6 +39,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from specdec_fast.arguments import build_sampling
 from specdec_fast.batch import Batch
 from specdec_fast.drafters.base import (
     PAD_PARENT,
@@ -381,7 +382,7 @@ class Scheduler:
             )
         eos = self.eos_token_id if request.eos_token_id is None else request.eos_token_id
         rule = StopRule(eos, [list(seq) for seq in request.stop], new)
-        sampling = Sampling.build(
+        sampling = build_sampling(
             1, request.temperature, request.top_k, request.top_p, request.seed
         )
         handle = Handle(request, self)
