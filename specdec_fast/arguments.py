@@ -204,7 +204,9 @@ def _per_row(name: str, value, batch: int) -> torch.Tensor:
     return tensor
 
 
-def _sampling(batch: int, temperature, top_k, top_p, seed) -> Sampling:
+def build_sampling(batch: int, temperature, top_k, top_p, seed) -> Sampling:
+    """The per-row sampling parameters of `batch` rows from scalars or per-row values, each
+    checked by `SAMPLING_RULES` (a ValueError names the argument and the row)."""
     temperature = _per_row("temperature", temperature, batch).float()
     top_k = _per_row("top_k", top_k, batch)
     top_p = _per_row("top_p", top_p, batch).float()
@@ -419,7 +421,7 @@ def check_generate_arguments(
     else:
         eos = _eos_tokens(eos_token_id, vocab_size, "eos_token_id")
     rule = StopRule(eos, _stop_sequences(stop, tokenizer, vocab_size), max_new_tokens)
-    sampling = _sampling(len(prompts), temperature, top_k, top_p, seed)
+    sampling = build_sampling(len(prompts), temperature, top_k, top_p, seed)
     max_positions = getattr(text_config, "max_position_embeddings", None)
     capacity, storage = _capacity(
         model, prompts, max_new_tokens, max_cache_len, num_nodes, max_positions

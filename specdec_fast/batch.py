@@ -150,9 +150,11 @@ class Batch:
             state.seed[:, None] + positions,
         )
 
-    def read_back(self, proposal: Proposal, result, depths: torch.Tensor) -> HostStep:
+    @staticmethod
+    def read_back(proposal: Proposal, result, depths: torch.Tensor) -> HostStep:
         """The step's one device-to-host read: per row the next token and, for drafted trees,
-        the accepted path (node indices and tokens) and the tree's size and depth."""
+        the accepted path (node indices and tokens) and the tree's size and depth. A static
+        method: the serving scheduler reads its steps back the same way."""
         accepted_nodes, num_accepted, next_tokens = result
         flags = [] if proposal.malformed is None else [proposal.malformed.long()]
         if proposal.num_nodes == 1:

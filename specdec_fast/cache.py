@@ -130,6 +130,8 @@ class SpecKVCache(Cache):
     reused: `resize` takes any smaller batch, `select` moves the kept sequences to the front in
     place. So the tensors' addresses never change while the storage lasts, which is what lets a
     captured CUDA graph be replayed by later calls, and a compiled step sees the same layout.
+    Sequences join a running batch (continuous batching) in the rows past its end: filled
+    through a `rows` view, then taken in by `admit`.
 
     Attributes:
         kv: `[num_layers, 2, B, Hkv, Lmax, D]` in the model's dtype (a view of the storage's first
@@ -157,14 +159,35 @@ class SpecKVCache(Cache):
             )
         shape = kv_shape(text_config, batch_size, max_cache_len)
         # Zeros, not empty: unwritten slots are masked out, but NaN garbage would survive 0 * NaN.
-        self._kv_storage = torch.zeros(shape, dtype=dtype, device=device)
-        self._lens_storage = torch.zeros(batch_size, dtype=torch.int32, device=device)
+        self._setup(
+            torch.zeros(shape, dtype=dtype, device=device),
+            torch.zeros(batch_size, dtype=torch.int32, device=device),
+            windows,
+        )
+
+    def _setup(
+        self, kv_storage: torch.Tensor, lens_storage: torch.Tensor, windows: Sequence[int | None]
+    ) -> None:
+        """Serve `kv_storage` (`[layers, 2, rows, Hkv, Lmax, D]`) and `lens_storage` (int32
+        `[rows]`), bound to all their rows: the body of `__init__`, shared by `rows` and
+        `with_capacity`."""
+        batch_size = kv_storage.shape[2]
+        device = kv_storage.device
+        self._kv_storage = kv_storage
+        self._lens_storage = lens_storage
         self._index_storage = torch.arange(batch_size, device=device)[:, None]
         self.write_slots = torch.zeros(batch_size, 0, dtype=torch.long, device=device)
         # Host-side upper bound of max(cache_lens): room checks read the device only near capacity.
         self._len_bound = 0
         super().__init__(layers=[SpecKVLayer(self, i, window) for i, window in enumerate(windows)])
         self._bind(batch_size)
+
+    def _sibling(self, kv_storage: torch.Tensor, lens_storage: torch.Tensor) -> "SpecKVCache":
+        """A cache of this one's kind (model type, layer windows) over other storage."""
+        sibling = object.__new__(type(self))
+        sibling.model_type = self.model_type
+        sibling._setup(kv_storage, lens_storage, [layer.sliding_window for layer in self.layers])
+        return sibling
 
     @property
     def max_cache_len(self) -> int:
@@ -268,6 +291,59 @@ class SpecKVCache(Cache):
         else:
             self.write_slots = self.write_slots[: len(rows)]
         self._bind(len(rows))
+
+    def rows(self, start: int, count: int) -> "SpecKVCache":
+        """A cache over the storage rows `[start, start + count)`, sharing this cache's storage:
+        a forward through it writes those rows, and its `cache_lens` are theirs.
+
+        Continuous batching fills sequences that join a running batch this way, in rows past the
+        batch's end (`start >= B`), while the batch's own rows keep their contents; `admit` then
+        takes them into the batch. The view's length bound starts at 0: commit its lengths
+        (`commit_lengths`) before a forward over it."""
+        if start < 0 or count < 1 or start + count > self.capacity:
+            raise ValueError(
+                f"rows: expected 0 <= start and 1 <= count with start + count <= capacity = "
+                f"{self.capacity}, got start={start}, count={count}"
+            )
+        return self._sibling(
+            self._kv_storage[:, :, start : start + count], self._lens_storage[start : start + count]
+        )
+
+    def admit(self, start: int, count: int, max_length: int) -> None:
+        """The storage rows `[start, start + count)` (filled through `rows`) join the batch at its
+        end, in order, with their committed lengths; rows past the batch's end are moved down
+        first (only their `max_length` committed slots are copied). `max_length`: the longest
+        of their committed lengths, known on the host."""
+        batch = self.kv.shape[2]
+        if start < batch or count < 1 or start + count > self.capacity:
+            raise ValueError(
+                f"admit: expected rows past the batch of {batch} within the capacity "
+                f"{self.capacity}, got start={start}, count={count}"
+            )
+        if start > batch:
+            source = slice(start, start + count)
+            # A copy of the source first: the two ranges may overlap.
+            moved = self._kv_storage[:, :, source, :, :max_length].clone()
+            self._kv_storage[:, :, batch : batch + count, :, :max_length] = moved
+            self._lens_storage[batch : batch + count] = self._lens_storage[source].clone()
+        self.write_slots = self.write_slots.new_zeros(batch + count, 0)
+        self._bind(batch + count)
+        self._len_bound = max(self._len_bound, max_length)
+
+    def with_capacity(self, rows: int) -> "SpecKVCache":
+        """A cache with storage for `rows` sequences (at least the batch's B) that holds this
+        cache's batch (K/V and lengths copied): for a batch that outgrows its storage."""
+        batch = self.kv.shape[2]
+        if rows < max(batch, 1):
+            raise ValueError(f"rows: expected at least the batch size {max(batch, 1)}, got {rows}")
+        shape = list(self._kv_storage.shape)
+        shape[2] = rows
+        grown = self._sibling(self._kv_storage.new_zeros(shape), self._lens_storage.new_zeros(rows))
+        grown._kv_storage[:, :, :batch] = self.kv
+        grown._lens_storage[:batch] = self.cache_lens
+        grown.select(list(range(batch)))
+        grown._len_bound = self._len_bound
+        return grown
 
     def reset(self) -> None:
         """Forget every committed token (the storage is kept as it is)."""

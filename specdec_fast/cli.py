@@ -1,4 +1,4 @@
-"""The `specdec-fast` command line: `demo` (the main job), `generate` and `bench`.
+"""The `specdec-fast` command line: `demo` (the main job), `generate`, `bench` and `serve`.
 
 Every command takes a model as users hold it (`--model`: an HF folder, a `.gguf` file or a bundled
 name; `--dtype`, `--device`), applies the tokenizer's chat template when it has one (`--no-chat`
@@ -22,8 +22,11 @@ SPEC_EPILOG = (
 )
 
 
-def add_model_options(parser: argparse.ArgumentParser, default_model: str | None) -> None:
-    """--model, --dtype, --device, --chat/--no-chat and --keep-special-tokens."""
+def add_model_options(
+    parser: argparse.ArgumentParser, default_model: str | None, chat: bool = True
+) -> None:
+    """--model, --dtype, --device, --chat/--no-chat (unless not `chat`), --keep-special-tokens
+    and --compile/--no-compile."""
     default = f" (default: {default_model or 'the bundled tiny-code target'})"
     parser.add_argument(
         "--model",
@@ -38,12 +41,8 @@ def add_model_options(parser: argparse.ArgumentParser, default_model: str | None
         "a GPU",
     )
     parser.add_argument("--device", default=None, help="default: cuda if available, else cpu")
-    parser.add_argument(
-        "--chat",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="apply the tokenizer's chat template to prompts (default: when it has one)",
-    )
+    if chat:
+        _add_chat(parser)
     parser.add_argument(
         "--keep-special-tokens",
         action="store_true",
@@ -55,7 +54,16 @@ def add_model_options(parser: argparse.ArgumentParser, default_model: str | None
         default=None,
         help="run the model's steps through torch.compile (each step shape compiles once per "
         "process, seconds to minutes; later calls are faster). Default: on a GPU always; on the "
-        "CPU for bench, which makes many calls, and not for demo and generate",
+        "CPU for bench, which makes many calls, and not for demo, generate and serve",
+    )
+
+
+def _add_chat(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--chat",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="apply the tokenizer's chat template to prompts (default: when it has one)",
     )
 
 
@@ -126,6 +134,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_exact(gen)
     _add_sampling(gen)
     _add_bench(sub)
+    _add_serve(sub)
     return parser
 
 
@@ -218,12 +227,108 @@ def _add_bench(sub) -> None:
         "--threads", type=_positive, default=None, help="CPU threads for torch (default: torch's)"
     )
     bench.add_argument("--out", required=True, help="output folder")
+    served = bench.add_argument_group(
+        "served traffic (--url)",
+        "With --url, bench sends Poisson traffic to a running `specdec-fast serve` instead of "
+        "decoding offline (the model options, --drafter and the grid are then unused): every "
+        "QPS level on the baseline route and on each --route, into the same report format.",
+    )
+    served.add_argument("--url", default=None, help="the server, e.g. http://127.0.0.1:8000")
+    served.add_argument(
+        "--qps", type=_rate_list, default=[1.0, 4.0, 16.0], help="arrival rates (1,4,16)"
+    )
+    served.add_argument(
+        "--duration", type=float, default=60.0, help="seconds of arrivals per level (60)"
+    )
+    served.add_argument(
+        "--num-requests", type=int, default=None, help="or at most this many requests per level"
+    )
+    served.add_argument(
+        "--route",
+        action="append",
+        default=None,
+        help="a speculative route to measure, repeatable (default: default)",
+    )
+    served.add_argument(
+        "--baseline-route", default="plain", help="the route without speculation (plain)"
+    )
+    served.add_argument(
+        "--goodput",
+        type=_slo_list,
+        default={},
+        help="SLOs in ms that goodput counts, e.g. ttft:500,tpot:50,e2e:5000 (none)",
+    )
+    served.add_argument("--seed", type=int, default=0, help="of the arrival times (0)")
+    served.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="segments per level, the routes taking turns segment by segment (1)",
+    )
+
+
+def _rate_list(text: str) -> list[float]:
+    try:
+        values = [float(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated rates, got {text!r}") from None
+    if not values or not all(0 < v < float("inf") for v in values):
+        raise argparse.ArgumentTypeError(f"expected positive finite rates, got {text!r}")
+    return values
+
+
+def _slo_list(text: str) -> dict[str, float]:
+    """ "ttft:500,tpot:50" (milliseconds) -> {"ttft": 0.5, "tpot": 0.05} (seconds)."""
+    out = {}
+    for item in text.split(","):
+        name, _, value = item.partition(":")
+        try:
+            out[name.strip()] = float(value) / 1e3
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"expected METRIC:MS pairs (ttft, tpot, e2e), got {item!r}"
+            ) from None
+    return out
+
+
+def run_served_bench(args: argparse.Namespace) -> int:
+    from specdec_fast.harness.prompts import default_prompts, first_per_task, load_prompts
+    from specdec_fast.serving.loadgen import LoadConfig, run_sweep, write_serving_report
+
+    if args.prompts is None:
+        records = default_prompts(args.per_task)
+    else:
+        records = first_per_task(load_prompts(args.prompts), args.per_task)
+    config = LoadConfig(
+        url=args.url.rstrip("/"),
+        qps=args.qps,
+        duration=args.duration,
+        num_requests=args.num_requests,
+        routes=args.route or ["default"],
+        baseline=args.baseline_route,
+        max_new_tokens=args.max_new_tokens,
+        goodput=args.goodput,
+        seed=args.seed,
+        rounds=args.rounds,
+    )
+    report = run_sweep(
+        config,
+        records,
+        args.prompts or "(shipped default set)",
+        lambda line: print(f"bench: {line}", file=sys.stderr),
+    )
+    files = write_serving_report(report, args.out)
+    print(f"wrote {files['markdown']} and {files['json']}")
+    return 0
 
 
 def run_bench(args: argparse.Namespace) -> int:
     import torch
 
     from specdec_fast.harness import bench
+
+    if args.url is not None:
+        return run_served_bench(args)
 
     if args.threads is not None:
         torch.set_num_threads(args.threads)
@@ -250,6 +355,79 @@ def run_bench(args: argparse.Namespace) -> int:
     )
     print(f"wrote {report['files']['markdown']} and {report['files']['json']}")
     return 0
+
+
+def _add_serve(sub) -> None:
+    serve = sub.add_parser(
+        "serve",
+        help="an OpenAI-compatible server with continuous batching, routes and guardrails",
+        description="Serve /v1/completions and /v1/chat/completions (streamed by server-sent "
+        "events), /v1/models, /health and /metrics (Prometheus, vLLM's metric names) with "
+        "continuous batching. Routes: `default` (--drafter), `plain` (no speculation) and those "
+        "of --routes; a request picks one with the X-Specdec-Route header or its `model`.",
+        epilog=SPEC_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    add_model_options(serve, "tiny-code", chat=False)
+    serve.add_argument(
+        "--drafter",
+        default="ngram",
+        type=DrafterSpec.parse,
+        help="the default route's drafter SPEC (below; none: plain); default: ngram",
+    )
+    serve.add_argument(
+        "--shadow",
+        action="store_true",
+        help="the default route serves plainly and speculates on shadow copies",
+    )
+    serve.add_argument(
+        "--canary",
+        type=float,
+        default=1.0,
+        help="share of the default route's requests that speculate (1.0)",
+    )
+    serve.add_argument(
+        "--routes", default=None, help="YAML file of more routes (drafter, mode, canary, aliases)"
+    )
+    serve.add_argument(
+        "--guardrails", default=None, help="YAML guardrail policies, per route by name"
+    )
+    serve.add_argument("--host", default="127.0.0.1", help="default: 127.0.0.1")
+    serve.add_argument("--port", type=int, default=8000, help="default: 8000")
+    serve.add_argument(
+        "--served-model-name", default=None, help="the model name (default: --model's)"
+    )
+    serve.add_argument(
+        "--max-model-len",
+        type=int,
+        default=None,
+        help="prompt + completion tokens per request (default: the model's maximum)",
+    )
+    serve.add_argument("--max-batch", type=int, default=16, help="batch slots (16)")
+    serve.add_argument(
+        "--max-queue", type=int, default=256, help="waiting requests before 429s (256)"
+    )
+    serve.add_argument(
+        "--prefill-chunk",
+        type=int,
+        default=256,
+        help="prompt tokens per row fed between two decode steps (256)",
+    )
+    serve.add_argument(
+        "--chat-template",
+        default=None,
+        help="a Jinja chat template (file or text) for tokenizers without one",
+    )
+    serve.add_argument("--seed", type=int, default=0, help="of the canary draws (0)")
+    serve.add_argument(
+        "--threads", type=int, default=None, help="CPU threads for torch (default: torch's)"
+    )
+    serve.add_argument(
+        "--log-level",
+        default="info",
+        choices=["critical", "error", "warning", "info", "debug"],
+        help="uvicorn's (info)",
+    )
 
 
 def run_generate(args: argparse.Namespace) -> int:
@@ -367,6 +545,10 @@ def _choose_compile(args: argparse.Namespace) -> None:
 def _dispatch(args: argparse.Namespace) -> int:
     if args.command == "generate":
         return run_generate(args)
+    if args.command == "serve":
+        from specdec_fast.serving.server import serve
+
+        return serve(args)
     if args.command == "demo":
         from specdec_fast.demo import main as demo_main
 

@@ -155,35 +155,40 @@ class SpecMetrics:
         return "\n".join(lines) + "\n"
 
 
+# Guardrail route states: (name, kind, help, value of a `RouteGuard`); the serving metrics
+# (`specdec_fast.serving.metrics`) export the same families.
+ROUTE_FAMILIES = (
+    (
+        "route_speculating",
+        "gauge",
+        "1 while the route speculates, 0 while it falls back.",
+        lambda g: int(g.speculating),
+    ),
+    (
+        "route_fallbacks_total",
+        "counter",
+        "Times the route's guardrails switched it to plain decoding.",
+        lambda g: g.fallbacks,
+    ),
+    (
+        "route_probes_total",
+        "counter",
+        "Times the route probed speculation again after a cool-down.",
+        lambda g: g.probes,
+    ),
+    (
+        "route_drafter_errors_total",
+        "counter",
+        "Drafter errors on the route.",
+        lambda g: g.errors,
+    ),
+)
+
+
 def _guardrail_lines(prefix: str, guardrails) -> list[str]:
     routes = sorted(guardrails.routes.items())
     out = []
-    for name, kind, help_text, value_of in (
-        (
-            "route_speculating",
-            "gauge",
-            "1 while the route speculates, 0 while it falls back.",
-            lambda g: int(g.speculating),
-        ),
-        (
-            "route_fallbacks_total",
-            "counter",
-            "Times the route's guardrails switched it to plain decoding.",
-            lambda g: g.fallbacks,
-        ),
-        (
-            "route_probes_total",
-            "counter",
-            "Times the route probed speculation again after a cool-down.",
-            lambda g: g.probes,
-        ),
-        (
-            "route_drafter_errors_total",
-            "counter",
-            "Drafter errors on the route.",
-            lambda g: g.errors,
-        ),
-    ):
+    for name, kind, help_text, value_of in ROUTE_FAMILIES:
         out.append(f"# HELP {prefix}_{name} {help_text}")
         out.append(f"# TYPE {prefix}_{name} {kind}")
         for route, guard in routes:

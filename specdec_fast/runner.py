@@ -26,6 +26,13 @@ Plain decoding is the same loop with N = 1 (`parents = [[-1]]`, accepting the ro
 with parent -2 are padding: they see only themselves and nobody sees them, so they are harmless
 (their token must still be a valid id; their logits are meaningless).
 
+Sequences joining a running batch (continuous batching, `specdec_fast.serving`): `reserve(rows)`
+sizes the storage and empties the batch; a newcomer's prompt is fed in chunks by
+`extend_rows(start, tokens, cached)` into storage rows past the batch's end (a `SpecKVCache.rows`
+view), between the batch's own steps, and `admit_rows` then appends those rows to the batch.
+`prefill_rows(prompts)` does all three in one chunk (drafters' own caches use it). The batch's
+rows keep their cache throughout.
+
 Hidden states for drafters: `runner.capture_hidden([i, ...])` registers forward hooks; layer i is
 the output of decoder layer i, and -1 is the final normed hidden state (the input of `lm_head`).
 `prefill` and `verify` return them in `hidden_states`.
@@ -59,6 +66,7 @@ import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from torch import nn
 from transformers import PreTrainedModel
@@ -73,6 +81,7 @@ from specdec_fast.cache import SpecKVCache, attention_windows
 from specdec_fast.exact import switch_exact
 from specdec_fast.kernels import pack_tree_mask
 from specdec_fast.kernels.validation import check_tensor
+from specdec_fast.transfer import to_device
 from specdec_fast.tree_mask import ancestor_mask, node_depths
 
 FINAL_NORM = -1
@@ -545,6 +554,106 @@ class ModelRunner:
         if self.cache is None:
             raise RuntimeError("keep: call prefill first")
         self.cache.select(rows.tolist() if isinstance(rows, torch.Tensor) else rows)
+
+    def reserve(self, rows: int) -> None:
+        """Cache storage for up to `rows` sequences, and an empty batch: sequences then join it
+        through `prefill_rows`, or `extend_rows` and `admit_rows` (continuous batching)."""
+        self._check_open()
+        if rows < 1:
+            raise ValueError(f"rows: expected >= 1, got {rows}")
+        self._ensure_cache(rows)
+        self.cache.select([])
+
+    def extend_rows(
+        self, start: int, tokens: Sequence[Sequence[int]], cached: Sequence[int]
+    ) -> dict[int, torch.Tensor]:
+        """Feed `tokens[r]` to storage row `start + r`, past the batch's end, and commit them:
+        one chunk of the prompts of sequences that join a running batch (`admit_rows` takes them
+        in), while the batch's rows keep their cache.
+
+        Args:
+            start: the first storage row, at least the batch size B.
+            tokens: per row, its next tokens (host lists, ragged, possibly empty), fed at
+                positions `cached[r] + i` over the row's committed `cached[r]` tokens.
+            cached: per row, the tokens already committed by earlier chunks (0 on the first:
+                the row's earlier contents are forgotten).
+
+        Returns the captured hidden states `{layer: [n, T, H]}` of the fed tokens (T the longest
+        chunk; rows past their own chunk are padding). Reads nothing back from the device.
+        """
+        self._check_open()
+        if self.cache is None:
+            raise RuntimeError("extend_rows: call reserve or prefill first")
+        if len(tokens) != len(cached):
+            raise ValueError(
+                f"cached: expected one length per row of tokens ({len(tokens)}), got {len(cached)}"
+            )
+        batch = self.cache.kv.shape[2]
+        if start < batch:
+            raise ValueError(f"start: expected rows past the batch of {batch}, got {start}")
+        count, width = len(tokens), max(len(row) for row in tokens)
+        rows = self.cache.rows(start, count)
+        lengths = [c + len(row) for c, row in zip(cached, tokens, strict=True)]
+        if max(lengths) > self.max_cache_len:
+            raise ValueError(
+                f"tokens: {max(lengths)} tokens exceed the capacity max_cache_len = "
+                f"{self.max_cache_len}"
+            )
+        rows.commit_lengths(to_device(cached, self.device, torch.int32), max(cached))
+        if width == 0:
+            return self._empty_outputs(count)[1]
+        padded = np.zeros((count, width), dtype=np.int64)
+        for row, chunk in enumerate(tokens):
+            padded[row, : len(chunk)] = chunk
+        positions = rows.cache_lens[:, None].long() + torch.arange(width, device=self.device)
+        q_lens = to_device([len(row) for row in tokens], self.device, torch.int32)
+        # The forward runs over the view: swap it in for the call (the steps read `self.cache`).
+        batch_cache, self.cache = self.cache, rows
+        try:
+            _, hidden = self._run(
+                "prefill",
+                self._model_step,
+                to_device(padded, self.device),
+                positions,
+                None,
+                q_lens,
+                None,
+                1,
+            )
+        finally:
+            self.cache = batch_cache
+        rows.commit_lengths(to_device(lengths, self.device, torch.int32), max(lengths))
+        return hidden
+
+    def admit_rows(self, start: int, count: int, max_length: int) -> None:
+        """The storage rows `[start, start + count)`, filled by `extend_rows`, join the batch at
+        its end (`SpecKVCache.admit`); `max_length` is their longest committed length."""
+        self._check_open()
+        self.cache.admit(start, count, max_length)
+
+    def prefill_rows(self, prompts: Sequence[Sequence[int]]) -> PrefillOutput:
+        """`prefill` for sequences joining the running batch, appended after its rows, which
+        keep their cache: every prompt token except the last is cached (in one chunk), the
+        storage grows when the batch outgrows it. `prompts`: host token lists (no device read);
+        `hidden_states` cover the new rows only."""
+        self._check_open()
+        if not prompts or min(len(p) for p in prompts) < 1:
+            raise ValueError("prompts: expected one or more non-empty token lists")
+        if self.cache is None:
+            self.reserve(len(prompts))
+        batch = self.cache.kv.shape[2]
+        if batch + len(prompts) > self.cache.capacity:
+            self.cache = self.cache.with_capacity(max(batch + len(prompts), 2 * batch))
+            self._graphs.clear()
+        cached = [len(p) - 1 for p in prompts]
+        hidden = self.extend_rows(batch, [p[:-1] for p in prompts], [0] * len(prompts))
+        self.admit_rows(batch, len(prompts), max(cached))
+        return PrefillOutput(
+            root_tokens=to_device([p[-1] for p in prompts], self.device),
+            cache_lens=to_device(cached, self.device, torch.int32),
+            hidden_states=hidden,
+            logits=None,
+        )
 
     def _check_open(self) -> None:
         if not self._open:

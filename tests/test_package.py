@@ -54,7 +54,7 @@ def test_bad_backend_is_a_clear_error(monkeypatch):
         requested_backend()
 
 
-@pytest.mark.parametrize("command", ["demo", "generate", "bench"])
+@pytest.mark.parametrize("command", ["demo", "generate", "bench", "serve"])
 def test_cli_help(command):
     result = subprocess.run(
         [sys.executable, "-m", "specdec_fast", command, "--help"],

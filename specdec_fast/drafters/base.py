@@ -31,6 +31,11 @@ A drafter is any object with these members (subclass `Drafter` for the defaults)
   the verified nodes.
 - `keep(rows)`: finished rows leave the batch; `rows` (a list of ints) indexes the rows that
   remain, in their new order.
+- `join(state)`: rows join the running batch (continuous batching, `specdec_fast.serving`),
+  appended after the drafter's rows in order; `state` describes only the newcomers, as `begin`'s
+  does its batch (prompts, sampling parameters, roots, hidden states over their cached prompt
+  tokens). The next `propose` sees the whole batch. Drafters with per-row state implement it;
+  `supports_join` tells whether a drafter can serve continuous batching.
 
 Drafters never read device tensors back to the host: what a step's outcome means on the host
 (emitted tokens, the accepted node indices, the drafted counts) comes with the outcome, read
@@ -188,11 +193,33 @@ class Drafter:
     def keep(self, rows: list[int]) -> None:
         """Finished rows left the batch (stateless drafters need nothing)."""
 
+    def join(self, state: DraftState) -> None:
+        """Rows described by `state` join the running batch after the drafter's rows (see the
+        module doc). Stateless drafters need nothing; a drafter that overrides `begin` or `keep`
+        keeps per-row state and must override this too to serve continuous batching."""
+        if not supports_join(self):
+            raise NotImplementedError(
+                f"{type(self).__name__} keeps per-row state but does not implement join(state): "
+                "rows cannot join its running batch (continuous batching)"
+            )
+
     def end(self) -> None:
         """The batch is done."""
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(max_nodes={self.max_nodes}, max_depth={self.max_depth})"
+
+
+def supports_join(drafter) -> bool:
+    """Whether rows can join `drafter`'s running batch: it implements `join`, or it keeps no
+    per-row state (a `Drafter` overriding neither `begin` nor `keep`)."""
+    kind = type(drafter)
+    join = getattr(kind, "join", None)
+    if join is None:
+        return False
+    if join is not Drafter.join:
+        return True
+    return kind.begin is Drafter.begin and kind.keep is Drafter.keep
 
 
 def root_only(state: DraftState) -> Proposal:

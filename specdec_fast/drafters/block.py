@@ -227,6 +227,28 @@ class _FeatureBlock:
         self._cache.select(rows)
         self._lengths = [self._lengths[r] for r in rows]
 
+    def join(self, state: DraftState) -> None:
+        """The newcomers' context entries go to the storage rows past the batch, through a view
+        of them (grown first if they do not fit), which the batch then admits."""
+        cache, batch, count = self._cache, self._cache.kv.shape[2], state.batch_size
+        if batch + count > cache.capacity:
+            cache = cache.with_capacity(max(batch + count, 2 * batch))
+        lengths = self._lengths
+        self._cache, self._lengths = cache.rows(batch, count), [0] * count
+        try:
+            # A view's rows keep their last occupants' lengths: start them empty.
+            zeros = torch.zeros(count, dtype=torch.int32, device=state.device)
+            self._cache.commit_lengths(zeros, 0)
+            cached = [len(row) - 1 for row in state.tokens]
+            if max(cached) > 0:
+                self._write_context([state.hidden[layer] for layer in self.hidden_layers], cached)
+            joined = self._lengths
+        finally:
+            self._cache = cache
+            self._lengths = lengths
+        cache.admit(batch, count, max(joined))
+        self._lengths = lengths + joined
+
     def end(self) -> None:
         self._cache = None
         self._masks.clear()
@@ -283,6 +305,10 @@ class _StandaloneBlock:
     def keep(self, rows: list[int]) -> None:
         self.runner.keep(rows)
         self._cached = [self._cached[r] for r in rows]
+
+    def join(self, state: DraftState) -> None:
+        self.runner.prefill_rows(state.tokens)
+        self._cached += [len(row) - 1 for row in state.tokens]
 
     def end(self) -> None:
         if self.runner is not None:
@@ -375,6 +401,10 @@ class BlockDrafter(Drafter):
 
     def keep(self, rows: list[int]) -> None:
         self.flavour.keep(rows)
+
+    @torch.no_grad()
+    def join(self, state: DraftState) -> None:
+        self.flavour.join(state)
 
     def end(self) -> None:
         self.flavour.end()

@@ -161,6 +161,10 @@ class DraftModelDrafter(Drafter):
         self.runner.keep(rows)
         self._cached = [self._cached[r] for r in rows]
 
+    def join(self, state: DraftState) -> None:
+        self.runner.prefill_rows(state.tokens)
+        self._cached += [len(row) - 1 for row in state.tokens]
+
     def end(self) -> None:
         if self.runner is not None:
             self.runner.close()

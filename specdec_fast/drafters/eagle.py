@@ -135,15 +135,40 @@ class EagleDrafter(Drafter):
 
     @torch.no_grad()
     def begin(self, state: DraftState) -> None:
-        device, batch = state.device, state.batch_size
         self._cache = SpecKVCache(
-            self.head.config, batch, self._capacity, dtype=self.head.fc.weight.dtype, device=device
+            self.head.config,
+            state.batch_size,
+            self._capacity,
+            dtype=self.head.fc.weight.dtype,
+            device=state.device,
         )
+        self._outputs = self._fill(state)
+
+    @torch.no_grad()
+    def join(self, state: DraftState) -> None:
+        cache, batch = self._cache, self._cache.kv.shape[2]
+        if batch + state.batch_size > cache.capacity:
+            cache = cache.with_capacity(max(batch + state.batch_size, 2 * batch))
+        # The newcomers' entries go to the rows past the batch, through a view of them.
+        self._cache = cache.rows(batch, state.batch_size)
+        try:
+            outputs = self._fill(state)
+        finally:
+            self._cache = cache
+        cache.admit(batch, state.batch_size, max(len(row) - 1 for row in state.tokens))
+        self._outputs = torch.cat([self._outputs, outputs])
+
+    def _fill(self, state: DraftState) -> torch.Tensor:
+        """Feed the rows' prompt entries into the head's cache (`self._cache`, one row per row of
+        `state`) and commit them; returns the output of each row's last entry `[B, h]` (zeros
+        for a one-token prompt)."""
+        device, batch = state.device, state.batch_size
         lengths = [len(row) - 1 for row in state.tokens]
         width = max(lengths)
-        self._outputs = torch.zeros(
+        last_outputs = torch.zeros(
             batch, self.head.hidden_size, dtype=self.head.fc.weight.dtype, device=device
         )
+        self._cache.commit_lengths(torch.zeros(batch, dtype=torch.int32, device=device), 0)
         if width > 0:
             tokens = torch.zeros(batch, width, dtype=torch.int64)
             for row, (ids, length) in enumerate(zip(state.tokens, lengths, strict=True)):
@@ -153,8 +178,9 @@ class EagleDrafter(Drafter):
             positions = torch.arange(width, device=device).expand(batch, -1)
             outputs = self._run(hidden, tokens.to(device), positions, None, q_lens)
             last = gather_rows(outputs, (q_lens.long() - 1).clamp(min=0)[:, None])[:, 0]
-            self._outputs = torch.where((q_lens > 0)[:, None], last, self._outputs)
+            last_outputs = torch.where((q_lens > 0)[:, None], last, last_outputs)
         self._cache.commit_lengths(to_device(lengths, device, torch.int32), width)
+        return last_outputs
 
     def _top_k(self, outputs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Log-probabilities and target ids of the top-k next tokens after head outputs."""

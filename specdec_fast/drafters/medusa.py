@@ -91,6 +91,9 @@ class MedusaDrafter(Drafter):
     def keep(self, rows: list[int]) -> None:
         self._hidden = self._hidden[to_device(rows, self._hidden.device)]
 
+    def join(self, state: DraftState) -> None:
+        self._hidden = torch.cat([self._hidden, last_cached_hidden(state, FINAL_NORM)])
+
     def end(self) -> None:
         self._hidden = None
         self._tree_index = None

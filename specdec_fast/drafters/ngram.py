@@ -55,6 +55,11 @@ class NGramDrafter(Drafter):
         self._history = [self._history[r] for r in rows]
         self._lengths = [self._lengths[r] for r in rows]
 
+    def join(self, state: DraftState) -> None:
+        # Empty histories: the next `_sync` fills them from the rows' tokens.
+        self._history += [np.zeros(0, dtype=np.int64) for _ in range(state.batch_size)]
+        self._lengths += [0] * state.batch_size
+
     def _sync(self, tokens: list[list[int]]) -> None:
         """Append to each row's history whatever it gained since the last call."""
         if len(self._lengths) != len(tokens):

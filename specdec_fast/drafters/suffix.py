@@ -109,6 +109,15 @@ class SuffixDrafter(Drafter):
         self._prompt_lens = [len(tokens) for tokens in state.tokens]
         self._finished = []
 
+    def join(self, state: DraftState) -> None:
+        depth = self.max_match + self.max_depth
+        self._requests += [_RequestIndex(depth, tokens) for tokens in state.tokens]
+        self._prompt_lens += [len(tokens) for tokens in state.tokens]
+        # A running batch may never end: the outputs of the rows that left go to the store now.
+        for output in self._finished:
+            self.remember(output)
+        self._finished = []
+
     def update(self, state: DraftState, outcome: StepOutcome) -> None:
         for index, emitted in zip(self._requests, outcome.emitted, strict=True):
             index.extend(emitted)

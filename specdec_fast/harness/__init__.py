@@ -36,7 +36,8 @@ __all__ = [
 ]
 
 
-def _versions() -> dict[str, str]:
+def versions() -> dict[str, str]:
+    """Python, torch, transformers and specdec-fast versions, for reports."""
     import torch
     import transformers
 
@@ -128,7 +129,7 @@ def bench(
         "device": str(model.device),
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "prompts_file": prompts_file,
-        "versions": _versions(),
+        "versions": versions(),
     }
     summarize(report)
     if out is not None:

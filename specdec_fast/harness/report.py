@@ -83,26 +83,49 @@ def summarize(report: dict) -> None:
     report["adaptive_vs_baseline"] = adaptive_rows(report)
 
 
+def axis(report: dict) -> str:
+    """What the cells' `batch` is: a batch size (offline), or a QPS level (`bench --url`)."""
+    return "QPS" if report["config"].get("axis") == "qps" else "batch"
+
+
+def _grid(report: dict) -> str:
+    config = report["config"]
+    if axis(report) == "QPS":
+        return (
+            f"Served traffic at {config['url']}: routes {config['drafters']} against the "
+            f"`{config['baseline_route']}` route (speculation off) at QPS {config['batches']}, "
+            "Poisson arrivals (seed "
+            f"{config['seed']}) for {config['duration_s']} s or {config['num_requests']} "
+            "requests per level, one route after the other with the same arrivals and prompts. "
+            "Speed-ups are TPOT p50 ratios to the baseline route at the same QPS; the noise is "
+            f"the assumed floor ({config['noise_floor']:.0%})."
+        )
+    return (
+        f"Grid: drafters {config['drafters']}, sizes {config['sizes']}, "
+        f"trees {config['trees']}, batches {config['batches']}, adaptive "
+        f"{config['adaptive']}. Speed-ups compare tokens/s with plain decoding of the "
+        "same prompts at the same batch size, run in turns with each cell (paired); noise is how "
+        "far plain decoding paired with itself strays from 1.0 "
+        f"(at least {config['noise_floor']:.0%})."
+    )
+
+
 def markdown(report: dict) -> str:
     meta, lines = report.get("meta", {}), []
+    level = axis(report)
     lines += [
         "# Speculative decoding benchmark",
         "",
         f"Model `{meta.get('model')}` on {meta.get('device')}, {len(report['prompts'])} prompts "
         f"({meta.get('prompts_file')}), {meta.get('date')}. Versions: {meta.get('versions')}.",
-        f"Grid: drafters {report['config']['drafters']}, sizes {report['config']['sizes']}, "
-        f"trees {report['config']['trees']}, batches {report['config']['batches']}, adaptive "
-        f"{report['config']['adaptive']}. Speed-ups compare tokens/s with plain decoding of the "
-        "same prompts at the same batch size, run in turns with each cell (paired); noise is how "
-        "far plain decoding paired with itself strays from 1.0 "
-        f"(at least {report['config']['noise_floor']:.0%}).",
+        _grid(report),
         "",
         f"Mode: {_mode(report['config'])}.",
         "",
         "## Baseline (plain decoding)",
         "",
-        "| batch | tok/s | req/s | TTFT ms p50/p95/p99 | TPOT ms p50/p95/p99 | ITL ms p50/p95/p99 "
-        "| device mem MB | error rate | cost/1K tok | noise |",
+        f"| {level} | tok/s | req/s | TTFT ms p50/p95/p99 | TPOT ms p50/p95/p99 "
+        "| ITL ms p50/p95/p99 | device mem MB | error rate | cost/1K tok | noise |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for batch, m in report["baseline"].items():
@@ -118,9 +141,9 @@ def markdown(report: dict) -> str:
         "",
         "N: tokens verified per step, root included (a chain of k drafted tokens has N = k + 1).",
         "",
-        "| cell | N | batch | accept | tok/step | per-position accept | tok/s | speed-up | TPOT ms "
-        "p50/p95/p99 | ITL ms p50/p95/p99 | errors | cost/1K tok | greedy exact | quality "
-        "regressions |",
+        f"| cell | N | {level} | accept | tok/step | per-position accept | tok/s | speed-up "
+        "| TPOT ms p50/p95/p99 | ITL ms p50/p95/p99 | errors | cost/1K tok | greedy exact "
+        "| quality regressions |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for c in report["cells"]:
@@ -137,7 +160,7 @@ def markdown(report: dict) -> str:
     lines += ["", "## Best configuration per task type and concurrency", ""]
     batches = [str(b) for b in report["config"]["batches"]]
     lines += [
-        "| task | " + " | ".join(f"batch {b}" for b in batches) + " |",
+        "| task | " + " | ".join(f"{level} {b}" for b in batches) + " |",
         "|---|" + "---|" * len(batches),
     ]
     for task, by_batch in sorted(report["best_by_task_and_batch"].items()):
@@ -156,7 +179,7 @@ def markdown(report: dict) -> str:
     if report["losses"]:
         for loss in report["losses"]:
             lines.append(
-                f"- {loss['cell']} at batch {loss['batch']}: {loss['speedup']:.2f}x "
+                f"- {loss['cell']} at {level} {loss['batch']}: {loss['speedup']:.2f}x "
                 f"(noise {loss['noise']:.1%})"
             )
     else:
@@ -165,7 +188,7 @@ def markdown(report: dict) -> str:
     rows = report["adaptive_vs_baseline"]
     if rows:
         lines += [
-            "| cell | batch | ratio to baseline | noise | plain steps | exploring requests "
+            f"| cell | {level} | ratio to baseline | noise | plain steps | exploring requests "
             "| verdict |",
             "|---|---|---|---|---|---|---|",
         ]
@@ -185,6 +208,7 @@ def markdown(report: dict) -> str:
         )
     else:
         lines.append("Adaptive cells were not run.")
+    lines += _serving_tables(report)
     lines += _split_tables(report)
     lines += quality_section(report)
     if any("guardrails" in c for c in report["cells"]):
@@ -192,7 +216,7 @@ def markdown(report: dict) -> str:
             "",
             "## Guardrail verdicts",
             "",
-            "| cell | batch | route | verdict |",
+            f"| cell | {level} | route | verdict |",
             "|---|---|---|---|",
         ]
         for c in report["cells"]:
@@ -208,6 +232,57 @@ def markdown(report: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _serving_tables(report: dict) -> list[str]:
+    """Served traffic (`bench --url`): every route at every QPS level, and the integrity of
+    the responses."""
+    if "serving" not in report:
+        return []
+    lines = [
+        "",
+        "## Served traffic",
+        "",
+        "| QPS | route | requests | tok/s | req/s | goodput req/s | concurrency | TTFT ms "
+        "p50/p95/p99 | TPOT ms p50/p95/p99 | ITL ms p50/p95/p99 | E2E ms p50/p95/p99 | accept "
+        "| tok/step | errors | decoding / prefilling |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for level, routes in report["serving"].items():
+        for route, m in routes.items():
+            busy = m.get("scheduler", {})
+            shares = (
+                f"{_f(busy.get('decode_share'), '.0%')} / {_f(busy.get('prefill_share'), '.0%')}"
+            )
+            lines.append(
+                f"| {level} | {route} | {m['requests']} | {_f(m['tokens_per_second'], '.1f')} "
+                f"| {_f(m['requests_per_second'])} | {_f(m['goodput_requests_per_second'])} "
+                f"| {_f(m['mean_concurrency'])} | {_ms(m['ttft_s'])} | {_ms(m['tpot_s'])} "
+                f"| {_ms(m['itl_s'])} | {_ms(m['e2e_s'])} | {_f(m['acceptance_rate'])} "
+                f"| {_f(m['mean_accepted_tokens_per_step'])} | {_f(m['error_rate'], '.3f')} "
+                f"| {shares} |"
+            )
+    slo = report["config"].get("goodput_slo_s") or {}
+    lines += [
+        "",
+        "Goodput counts completed requests meeting "
+        + (", ".join(f"{k} <= {v * 1e3:g} ms" for k, v in slo.items()) or "no SLO (all of them)")
+        + ". Acceptance comes from the server's spec-decode counters over the level; decoding "
+        "/ prefilling: the share of the level's time the scheduler spent in decode steps and in "
+        "feeding newcomers' prompts.",
+        "",
+        "| QPS | route | requests | completed | errors (refused) | lost | unaccounted | wrong ids "
+        "| inconsistent greedy outputs |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for level, routes in report.get("integrity", {}).items():
+        for route, i in routes.items():
+            lines.append(
+                f"| {level} | {route} | {i['requests']} | {i['completed']} | {i['errors']} "
+                f"({i['refused']}) | {i['lost']} | {i['unaccounted']} | {i['wrong_ids']} "
+                f"| {i['inconsistent_outputs']} |"
+            )
+    return lines
+
+
 def _split_tables(report: dict) -> list[str]:
     kinds = sorted({k for c in report["cells"] for k in c["splits"] if k != "task"} | {"task"})
     lines = ["", "## Splits (TPOT speed-up against the same prompts decoded plainly)"]
@@ -217,7 +292,7 @@ def _split_tables(report: dict) -> list[str]:
             "",
             f"### by {kind.replace('_', ' ')}",
             "",
-            "| cell | batch | " + " | ".join(values) + " |",
+            f"| cell | {axis(report)} | " + " | ".join(values) + " |",
             "|---|---|" + "---|" * len(values),
         ]
         for c in report["cells"]:
@@ -247,22 +322,28 @@ def quality_section(report: dict) -> list[str]:
     if not found:
         lines.append("Every greedy output equals the baseline's, and no check regressed.")
         return lines
-    near_ties = sum(d["near_tie"] for _, d in found)
-    gap = report["config"]["near_tie_gap"]
+    near_ties = sum(d.get("near_tie", False) for _, d in found)
+    gap = found[0][0]["quality"].get("near_tie_gap")
+    if gap is None or all(d.get("logit_gap") is None for _, d in found):
+        split = "logit gaps not measured"
+    else:
+        split = (
+            f"{near_ties} at near-ties (the target's logits of the two tokens at the first "
+            f"differing position, under the baseline's context, differ by less than {gap:g}), "
+            f"{len(found) - near_ties} real"
+        )
     lines.append(
-        f"{len(found)} divergences (all in report.json): {near_ties} at near-ties (the target's "
-        f"logits of the two tokens at the first differing position, under the baseline's "
-        f"context, differ by less than {gap:g}), {len(found) - near_ties} real; the first "
+        f"{len(found)} divergences (all in report.json): {split}; the first "
         f"{min(len(found), MAX_DIVERGENCES_SHOWN)}:"
     )
     for cell, d in found[:MAX_DIVERGENCES_SHOWN]:
         kind = "quality regression" if d["quality_regression"] else "greedy mismatch"
-        tie = "" if d["logit_gap"] is None else f", logit gap {d['logit_gap']:.3g}"
-        tie += " (near-tie)" if d["near_tie"] else ""
+        tie = "" if d.get("logit_gap") is None else f", logit gap {d['logit_gap']:.3g}"
+        tie += " (near-tie)" if d.get("near_tie") else ""
         lines += [
             "",
-            f"- **{cell['name']} b={cell['batch']}**, prompt `{d['prompt_id']}` ({d['task']}), "
-            f"{kind}, first differing token {d['first_differing_token']}{tie}",
+            f"- **{cell['name']} {axis(report)}={cell['batch']}**, prompt `{d['prompt_id']}` "
+            f"({d['task']}), {kind}, first differing token {d['first_differing_token']}{tie}",
             f"  - baseline: `{json.dumps(d['baseline_output'])[:200]}`",
             f"  - speculative: `{json.dumps(d['speculative_output'])[:200]}`",
         ]
@@ -282,6 +363,7 @@ def plot(report: dict, out_dir: Path) -> list[str]:
         )
         return []
     cells = [c for c in report["cells"] if not c["adaptive"]]
+    level = axis(report)
     paths = []
 
     def save(fig, name: str) -> None:
@@ -292,49 +374,51 @@ def plot(report: dict, out_dir: Path) -> list[str]:
         paths.append(str(path))
 
     smallest = min(report["config"]["batches"])
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for c in cells:
-        if c["batch"] == smallest and c["metrics"]["per_position_acceptance"]:
-            acc = c["metrics"]["per_position_acceptance"]
-            ax.plot(range(1, len(acc) + 1), acc, marker="o", label=c["name"])
-    ax.set(xlabel="draft position (depth)", ylabel="acceptance", title="Acceptance by position")
-    ax.legend(fontsize=7)
-    save(fig, "acceptance_by_position")
+    # A report without speculative cells (a served baseline alone) has no curves to draw.
+    if report["cells"]:
+        fig, ax = plt.subplots(figsize=(6, 4))
+        for c in cells:
+            if c["batch"] == smallest and c["metrics"]["per_position_acceptance"]:
+                acc = c["metrics"]["per_position_acceptance"]
+                ax.plot(range(1, len(acc) + 1), acc, marker="o", label=c["name"])
+        ax.set(xlabel="draft position (depth)", ylabel="acceptance", title="Acceptance by position")
+        ax.legend(fontsize=7)
+        save(fig, "acceptance_by_position")
 
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for drafter in sorted({c["drafter"] for c in cells}):
-        for batch in report["config"]["batches"]:
-            points = sorted(
-                (c["nodes"], c["speedup"] or 0)
-                for c in cells
-                if c["drafter"] == drafter and c["batch"] == batch
-            )
-            ax.plot(*zip(*points, strict=True), marker="o", label=f"{drafter} b={batch}")
-    ax.axhline(1.0, color="grey", linestyle="--")
-    ax.set(
-        xlabel="N, tokens verified per step (a chain of k: N = k + 1)",
-        ylabel="speed-up",
-        title="Speed-up against the tree size",
-    )
-    ax.legend(fontsize=7)
-    save(fig, "speedup_vs_k")
-
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for name in sorted({c["name"] for c in report["cells"]}):
-        points = sorted(
-            (c["batch"], c["speedup"] or 0) for c in report["cells"] if c["name"] == name
+        fig, ax = plt.subplots(figsize=(6, 4))
+        for drafter in sorted({c["drafter"] for c in cells}):
+            for batch in report["config"]["batches"]:
+                points = sorted(
+                    (c["nodes"], c["speedup"] or 0)
+                    for c in cells
+                    if c["drafter"] == drafter and c["batch"] == batch
+                )
+                ax.plot(*zip(*points, strict=True), marker="o", label=f"{drafter} {level}={batch}")
+        ax.axhline(1.0, color="grey", linestyle="--")
+        ax.set(
+            xlabel="N, tokens verified per step (a chain of k: N = k + 1)",
+            ylabel="speed-up",
+            title="Speed-up against the tree size",
         )
-        adaptive = name.startswith("adaptive(")
-        ax.plot(*zip(*points, strict=True), marker="o", ls=":" if adaptive else "-", label=name)
-    ax.axhline(1.0, color="grey", linestyle="--")
-    ax.set(
-        xscale="log",
-        xlabel="batch (concurrency)",
-        ylabel="speed-up",
-        title="Speed-up against concurrency",
-    )
-    ax.legend(fontsize=7)
-    save(fig, "speedup_vs_concurrency")
+        ax.legend(fontsize=7)
+        save(fig, "speedup_vs_k")
+
+        fig, ax = plt.subplots(figsize=(6, 4))
+        for name in sorted({c["name"] for c in report["cells"]}):
+            points = sorted(
+                (c["batch"], c["speedup"] or 0) for c in report["cells"] if c["name"] == name
+            )
+            adaptive = name.startswith("adaptive(")
+            ax.plot(*zip(*points, strict=True), marker="o", ls=":" if adaptive else "-", label=name)
+        ax.axhline(1.0, color="grey", linestyle="--")
+        ax.set(
+            xscale="log",
+            xlabel="QPS" if level == "QPS" else "batch (concurrency)",
+            ylabel="speed-up",
+            title="Speed-up against concurrency",
+        )
+        ax.legend(fontsize=7)
+        save(fig, "speedup_vs_concurrency")
 
     fig, ax = plt.subplots(figsize=(7, 4))
     rows = [("plain", report["baseline"][str(smallest)])] + [
@@ -350,7 +434,7 @@ def plot(report: dict, out_dir: Path) -> list[str]:
         ha="right",
         fontsize=7,
     )
-    ax.set(ylabel="TPOT (ms)", title=f"Latency percentiles, batch {smallest}")
+    ax.set(ylabel="TPOT (ms)", title=f"Latency percentiles, {level} {smallest}")
     ax.legend()
     save(fig, "latency_percentiles")
     return paths

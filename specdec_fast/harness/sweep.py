@@ -342,25 +342,36 @@ def quality(
     target `model`, each greedy divergence gets the logit gap of its two tokens at the first
     differing position under the baseline's context, and counts as a near-tie below
     `near_tie_gap` (a divergence where one output stopped has no gap: it counts as real)."""
-    divergences, greedy, equal = [], 0, 0
-    checked, base_pass, cell_pass, regressions = 0, 0, 0, 0
-    near_ties = 0
+    pairs, contexts = [], []
     for prompt in prompts:
         ours, theirs = run.outputs.get(prompt.index), baseline.outputs.get(prompt.index)
         if ours is None or theirs is None:
             continue
-        ours_text = _detok(tokenizer, ours, keep_special_tokens)
-        theirs_text = _detok(tokenizer, theirs, keep_special_tokens)
+        texts = [_detok(tokenizer, tokens, keep_special_tokens) for tokens in (ours, theirs)]
+        pairs.append((prompt.record, ours, theirs, *texts))
+        contexts.append(prompt.ids)
+    return compare_outputs(pairs, model, contexts, near_tie_gap)
+
+
+def compare_outputs(pairs, model=None, contexts=None, near_tie_gap: float = NEAR_TIE_GAP) -> dict:
+    """`quality`'s figures over (record, ours, theirs, ours_text, theirs_text) pairs: outputs
+    (token lists or texts) compared for equality, texts judged by the record's check. With the
+    target `model` and each pair's prompt ids (`contexts`), greedy token divergences get their
+    logit gap and near-tie verdict (see `quality`)."""
+    divergences, greedy, equal = [], 0, 0
+    checked, base_pass, cell_pass, regressions = 0, 0, 0, 0
+    near_ties = 0
+    for index, (record, ours, theirs, ours_text, theirs_text) in enumerate(pairs):
         regressed = False
-        if prompt.record.check is not None:
+        if record.check is not None:
             checked += 1
-            was = passes(prompt.record.check, theirs_text, theirs_text)
-            now = passes(prompt.record.check, ours_text, theirs_text)
+            was = passes(record.check, theirs_text, theirs_text)
+            now = passes(record.check, ours_text, theirs_text)
             base_pass += was
             cell_pass += now
             regressed = was and not now
             regressions += regressed
-        greedy_row = prompt.record.temperature == 0
+        greedy_row = record.temperature == 0
         greedy += greedy_row
         same = ours == theirs
         equal += greedy_row and same
@@ -371,14 +382,15 @@ def quality(
             )
             gap = None
             if model is not None and not same and first < min(len(ours), len(theirs)):
-                gap = logit_gap(model, prompt.ids + theirs[:first], theirs[first], ours[first])
+                context = contexts[index] + list(theirs[:first])
+                gap = logit_gap(model, context, theirs[first], ours[first])
             near_tie = gap is not None and gap < near_tie_gap
             near_ties += near_tie
             divergences.append(
                 {
-                    "prompt_id": prompt.record.id,
-                    "task": prompt.record.task,
-                    "prompt": prompt.record.text,
+                    "prompt_id": record.id,
+                    "task": record.task,
+                    "prompt": record.text,
                     "baseline_output": theirs_text,
                     "speculative_output": ours_text,
                     "first_differing_token": first,

@@ -1,0 +1,25 @@
+"""Serving: continuous batching (`Scheduler`) and the OpenAI-compatible server (`specdec-fast
+serve`), with routes, guardrails, shadow and canary modes, and the load generator behind
+`specdec-fast bench --url`."""
+
+from specdec_fast.serving.scheduler import (
+    Completion,
+    Handle,
+    QueueFull,
+    Request,
+    RouteCounters,
+    Scheduler,
+    SchedulerStopped,
+    StepCounters,
+)
+
+__all__ = [
+    "Completion",
+    "Handle",
+    "QueueFull",
+    "Request",
+    "RouteCounters",
+    "Scheduler",
+    "SchedulerStopped",
+    "StepCounters",
+]
