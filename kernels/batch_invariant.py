@@ -15,10 +15,13 @@ speculative output equals plain output bit for bit.
 - `tree_attention_exact(...)`: `tree_attention`'s arguments and semantics. Each query row
   gathers the keys it sees, in slot order (the prefix, then its tree ancestors: the order a
   plain decode step sees the same tokens in), and walks them in blocks of `KEY_BLOCK` keys with
-  an online softmax in fp32. Products are summed over D and over a block's keys by reductions of
-  fixed size, and blocks are folded in order; blocks past a row's last key change nothing
-  (exactly: their weights are 0), so neither N, nor B, nor the other rows' lengths reach a row's
-  result.
+  an online softmax in fp32. Per (row, KV head) a block is two GEMMs of fixed shapes ([G, D] x
+  [D, KEY_BLOCK], then [G, KEY_BLOCK] x [KEY_BLOCK, D]), batched: a batched GEMM computes each
+  item as that GEMM alone, whatever the number of items (tested on this CPU); blocks are folded
+  in order, and blocks past a row's last key change nothing (exactly: their weights are 0), so
+  neither N, nor B, nor the other rows' lengths reach a row's result. The step's gather rows
+  and key masks are planned once and shared by every layer (compared by value, as the fused
+  backend's plan).
 """
 
 from __future__ import annotations
