@@ -33,7 +33,7 @@ from transformers import PreTrainedModel
 from specdec_fast.arguments import check_generate_arguments
 from specdec_fast.batch import Batch, TokenCallback
 from specdec_fast.drafters.base import Drafter, StepOutcome
-from specdec_fast.drafters.checks import check_form, malformed_error, screen, screens_values
+from specdec_fast.drafters.checks import checked, malformed_error, screens_values
 from specdec_fast.kernels.verify import run_verify
 from specdec_fast.runner import COMPILE_LOG, ModelRunner
 from specdec_fast.stats import SequenceStats, SpecStats
@@ -212,8 +212,7 @@ def _decode(runner: ModelRunner, drafter: Drafter | None, batch: Batch, capacity
             proposal = batch.plain_proposal()
         else:
             drafted = drafter.propose(batch.state)
-            check_form(drafter, drafted, batch.state, vocab)
-            proposal = screen(drafted, vocab) if screened else drafted
+            proposal = checked(drafter, drafted, batch.state, vocab)
             proposal = batch.with_roots(proposal, runner.use_cuda_graphs)
         out = runner.verify(proposal.tokens, proposal.parents)
         result = run_verify(

@@ -38,7 +38,7 @@ from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
 from specdec_fast.drafters.base import Drafter, DraftState, Proposal, StepOutcome, root_only
-from specdec_fast.drafters.checks import check_form, malformed_error, screen, screens_values
+from specdec_fast.drafters.checks import checked, malformed_error
 from specdec_fast.files import FileFormatError, parse_yaml
 from specdec_fast.stats import percentile
 from specdec_fast.wrapping import WrappedDrafter
@@ -385,11 +385,8 @@ class GuardedDrafter(WrappedDrafter):
         self._speculated = False
         if self._active:
             try:
-                proposal = self.inner.propose(state)
-                check_form(self.inner, proposal, state, self._vocab)
-                self._drafted = proposal
-                if screens_values(self.inner):
-                    proposal = screen(proposal, self._vocab)
+                self._drafted = self.inner.propose(state)
+                proposal = checked(self.inner, self._drafted, state, self._vocab)
                 self._speculated = True
                 return proposal
             except Exception as error:  # noqa: BLE001

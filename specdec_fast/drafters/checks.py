@@ -101,6 +101,13 @@ def screen(proposal: Proposal, vocab: int) -> Proposal:
     return Proposal(tokens, parents, probs, malformed)
 
 
+def checked(drafter, proposal: Proposal, state: DraftState, vocab: int) -> Proposal:
+    """`proposal` after `check_form`, passed through `screen` unless `drafter` declares its
+    proposals valid: what the target may run."""
+    check_form(drafter, proposal, state, vocab)
+    return screen(proposal, vocab) if screens_values(drafter) else proposal
+
+
 def malformed_error(drafter, proposal: Proposal, vocab: int) -> DrafterError:
     """The `DrafterError` for a proposal `screen` flagged (pass the proposal as the drafter
     made it): the first broken rule and row. Reads the values (the failure path)."""

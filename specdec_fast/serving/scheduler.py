@@ -49,7 +49,7 @@ from specdec_fast.drafters.base import (
     StepOutcome,
     supports_join,
 )
-from specdec_fast.drafters.checks import check_form, screen, screens_values
+from specdec_fast.drafters.checks import checked
 from specdec_fast.guardrails import DEFAULT_ROUTE, Guardrails, RouteGuard
 from specdec_fast.kernels.verify import SamplingParams, run_verify
 from specdec_fast.requests import Sampling, StopRule
@@ -628,11 +628,10 @@ class Scheduler:
                 continue
             try:
                 state = self._state(lane.rows, lane.index)
-                proposal = lane.drafter.propose(state)
-                check_form(lane.drafter, proposal, state, self.vocab_size)
-                if screens_values(lane.drafter):
-                    # A row breaking a tree rule takes a plain step: the output stays exact.
-                    proposal = screen(proposal, self.vocab_size)
+                # A row breaking a tree rule takes a plain step: the output stays exact.
+                proposal = checked(
+                    lane.drafter, lane.drafter.propose(state), state, self.vocab_size
+                )
             except Exception as error:  # noqa: BLE001 - a failing drafter falls back to plain
                 self._fail(lane, "propose", error)
                 continue
