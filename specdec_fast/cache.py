@@ -74,7 +74,11 @@ class SpecKVLayer(CacheLayerMixin):
     def __init__(self, cache: "SpecKVCache", layer_idx: int, sliding_window: int | None):
         super().__init__()
         self.cache = cache
-        self.keys = cache._kv_storage[layer_idx, 0]  # rebound by the cache to its live rows
+        self.layer_idx = layer_idx
+        self._layer_index = torch.tensor(layer_idx, device=cache._kv_storage.device)
+        # Views of `cache.kv` for eager readers, rebound by the cache to its live rows. Compiled
+        # code never touches them (see `update`).
+        self.keys = cache._kv_storage[layer_idx, 0]
         self.values = cache._kv_storage[layer_idx, 1]
         self.is_sliding = sliding_window is not None
         self.sliding_window = sliding_window
@@ -91,23 +95,32 @@ class SpecKVLayer(CacheLayerMixin):
 
         Returns the whole layer, `[B, Hkv, Lmax, D]` keys and values, for the attention function.
         """
-        slots = self.cache.write_slots
-        expected = (*self.keys.shape[:2], slots.shape[1], self.keys.shape[3])
+        cache, slots = self.cache, self.cache.write_slots
+        storage, batch = cache._kv_storage, cache.batch_index.shape[0]
+        expected = (batch, storage.shape[3], slots.shape[1], storage.shape[5])
         for name, states in (("key_states", key_states), ("value_states", value_states)):
-            if tuple(states.shape) != expected or states.dtype != self.keys.dtype:
+            if tuple(states.shape) != expected or states.dtype != storage.dtype:
                 raise ValueError(
-                    f"{self.cache.model_type}: {name}: expected shape [B, Hkv, N, D] = {expected} "
-                    f"and dtype {self.keys.dtype}, got {tuple(states.shape)} and {states.dtype}"
+                    f"{cache.model_type}: {name}: expected shape [B, Hkv, N, D] = {expected} "
+                    f"and dtype {storage.dtype}, got {tuple(states.shape)} and {states.dtype}"
                 )
-        batch_index = self.cache.batch_index
-        # Slot-major views make (batch, slot) the two indexed dims, so one index_put_ per tensor.
-        self.keys.transpose(1, 2).index_put_((batch_index, slots), key_states.transpose(1, 2))
-        self.values.transpose(1, 2).index_put_((batch_index, slots), value_states.transpose(1, 2))
-        return self.keys, self.values
+        # One index_put_ on the storage itself, indexed (layer, K/V, row, head, slot) in full:
+        # torch.compile writes that in place, whereas a write through a view of the storage (or
+        # through the per-layer views, which alias each other) copies the whole storage back at
+        # every layer. The live rows are the storage's first B.
+        index = (
+            self._layer_index,
+            cache.kv_select,
+            cache.batch_index[:, :, None],
+            cache.head_index,
+            slots[:, None, :],
+        )
+        storage.index_put_(index, torch.stack((key_states, value_states)))
+        return storage[self.layer_idx, 0, :batch], storage[self.layer_idx, 1, :batch]
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         """The whole capacity, as for HF's static cache (the mask built from it is never used)."""
-        return self.keys.shape[2], 0
+        return self.cache._kv_storage.shape[4], 0
 
     def get_seq_length(self) -> torch.Tensor:
         """The longest committed length, as a 0-dim device tensor so that no host read happens.
@@ -117,7 +130,7 @@ class SpecKVLayer(CacheLayerMixin):
         return self.cache.cache_lens.max()
 
     def get_max_length(self) -> int:
-        return self.keys.shape[2]
+        return self.cache._kv_storage.shape[4]
 
 
 class SpecKVCache(Cache):
@@ -176,6 +189,9 @@ class SpecKVCache(Cache):
         self._kv_storage = kv_storage
         self._lens_storage = lens_storage
         self._index_storage = torch.arange(batch_size, device=device)[:, None]
+        # Broadcast indices of a layer's write: K/V `[2, 1, 1, 1]`, KV head `[Hkv, 1]`.
+        self.kv_select = torch.arange(2, device=device)[:, None, None, None]
+        self.head_index = torch.arange(kv_storage.shape[3], device=device)[:, None]
         self.write_slots = torch.zeros(batch_size, 0, dtype=torch.long, device=device)
         # Host-side upper bound of max(cache_lens): room checks read the device only near capacity.
         self._len_bound = 0
@@ -210,7 +226,7 @@ class SpecKVCache(Cache):
         for tensor, dims in (
             (self.cache_lens, (0,)),
             (self.batch_index, (0,)),
-            *((view, (0, 2)) for layer in self.layers for view in (layer.keys, layer.values)),
+            (self._kv_storage, (2, 4)),
         ):
             for dim in dims:
                 torch._dynamo.maybe_mark_dynamic(tensor, dim)

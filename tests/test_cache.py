@@ -130,3 +130,32 @@ def test_sliding_and_mixed_layers(config, windows):
 def test_unsupported_layers_are_refused():
     with pytest.raises(ValueError, match=r"qwen3_next: layer types \['linear_attention'\]"):
         SpecKVCache(Qwen3NextConfig(num_hidden_layers=4), 1, 8, dtype=torch.float32, device="cpu")
+
+
+def test_compiled_writes_go_in_place_without_copying_the_storage():
+    """Every layer's `update` under torch.compile is one in-place index_put_ on the storage, on
+    live rows fewer than the capacity: writing through views of the storage (as the per-layer
+    views alias each other) makes inductor copy the whole storage back at each layer, which
+    cost a batch-8 SmolLM2-shaped decode step about 15% of its time. The copies show as `copy_`
+    in the generated code. The written values equal an eager cache's."""
+    from torch._inductor.utils import run_and_get_code
+
+    eager, compiled = make_cache([3, 0, 5, 2]), make_cache([3, 0, 5, 2])
+    compiled.kv.copy_(eager.kv)
+    for cache in (eager, compiled):
+        cache.select([2, 0, 1])
+        cache.prepare_write(2)
+    keys, values = torch.randn(2, 3, KV_HEADS, 2, HEAD_DIM)
+
+    def write(cache, keys, values):
+        total = 0
+        for index, layer in enumerate(cache.layers):
+            layer_keys, layer_values = layer.update(keys + index, values - index)
+            total = total + layer_keys[:, :, 0].sum() + layer_values[:, :, 1].sum()
+        return total
+
+    want = write(eager, keys, values)
+    got, code = run_and_get_code(torch.compile(write, fullgraph=True), compiled, keys, values)
+    assert torch.allclose(got, want)
+    assert torch.equal(compiled.kv, eager.kv)
+    assert "copy_" not in "\n".join(code)
