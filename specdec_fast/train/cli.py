@@ -147,4 +147,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     torch.set_num_threads(args.threads)
+    # Late in a run, gradients and optimizer moments go subnormal; x86 arithmetic on
+    # subnormals is about 3x slower per training step here. Flush them to zero.
+    torch.set_flush_denormal(True)
     return args.run(args)
