@@ -20,7 +20,8 @@ from specdec_fast.train.evaluate import SAMPLE_NAME, load_model, mean_loss, samp
 from specdec_fast.train.export import read_info
 
 TARGET, DRAFT = "tiny-code", "tiny-code-draft"
-BUDGET_BYTES = 24 * 10**6
+# Seven checkpoints ship (target, draft, Medusa, EAGLE, EAGLE-3, DFlash, PARD): about 27 MB.
+BUDGET_BYTES = 30 * 10**6
 # The recorded losses come from fp32 evaluation on the development CPU; other BLAS builds and
 # thread counts move them in the 4th decimal, while a broken or swapped checkpoint costs tenths.
 LOSS_MARGIN = 0.02
