@@ -47,6 +47,9 @@ TEMPLATE = (
 GUARDRAILS = """
 speculative_decoding_guardrails:
   max_tpot_p95_regression: 100.0
+  # The bundled target rarely repeats itself on these short prompts: n-gram acceptance sits
+  # near the default 0.1 floor, and the default route must keep speculating for these tests.
+  min_acceptance_rate: 0.0
   routes:
     faulty: {window_steps: 2, min_window_steps: 1, cooldown_steps: 100000}
 """
