@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from specdec_fast.drafters.base import PAD_PARENT, DraftState, Proposal
+from specdec_fast.drafters.base import PAD_PARENT, DraftState, Proposal, with_roots
 from specdec_fast.kernels.verify import SamplingParams
 from specdec_fast.requests import Sampling, StopRule
 from specdec_fast.stats import SpecStats
@@ -115,25 +115,10 @@ class Batch:
             self._root_parents[batch] = parents
         return Proposal(self.roots[:, None], parents)
 
-    def with_roots(self, proposal: Proposal, pad: bool) -> Proposal:
-        """`proposal` with column 0 set to each row's root, whatever the drafter put there; with
-        `pad`, widened to the batch's `num_nodes` with padded nodes (a root-only proposal stays
-        one node), so that every verify step has one of two shapes for the CUDA graphs. Without
-        it a tree costs only its own nodes (the compiled step takes any width)."""
-        width = proposal.num_nodes
-        pieces = [self.roots[:, None], proposal.tokens[:, 1:].to(torch.int64)]
-        parents = proposal.parents.to(torch.int64)
-        if pad and 1 < width < self.num_nodes:
-            pad = self.num_nodes - width
-            pieces.append(self.roots.new_zeros((len(self.rows), pad)))
-            parents = torch.cat([parents, parents.new_full((len(self.rows), pad), PAD_PARENT)], 1)
-        draft_probs = proposal.draft_probs
-        if draft_probs is not None and draft_probs.shape[1] < parents.shape[1]:
-            padding = draft_probs.new_zeros(
-                (len(self.rows), parents.shape[1] - draft_probs.shape[1], draft_probs.shape[2])
-            )
-            draft_probs = torch.cat([draft_probs, padding], dim=1)
-        return Proposal(torch.cat(pieces, dim=1), parents, draft_probs, proposal.malformed)
+    def with_roots(self, proposal: Proposal, width: int) -> Proposal:
+        """`proposal` with column 0 set to each row's root, widened to `width` nodes with padding
+        nodes (`ModelRunner.verify_width` picks it: the batch's `num_nodes` under CUDA graphs)."""
+        return with_roots(proposal, self.roots, width)
 
     def sampling_params(self, positions: torch.Tensor) -> SamplingParams:
         """What `verify` takes for this step: per-node seeds, each row's seed plus the node's

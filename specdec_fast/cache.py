@@ -262,6 +262,10 @@ class SpecKVCache(Cache):
                 )
         self._len_bound += num_new
 
+    def has_room(self, num_new: int) -> bool:
+        """Whether `ensure_room(num_new)` passes on the host-side bound alone (no device read)."""
+        return self._len_bound + num_new <= self.max_cache_len
+
     def bound_lengths(self, max_length: int) -> None:
         """Tell the cache the longest committed length, known on the host (the engine tracks
         every row's length): room checks then never need to read the device."""

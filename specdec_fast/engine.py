@@ -213,7 +213,8 @@ def _decode(runner: ModelRunner, drafter: Drafter | None, batch: Batch, capacity
         else:
             drafted = drafter.propose(batch.state)
             proposal = checked(drafter, drafted, batch.state, vocab)
-            proposal = batch.with_roots(proposal, runner.use_cuda_graphs)
+            width = runner.verify_width(len(batch), proposal.num_nodes, batch.num_nodes)
+            proposal = batch.with_roots(proposal, width)
         out = runner.verify(proposal.tokens, proposal.parents)
         result = run_verify(
             out.logits,

@@ -90,6 +90,11 @@ INDEX_DTYPES = (torch.int32, torch.int64)
 GRAPH_WARMUP_STEPS = 2
 COMPILE_ENV = "SPECDEC_COMPILE"
 RUNNER_ATTRIBUTE = "_specdec_runner"
+# MKL's fp32 GEMM runs 10-15 rows through a small-matrix path that is slower than its 16-row
+# kernel: a SmolLM2-shaped verify at batch 1 takes 142 ms at N = 11, 167 ms at N = 15 and 121 ms
+# at N = 16 on one thread (69, 77 and 64 ms on two). Trees in that band are verified at 16 rows.
+MKL_SLOW_ROWS = range(10, 16)
+MKL_FAST_ROWS = 16
 # Guards the check-and-switch of a model's attention when runners open and close.
 _OPEN_LOCK = threading.Lock()
 
@@ -310,6 +315,12 @@ class ModelRunner:
                 f"use_cuda_graphs needs a model on CUDA, the model is on {self.device}"
             )
         self._layers, self._final_norm = _decoder_modules(model)
+        self._mkl_rows = (
+            self.device.type == "cpu"
+            and model.dtype == torch.float32
+            and torch.backends.mkl.is_available()
+            and not exact
+        )
         self.cache: SpecKVCache | None = None
         self._captured: dict[int, torch.Tensor] = {}
         self._capture_layers: tuple[int, ...] = ()
@@ -545,6 +556,21 @@ class ModelRunner:
         return VerifyOutput(
             *self._run(_step_kind(tokens), self._verify_step, tokens, parents, q_lens)
         )
+
+    def verify_width(self, batch: int, nodes: int, widest: int) -> int:
+        """How many nodes to verify a drafted `[batch, nodes]` tree at, padding nodes added:
+        `widest` (the caller's largest tree) under CUDA graphs, so that each batch size has two
+        step shapes; on an fp32 CPU model, enough for 16 rows when `batch * nodes` falls in MKL's
+        slow band (`MKL_SLOW_ROWS`) and the cache has room; else `nodes`. One node stays one."""
+        if nodes <= 1:
+            return nodes
+        if self.use_cuda_graphs:
+            return max(nodes, widest)
+        if self._mkl_rows and batch * nodes in MKL_SLOW_ROWS:
+            wider = -(-MKL_FAST_ROWS // batch)
+            if self.cache is not None and self.cache.has_room(wider):
+                return wider
+        return nodes
 
     def keep(self, rows: Sequence[int] | torch.Tensor) -> None:
         """Keep only the sequences `rows` (indices into the batch, in that order): finished

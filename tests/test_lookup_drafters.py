@@ -103,9 +103,22 @@ def test_ngram_proposes_all_continuations_as_a_tree():
     assert parents[0][:6] == [-1, 0, 1, 1, 2, 3]
     # Row 1: nothing repeats.
     assert parents[1] == [-1] + [PAD_PARENT] * 5
-    # Row 2: the longest match "5 6 5" continues with "6 5".
-    assert tokens[2][1:3] == [6, 5]
-    assert parents[2][:3] == [-1, 0, 1]
+    # Row 2: the longest match "5 6 5" continues with "6 5", then runs into the present and goes
+    # on with its period of 2: "6".
+    assert tokens[2][1:4] == [6, 5, 6]
+    assert parents[2][:4] == [-1, 0, 1, 2]
+
+
+def test_ngram_continues_loops_to_the_full_depth():
+    drafter = NGramDrafter(max_nodes=16, max_depth=15)
+    state = make_state([[7] * 20, [1, 2, 3] * 6, [4, 5, 6, 9]])
+    drafter.begin(state)
+    proposal = drafter.propose(state)
+    assert proposal.tokens[0, 1:].tolist() == [7] * 15
+    assert proposal.parents[0].tolist() == list(range(-1, 15))
+    assert proposal.tokens[1, 1:].tolist() == [1, 2, 3] * 5
+    assert proposal.parents[1].tolist() == list(range(-1, 15))
+    assert proposal.parents[2, 1:].tolist() == [PAD_PARENT] * 15
 
 
 def test_ngram_follows_history_and_batch_shrink():

@@ -257,3 +257,19 @@ def pack_trees(
             tokens[row, 1 : count + 1] = node_tokens
             parents[row, 1 : count + 1] = node_parents
     return Proposal(tokens=to_device(tokens, device), parents=to_device(parents, device))
+
+
+def with_roots(proposal: Proposal, roots: torch.Tensor, width: int) -> Proposal:
+    """`proposal` with each row's root (`roots` int64 `[B]`) in column 0, whatever the drafter put
+    there, widened to `width` nodes with padding nodes when it is narrower."""
+    batch, nodes = proposal.tokens.shape
+    pieces = [roots[:, None], proposal.tokens[:, 1:].to(torch.int64)]
+    parents = proposal.parents.to(torch.int64)
+    probs = proposal.draft_probs
+    if width > nodes:
+        pieces.append(roots.new_zeros((batch, width - nodes)))
+        parents = torch.cat([parents, parents.new_full((batch, width - nodes), PAD_PARENT)], 1)
+    if probs is not None and probs.shape[1] < parents.shape[1]:
+        padding = probs.new_zeros((batch, parents.shape[1] - probs.shape[1], probs.shape[2]))
+        probs = torch.cat([probs, padding], 1)
+    return Proposal(torch.cat(pieces, dim=1), parents, probs, proposal.malformed)

@@ -18,6 +18,10 @@ class NGramDrafter(Drafter):
     row by row on numpy arrays kept on the host, narrowing the occurrences of the last token one
     token further back at a time.
 
+    A continuation that runs into the present (an occurrence ending p tokens before the last one)
+    is continued with period p, as applying the same match again would predict: in a loop, every
+    recent occurrence proposes the full depth instead of the few tokens left before the end.
+
     max_nodes: the tree budget N, tokens verified per step with the root included (>= 2).
     max_depth: longest continuation proposed (default: min(max_nodes - 1, 8)).
     """
@@ -100,9 +104,13 @@ class NGramDrafter(Drafter):
             n, ends = self._match(row)
             trie = CountTrie()
             history = self._history[row]
+            length = self._lengths[row]
             for end in ends.tolist():
-                stop = min(end + 1 + self.max_depth, self._lengths[row])
-                trie.insert(history[end + 1 : stop].tolist())
+                stop = min(end + 1 + self.max_depth, length)
+                continuation = history[end + 1 : stop]
+                if stop == length:
+                    continuation = np.resize(continuation, self.max_depth)
+                trie.insert(continuation.tolist())
             trees.append(trie.best_tree(self.max_nodes, self.max_depth))
         roots = [row[-1] for row in state.tokens]
         return pack_trees(roots, trees, state.device)

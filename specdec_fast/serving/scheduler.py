@@ -48,6 +48,7 @@ from specdec_fast.drafters.base import (
     Proposal,
     StepOutcome,
     supports_join,
+    with_roots,
 )
 from specdec_fast.drafters.checks import checked
 from specdec_fast.guardrails import DEFAULT_ROUTE, Guardrails, RouteGuard
@@ -241,20 +242,6 @@ def _subset(params: SamplingParams, index: torch.Tensor | None) -> SamplingParam
         *(v[index] if isinstance(v, torch.Tensor) else v for v in
           (params.temperature, params.top_k, params.top_p, params.seed))
     )  # fmt: skip
-
-
-def _with_roots(proposal: Proposal, roots: torch.Tensor, width: int) -> Proposal:
-    """`proposal` with each row's root in column 0, padded with padding nodes to `width`."""
-    batch, nodes = proposal.tokens.shape
-    pieces = [roots[:, None], proposal.tokens[:, 1:].to(torch.int64)]
-    parents = proposal.parents.to(torch.int64)
-    probs = proposal.draft_probs
-    if width > nodes:
-        pieces.append(roots.new_zeros((batch, width - nodes)))
-        parents = torch.cat([parents, parents.new_full((batch, width - nodes), PAD_PARENT)], 1)
-        if probs is not None:
-            probs = torch.cat([probs, probs.new_zeros((batch, width - nodes, probs.shape[2]))], 1)
-    return Proposal(torch.cat(pieces, dim=1), parents, probs)
 
 
 class Scheduler:
@@ -663,11 +650,10 @@ class Scheduler:
                 parents = torch.full((len(self.rows), 1), -1, device=self.device)
                 self._root_parents[len(self.rows)] = parents
             return Proposal(self._roots[:, None], parents)
-        width = max((lane.proposal.num_nodes for lane in drafting), default=1)
-        if self.runner.use_cuda_graphs and width > 1:
-            width = self.width  # two step shapes per batch size for the CUDA graphs
+        widest = max((lane.proposal.num_nodes for lane in drafting), default=1)
+        width = self.runner.verify_width(len(self.rows), widest, self.width)
         if len(drafting) == 1 and drafting[0].index is None:
-            return _with_roots(drafting[0].proposal, self._roots, width)
+            return with_roots(drafting[0].proposal, self._roots, width)
         batch = len(self.rows)
         tokens = torch.zeros((batch, width), dtype=torch.int64, device=self.device)
         parents = torch.full_like(tokens, PAD_PARENT)
