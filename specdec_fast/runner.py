@@ -742,6 +742,9 @@ class ModelRunner:
                         torch._dynamo.maybe_mark_dynamic(tensor, dim)
         else:
             compiled = step
+        # Emptied out here, not inside the step: a compiled step guards on the dict it mutates,
+        # and one that found the previous step's entries would compile a second graph.
+        self._captured.clear()
         graphs_before = _graphs_compiled()
         start = time.perf_counter()
         with torch.no_grad():
@@ -799,7 +802,6 @@ class ModelRunner:
             layer_windows=self._layer_windows,
             exact=self.exact,
         )
-        self._captured.clear()
         output = self.model(
             input_ids=tokens,
             position_ids=positions,

@@ -35,6 +35,13 @@ def models():
     return tiny_llama(VOCAB, seed=11), tiny_llama(VOCAB, hidden_size=32, layers=1, seed=12)
 
 
+class HiddenNGram(NGramDrafter):
+    """The n-gram drafter asking for hidden states, as EAGLE and Medusa do: the runner's hooks
+    then run inside the compiled steps."""
+
+    hidden_layers = (0, -1)
+
+
 def graphs_compiled() -> int:
     return counters["stats"]["unique_graphs"]
 
@@ -69,6 +76,24 @@ def test_compiled_generate_equals_hf_greedy_and_recompiles_nothing(models):
     runner = kept_runner(target, compile=True)
     assert runner.compile and runner.compile_seconds  # the first calls' compilations
     assert target.config._attn_implementation != "specdec_tree"
+
+
+def test_steps_with_hidden_state_hooks_compile_once(models):
+    """A drafter reading hidden states (hooks inside the compiled steps): a second call with the
+    same prompts compiles nothing (the hooks' dict used to make it compile prefill again)."""
+    target, _ = models
+    prompts = repetitive_prompts([5, 17, 9], VOCAB, seed=1)
+    want = hf_greedy(target, prompts)
+    compiled = []
+    for _ in range(2):
+        before = graphs_compiled()
+        out = generate(
+            target, prompts, drafter=HiddenNGram(max_nodes=6), max_new_tokens=NEW_TOKENS,
+            compile=True,
+        )  # fmt: skip
+        assert [s.tolist() for s in out.sequences] == want
+        compiled.append(graphs_compiled() - before)
+    assert compiled[0] > 0 and compiled[1] == 0, compiled
 
 
 def test_compiled_rows_that_finish_early_shrink_the_batch(models):
