@@ -44,7 +44,9 @@ the first change, so a handful of graphs serve every call. On CUDA, `verify` for
 is also captured as a CUDA graph on first use and replayed after; the returned tensors are then
 static buffers, overwritten by the next `verify` of the same shape. A replayed step reads nothing
 back from the device except for the capacity check, and that only near capacity. `prefill` reads
-the prompt lengths once.
+the prompt lengths once. After each compilation or capture the runner collects garbage and
+freezes the heap (`gc.freeze`), so that later full collections skip the compiler's objects
+instead of pausing a step for a quarter of a second.
 
 `ModelRunner.for_model(model, ...)` keeps one runner per model (on the model object) and reopens
 it for each `generate` call, so that the compiled steps, the CUDA graphs and the cache storage
@@ -57,6 +59,7 @@ Step metadata (tree masks, depths, positions, lengths) is built and checked once
 the attention function of every layer then calls the kernel without validating again.
 """
 
+import gc
 import os
 import threading
 import time
@@ -766,6 +769,11 @@ class ModelRunner:
     def _record_compile(self, label: str, seconds: float) -> None:
         self.compile_seconds[label] = seconds
         COMPILE_LOG.append((f"{self.model.config.model_type} {label}", seconds))
+        # Compiling leaves millions of long-lived objects (graphs, guards, generated code); each
+        # full collection of the garbage collector walked them all, a 250 ms pause in the middle
+        # of a later call. Frozen, they are skipped (vLLM's engine freezes its startup heap too).
+        gc.collect()
+        gc.freeze()
 
     def _verify_step(
         self, tokens: torch.Tensor, parents: torch.Tensor, q_lens: torch.Tensor | None
