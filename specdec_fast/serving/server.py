@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import threading
 import time
 from collections.abc import AsyncIterator
@@ -163,6 +164,10 @@ def create_app(engine: ServingEngine) -> FastAPI:
     async def lifespan(app: FastAPI):
         engine.mailbox = _Mailbox(asyncio.get_running_loop())
         engine.start()
+        # The startup heap (model, tokenizer, libraries) lives as long as the server: frozen, the
+        # garbage collector's full passes skip it instead of pausing the decode loop.
+        gc.collect()
+        gc.freeze()
         try:
             yield
         finally:
