@@ -159,3 +159,35 @@ def test_compiled_writes_go_in_place_without_copying_the_storage():
     assert torch.allclose(got, want)
     assert torch.equal(compiled.kv, eager.kv)
     assert "copy_" not in "\n".join(code)
+
+
+def test_compiled_writes_through_a_rows_view_go_in_place():
+    """The same for a `rows` view (continuous batching feeds newcomers' prompts through one):
+    its storage is a slice of the parent's, written in place, the batch's rows untouched."""
+    from torch._inductor.utils import run_and_get_code
+
+    eager, compiled = make_cache([3, 0, 5, 2]), make_cache([3, 0, 5, 2])
+    compiled.kv.copy_(eager.kv)
+    views = []
+    for cache in (eager, compiled):
+        cache.select([0, 1])
+        view = cache.rows(2, 2)
+        view.commit_lengths(torch.tensor([4, 1], dtype=torch.int32), 4)
+        view.prepare_write(2)
+        views.append(view)
+    batch_rows = compiled._kv_storage[:, :, :2].clone()
+    keys, values = torch.randn(2, 2, KV_HEADS, 2, HEAD_DIM)
+
+    def write(cache, keys, values):
+        total = 0
+        for index, layer in enumerate(cache.layers):
+            layer_keys, layer_values = layer.update(keys + index, values - index)
+            total = total + layer_keys[:, :, 0].sum() + layer_values[:, :, 1].sum()
+        return total
+
+    want = write(views[0], keys, values)
+    got, code = run_and_get_code(torch.compile(write, fullgraph=True), views[1], keys, values)
+    assert torch.allclose(got, want)
+    assert torch.equal(compiled._kv_storage, eager._kv_storage)
+    assert torch.equal(compiled._kv_storage[:, :, :2], batch_rows)
+    assert "copy_" not in "\n".join(code)
