@@ -213,7 +213,8 @@ def _decode(runner: ModelRunner, drafter: Drafter | None, batch: Batch, capacity
         else:
             drafted = drafter.propose(batch.state)
             proposal = checked(drafter, drafted, batch.state, vocab)
-            width = runner.verify_width(len(batch), proposal.num_nodes, batch.num_nodes)
+        width = runner.verify_width(len(batch), proposal.num_nodes, batch.num_nodes)
+        if drafter is not None or width > proposal.num_nodes:
             proposal = batch.with_roots(proposal, width)
         out = runner.verify(proposal.tokens, proposal.parents)
         result = run_verify(

@@ -561,14 +561,13 @@ class ModelRunner:
         )
 
     def verify_width(self, batch: int, nodes: int, widest: int) -> int:
-        """How many nodes to verify a drafted `[batch, nodes]` tree at, padding nodes added:
-        `widest` (the caller's largest tree) under CUDA graphs, so that each batch size has two
-        step shapes; on an fp32 CPU model, enough for 16 rows when `batch * nodes` falls in MKL's
-        slow band (`MKL_SLOW_ROWS`) and the cache has room; else `nodes`. One node stays one."""
-        if nodes <= 1:
-            return nodes
+        """How many nodes to verify a `[batch, nodes]` tree at, padding nodes added: for a
+        drafted tree under CUDA graphs, `widest` (the caller's largest tree), so that each batch
+        size has two step shapes; on an fp32 CPU model, enough for 16 rows when `batch * nodes`
+        falls in MKL's slow band (`MKL_SLOW_ROWS`) and the cache has room (plain decoding of 10-15
+        rows included: 2 nodes each); else `nodes`."""
         if self.use_cuda_graphs:
-            return max(nodes, widest)
+            return max(nodes, widest) if nodes > 1 else nodes
         if self._mkl_rows and batch * nodes in MKL_SLOW_ROWS:
             wider = -(-MKL_FAST_ROWS // batch)
             if self.cache is not None and self.cache.has_room(wider):

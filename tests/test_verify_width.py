@@ -33,7 +33,11 @@ def opened(model, capacity=64, **kwargs) -> ModelRunner:
 @pytest.mark.parametrize(
     ("batch", "nodes", "width"),
     [
-        (1, 1, 1),  # plain decoding stays one node
+        (1, 1, 1),  # plain decoding of a few rows stays one node
+        (8, 1, 1),
+        (10, 1, 2),  # plain decoding of 10-15 rows: 2 nodes each
+        (15, 1, 2),
+        (16, 1, 1),
         (1, 8, 8),  # 8 rows: below the band
         (1, 10, 16),
         (1, 11, 16),
@@ -109,3 +113,33 @@ def test_widened_steps_emit_what_unwidened_ones_do(target, monkeypatch, temperat
             torch.tensor([plain[0][:40]]), do_sample=False, max_new_tokens=NEW_TOKENS
         )[0].tolist()
         assert widened[0] == expected
+
+
+@needs_mkl
+@pytest.mark.parametrize("temperature", [0.0, 0.9])
+def test_plain_decoding_of_12_rows_widened_emits_the_same(target, monkeypatch, temperature):
+    """Plain decoding of 12 rows (ragged prompts, rows finishing at different steps through
+    stops) runs 2-node steps in the band and 1-node steps outside it: the same tokens as with
+    the band off, greedy and sampled with one seed."""
+    widths = record_widths(monkeypatch)
+    prompts = repetitive_prompts([9 + 3 * r for r in range(12)], VOCAB, seed=8)
+    stops = [[5, 7]]
+
+    def plain():
+        out = generate(
+            target,
+            prompts,
+            drafter=None,
+            max_new_tokens=24,
+            temperature=temperature,
+            seed=3,
+            stop=stops,
+            eos_token_id=[],
+        )
+        return [s.tolist() for s in out.sequences]
+
+    widened = plain()
+    assert 2 in widths
+    monkeypatch.setattr(runner_module, "MKL_SLOW_ROWS", range(0))
+    widths.clear()
+    assert plain() == widened and set(widths) == {1}

@@ -649,7 +649,9 @@ class Scheduler:
             if parents is None:
                 parents = torch.full((len(self.rows), 1), -1, device=self.device)
                 self._root_parents[len(self.rows)] = parents
-            return Proposal(self._roots[:, None], parents)
+            plain = Proposal(self._roots[:, None], parents)
+            width = self.runner.verify_width(len(self.rows), 1, self.width)
+            return plain if width == 1 else with_roots(plain, self._roots, width)
         widest = max((lane.proposal.num_nodes for lane in drafting), default=1)
         width = self.runner.verify_width(len(self.rows), widest, self.width)
         if len(drafting) == 1 and drafting[0].index is None:
