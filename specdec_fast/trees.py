@@ -31,6 +31,7 @@ import heapq
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from specdec_fast.kernels.reference.verify import gumbel, stream_key
@@ -477,18 +478,64 @@ def best_first_tree(
     the candidate pushed first. Rows whose candidates run out are padded (parent -2).
 
     log_probs: float `[B, D, V]`, log q_d at position d - 1 (-inf allowed); roots: int `[B]`.
-    Returns int64 `(tokens, parents)` `[B, max_nodes]`. A fixed number of batched tensor ops
-    for a given (B, D, max_nodes): no host reads.
+    Returns int64 `(tokens, parents)` `[B, max_nodes]`. On an accelerator, a fixed number of
+    batched tensor ops for a given (B, D, max_nodes): no host reads. On the CPU, where tensors
+    are host memory, the same pops run on a heap per row (`_best_first_on_host`): about 30 small
+    tensor ops per node cost more than the drafter's forward there.
     """
     if max_nodes < 2:
         raise ValueError(f"max_nodes must be >= 2 (the root and a draft node), got {max_nodes}")
     _check_block("log_probs", log_probs, 1)
-    batch, depth, vocab = log_probs.shape
-    width = min(max_nodes - 1, vocab)
-    device = log_probs.device
+    width = min(max_nodes - 1, log_probs.shape[2])
     # Finite scores: -inf stays for empty frontier slots only.
     top = log_probs.float().nan_to_num(nan=-1e30).clamp(min=-1e30).topk(width, dim=-1)
-    values, candidates = top.values.flatten(1), top.indices.flatten(1)  # [B, D * K]
+    if log_probs.device.type == "cpu":
+        return _best_first_on_host(top.values, top.indices, roots, max_nodes)
+    return _best_first_on_device(top.values, top.indices, roots, max_nodes)
+
+
+def _best_first_on_host(
+    values: torch.Tensor, candidates: torch.Tensor, roots: torch.Tensor, max_nodes: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`best_first_tree` from the top-K `values`/`candidates` `[B, D, K]` with a heap per row:
+    the same tree as `_best_first_on_device`, scores summed in float32 in the same order, ties
+    to the candidate pushed first, exhausted rows padded with the same token."""
+    batch, depth, width = values.shape
+    scores, ids = values.numpy(), candidates.numpy()
+    tokens = np.zeros((batch, max_nodes), dtype=np.int64)
+    parents = np.full((batch, max_nodes), PAD_NODE, dtype=np.int64)
+    tokens[:, 0], parents[:, 0] = roots.cpu().numpy(), -1
+    for row in range(batch):
+        score, token = scores[row], ids[row]
+        # (-score, push order, level, rank, parent node, parent's score)
+        heap = [(-score[0, 0], 0, 0, 0, 0, np.float32(0.0))]
+        pushed = 1
+        for node in range(1, max_nodes):
+            if not heap:
+                tokens[row, node:] = token[0, 0]
+                break
+            negative, _, level, rank, parent, base = heapq.heappop(heap)
+            best = -negative
+            tokens[row, node], parents[row, node] = token[level, rank], parent
+            if level + 1 < depth:
+                child = -(best + score[level + 1, 0])
+                heapq.heappush(heap, (child, pushed, level + 1, 0, node, best))
+                pushed += 1
+            if rank + 1 < width:
+                sibling = -(base + score[level, rank + 1])
+                heapq.heappush(heap, (sibling, pushed, level, rank + 1, parent, base))
+                pushed += 1
+    return torch.from_numpy(tokens), torch.from_numpy(parents)
+
+
+def _best_first_on_device(
+    values: torch.Tensor, candidates: torch.Tensor, roots: torch.Tensor, max_nodes: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`best_first_tree` from the top-K `values`/`candidates` `[B, D, K]` in batched tensor ops,
+    one fixed-slot frontier per row."""
+    batch, depth, width = values.shape
+    device = values.device
+    values, candidates = values.flatten(1), candidates.flatten(1)  # [B, D * K]
     slots = 1 + 2 * (max_nodes - 1)
     score = torch.full((batch, slots), -torch.inf, device=device)
     base = torch.zeros(batch, slots, device=device)  # the parent's score

@@ -20,6 +20,8 @@ from test_verify_lossless import (
 from specdec_fast.kernels import verify
 from specdec_fast.trees import (
     PAD_NODE,
+    _best_first_on_device,
+    _best_first_on_host,
     best_first_tree,
     block_chain,
     sample_draft_tokens,
@@ -88,6 +90,30 @@ def test_best_first_tree_pads_when_candidates_run_out_and_handles_ties():
     for row in range(2):
         assert all(0 <= p < i for i, p in enumerate(parents[row, 1:].tolist(), start=1))
     assert parents[1].tolist()[:4] == [-1, 0, 1, 2]  # the one likely path first
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_best_first_tree_on_the_host_equals_the_batched_tensor_form(seed):
+    """The CPU's heap and the accelerators' batched form give the same trees, token for token:
+    random blocks, blocks of a few distinct values (ties everywhere) and ones with -inf (zero
+    probabilities) and NaN, candidates that run out included."""
+    generator = torch.Generator().manual_seed(seed)
+    batch, depth, vocab = 1 + seed % 3, 2 + seed, 3 + 5 * seed
+    log_probs = torch.log_softmax(torch.randn(batch, depth, vocab, generator=generator), -1)
+    log_probs[:, 0, 0] = -50.0  # padding repeats the top token of position 1: not token 0
+    if seed % 2:
+        log_probs = (log_probs * 2).round() / 2  # ties
+    if seed >= 3:
+        log_probs[0, :, : vocab // 2] = -torch.inf
+        log_probs[-1, 0, 0] = torch.nan
+    roots = torch.randint(vocab, (batch,), generator=generator)
+    for nodes in (2, 5, 16, 40):
+        width = min(nodes - 1, vocab)
+        top = log_probs.nan_to_num(nan=-1e30).clamp(min=-1e30).topk(width, dim=-1)
+        host = _best_first_on_host(top.values, top.indices, roots, nodes)
+        device = _best_first_on_device(top.values, top.indices, roots, nodes)
+        assert torch.equal(host[0], device[0]) and torch.equal(host[1], device[1]), nodes
+        assert host[0].dtype == host[1].dtype == torch.int64
 
 
 def test_chains_and_their_draft_probabilities():
