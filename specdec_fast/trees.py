@@ -489,9 +489,15 @@ def best_first_tree(
     width = min(max_nodes - 1, log_probs.shape[2])
     # Finite scores: -inf stays for empty frontier slots only.
     top = log_probs.float().nan_to_num(nan=-1e30).clamp(min=-1e30).topk(width, dim=-1)
-    if log_probs.device.type == "cpu":
+    if host_resident(log_probs):
         return _best_first_on_host(top.values, top.indices, roots, max_nodes)
     return _best_first_on_device(top.values, top.indices, roots, max_nodes)
+
+
+def host_resident(tensor: torch.Tensor) -> bool:
+    """Whether `tensor` lives in host memory, where reading it back costs no transfer (the CPU
+    shortcuts' condition; tests/test_transfers.py turns it off to count an accelerator's reads)."""
+    return tensor.device.type == "cpu"
 
 
 def _best_first_on_host(
