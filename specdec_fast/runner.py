@@ -39,8 +39,9 @@ the output of decoder layer i, and -1 is the final normed hidden state (the inpu
 
 Compiled steps: the model forward of `prefill` and of `verify` runs through `torch.compile`
 (fullgraph; the three kernels are custom ops inside it) unless `compile=False` or
-`SPECDEC_COMPILE=0`. Batch size, cache capacity and prompt length become dynamic dimensions after
-the first change, so a handful of graphs serve every call. On CUDA, `verify` for a given (B, N)
+`SPECDEC_COMPILE=0`. Batch size, cache capacity, prompt length and tree width are dynamic
+dimensions from the first call (the compiler keeps size 1 apart: batch 1, and decode steps
+against trees), so a handful of graphs serve every call. On CUDA, `verify` for a given (B, N)
 is also captured as a CUDA graph on first use and replayed after; the returned tensors are then
 static buffers, overwritten by the next `verify` of the same shape. A replayed step reads nothing
 back from the device except for the capacity check, and that only near capacity. `prefill` reads
