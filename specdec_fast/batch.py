@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from specdec_fast.drafters.base import PAD_PARENT, DraftState, Proposal, with_roots
+from specdec_fast.drafters.base import PAD_PARENT, DraftState, Proposal
 from specdec_fast.kernels.verify import SamplingParams
 from specdec_fast.requests import Sampling, StopRule
 from specdec_fast.stats import SpecStats
@@ -114,11 +114,6 @@ class Batch:
             parents = torch.full((batch, 1), -1, dtype=torch.int64, device=self.device)
             self._root_parents[batch] = parents
         return Proposal(self.roots[:, None], parents)
-
-    def with_roots(self, proposal: Proposal, width: int) -> Proposal:
-        """`proposal` with column 0 set to each row's root, widened to `width` nodes with padding
-        nodes (`ModelRunner.verify_width` picks it: the batch's `num_nodes` under CUDA graphs)."""
-        return with_roots(proposal, self.roots, width)
 
     def sampling_params(self, positions: torch.Tensor) -> SamplingParams:
         """What `verify` takes for this step: per-node seeds, each row's seed plus the node's

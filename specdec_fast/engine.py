@@ -32,7 +32,7 @@ from transformers import PreTrainedModel
 
 from specdec_fast.arguments import check_generate_arguments
 from specdec_fast.batch import Batch, TokenCallback
-from specdec_fast.drafters.base import Drafter, StepOutcome
+from specdec_fast.drafters.base import Drafter, StepOutcome, with_roots
 from specdec_fast.drafters.checks import checked, malformed_error, screens_values
 from specdec_fast.kernels.verify import run_verify
 from specdec_fast.runner import COMPILE_LOG, ModelRunner
@@ -213,9 +213,10 @@ def _decode(runner: ModelRunner, drafter: Drafter | None, batch: Batch, capacity
         else:
             drafted = drafter.propose(batch.state)
             proposal = checked(drafter, drafted, batch.state, vocab)
+        # Roots in column 0 (whatever a drafter put there), padded to the width the runner picks.
         width = runner.verify_width(len(batch), proposal.num_nodes, batch.num_nodes)
         if drafter is not None or width > proposal.num_nodes:
-            proposal = batch.with_roots(proposal, width)
+            proposal = with_roots(proposal, batch.roots, width)
         out = runner.verify(proposal.tokens, proposal.parents)
         result = run_verify(
             out.logits,

@@ -3,7 +3,8 @@
 `to_host` is the blocking read: the engine calls it once per step (the emitted tokens), and
 nothing else in the step loop or the drafters reads device tensors (tests/test_transfers.py
 counts). `to_device` uploads host data (lists, numpy arrays) without making the host wait: on
-CUDA through pinned memory with a non-blocking copy, on the CPU as is.
+CUDA through pinned memory with a non-blocking copy, on the CPU as is. `host_resident` is the
+condition of the CPU shortcuts that read tensors because, there, reading costs no transfer.
 """
 
 from __future__ import annotations
@@ -24,3 +25,9 @@ def to_device(data, device: torch.device, dtype: torch.dtype = torch.int64) -> t
     if device.type != "cuda":
         return host
     return host.pin_memory().to(device, non_blocking=True)
+
+
+def host_resident(tensor: torch.Tensor) -> bool:
+    """Whether `tensor` lives in host memory, where reading it back costs no transfer (the CPU
+    shortcuts' condition; tests/test_transfers.py turns it off to count an accelerator's reads)."""
+    return tensor.device.type == "cpu"

@@ -35,6 +35,7 @@ import numpy as np
 import torch
 
 from specdec_fast.kernels.reference.verify import gumbel, stream_key
+from specdec_fast.transfer import host_resident
 
 # Probability that the rank-r candidate is the right token, used only to shape the default trees
 # (a profile typical of trained Medusa/EAGLE heads: most mass on the top-1, a long thin tail).
@@ -494,12 +495,6 @@ def best_first_tree(
     return _best_first_on_device(top.values, top.indices, roots, max_nodes)
 
 
-def host_resident(tensor: torch.Tensor) -> bool:
-    """Whether `tensor` lives in host memory, where reading it back costs no transfer (the CPU
-    shortcuts' condition; tests/test_transfers.py turns it off to count an accelerator's reads)."""
-    return tensor.device.type == "cpu"
-
-
 def _best_first_on_host(
     values: torch.Tensor, candidates: torch.Tensor, roots: torch.Tensor, max_nodes: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -510,7 +505,7 @@ def _best_first_on_host(
     scores, ids = values.numpy(), candidates.numpy()
     tokens = np.zeros((batch, max_nodes), dtype=np.int64)
     parents = np.full((batch, max_nodes), PAD_NODE, dtype=np.int64)
-    tokens[:, 0], parents[:, 0] = roots.cpu().numpy(), -1
+    tokens[:, 0], parents[:, 0] = roots.numpy(), -1
     for row in range(batch):
         score, token = scores[row], ids[row]
         # (-score, push order, level, rank, parent node, parent's score)

@@ -132,6 +132,15 @@ def test_unsupported_layers_are_refused():
         SpecKVCache(Qwen3NextConfig(num_hidden_layers=4), 1, 8, dtype=torch.float32, device="cpu")
 
 
+def write_every_layer(cache, keys, values):
+    """Each layer's `update` with its own values; a sum of what the layers return."""
+    total = 0
+    for index, layer in enumerate(cache.layers):
+        layer_keys, layer_values = layer.update(keys + index, values - index)
+        total = total + layer_keys[:, :, 0].sum() + layer_values[:, :, 1].sum()
+    return total
+
+
 def test_compiled_writes_go_in_place_without_copying_the_storage():
     """Every layer's `update` under torch.compile is one in-place index_put_ on the storage, on
     live rows fewer than the capacity: writing through views of the storage (as the per-layer
@@ -147,15 +156,9 @@ def test_compiled_writes_go_in_place_without_copying_the_storage():
         cache.prepare_write(2)
     keys, values = torch.randn(2, 3, KV_HEADS, 2, HEAD_DIM)
 
-    def write(cache, keys, values):
-        total = 0
-        for index, layer in enumerate(cache.layers):
-            layer_keys, layer_values = layer.update(keys + index, values - index)
-            total = total + layer_keys[:, :, 0].sum() + layer_values[:, :, 1].sum()
-        return total
-
-    want = write(eager, keys, values)
-    got, code = run_and_get_code(torch.compile(write, fullgraph=True), compiled, keys, values)
+    want = write_every_layer(eager, keys, values)
+    compiled_write = torch.compile(write_every_layer, fullgraph=True)
+    got, code = run_and_get_code(compiled_write, compiled, keys, values)
     assert torch.allclose(got, want)
     assert torch.equal(compiled.kv, eager.kv)
     assert "copy_" not in "\n".join(code)
@@ -178,15 +181,9 @@ def test_compiled_writes_through_a_rows_view_go_in_place():
     batch_rows = compiled._kv_storage[:, :, :2].clone()
     keys, values = torch.randn(2, 2, KV_HEADS, 2, HEAD_DIM)
 
-    def write(cache, keys, values):
-        total = 0
-        for index, layer in enumerate(cache.layers):
-            layer_keys, layer_values = layer.update(keys + index, values - index)
-            total = total + layer_keys[:, :, 0].sum() + layer_values[:, :, 1].sum()
-        return total
-
-    want = write(views[0], keys, values)
-    got, code = run_and_get_code(torch.compile(write, fullgraph=True), views[1], keys, values)
+    want = write_every_layer(views[0], keys, values)
+    compiled_write = torch.compile(write_every_layer, fullgraph=True)
+    got, code = run_and_get_code(compiled_write, views[1], keys, values)
     assert torch.allclose(got, want)
     assert torch.equal(compiled._kv_storage, eager._kv_storage)
     assert torch.equal(compiled._kv_storage[:, :, :2], batch_rows)
