@@ -9,7 +9,9 @@
    `generate()`'s at the same batch sizes, the share of the time spent feeding newcomers'
    prompts (which a static batch never pays), and the same level replayed without HTTP on a
    scheduler in this process (its TPOT at the same concurrency, and its decode steps against
-   `generate()`'s: the scheduler's own overhead).
+   `generate()`'s: the scheduler's own overhead), once with prompts fed between its steps and
+   once beside them (`Scheduler(overlap_prefill=...)`), in turns. The server feeds prompts
+   beside its steps (`--serial-prefill`: between them).
 2. N-gram speculation: the served `ngram:8` route's TPOT p50 improvement over the plain route
    at 4 QPS against what the offline harness (`specdec_fast.harness.bench`, paired runs)
    measures for `ngram:8` at that concurrency. Target: at least the harness's minus 10%.
@@ -75,6 +77,7 @@ DRAFTER = "ngram:8"
 ROUNDS = 6  # segments of the 4 QPS level, plain and n-gram in turn, generate() timed between
 MAX_BATCH = 16  # the server's slots
 TIMED_BATCHES = (1, 2, 3, 4, 6, 8, 12, 16)  # generate()'s step timed at these, interpolated
+PREFILL_MODES = ("serial", "beside")  # prompts fed between the steps, or beside them
 
 
 def free_port() -> int:
@@ -159,10 +162,36 @@ def interpolate(values: dict[int, float], at: float) -> float:
     return float(numpy.interp(at, keys, [values[k] for k in keys]))
 
 
+def in_process_figures(scheduler: Scheduler, records: list[RequestRecord], steps: dict) -> dict:
+    """A replay's TPOT p50 against `generate()`'s at its concurrency, its decode steps against
+    `generate()`'s at the same batch sizes, and where its time went."""
+    tpot = percentile([r.tpot for r in records if r.tpot is not None], 50)
+    expected = percentile([interpolate(steps, c) for c in experienced_concurrency(records)], 50)
+    wall = records[-1].sent + records[-1].e2e
+    counters = scheduler.counters
+    return {
+        "requests": len(records),
+        "tpot_p50_s": tpot,
+        "generate_tpot_p50_s_at_experienced_concurrency": expected,
+        "overhead": tpot / expected - 1.0,
+        "decode_step_s_by_batch": {
+            b: seconds / count for b, (count, seconds) in counters.decode.items()
+        },
+        "decode_step_overhead": versus(steps, counters.decode),
+        "prefill_share_of_wall": counters.prefill_seconds / wall,
+        "prefill_beside_share_of_wall": counters.prefill_beside_seconds / wall,
+    }
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="10 s levels, 200 requests")
     parser.add_argument("--out", default=None, help="default: bench/results/serving-cpu-DATE")
+    parser.add_argument(
+        "--serial-prefill",
+        action="store_true",
+        help="the server feeds prompts between its decode steps (default: beside them)",
+    )
     args = parser.parse_args()
     # Eager steps everywhere, as the server's (see the module doc).
     os.environ[COMPILE_ENV] = "0"
@@ -178,28 +207,43 @@ def main() -> int:
     ids = [encode_prompt(tokenizer, r.prompt, chat=False) for r in records]
     generate(model, ids[:2], drafter=None, max_new_tokens=8, eos_token_id=[])  # warm-up
     measured: dict[int, list[float]] = {b: [] for b in TIMED_BATCHES}
-    # The scheduler alone, in this process: its own model copy, the model's stop ids.
-    local = Scheduler(
-        load_model("tiny-code", torch.device("cpu")),
-        None,
-        eos_token_id=stop_token_ids(model, tokenizer),
-    )
-    local_records: list[RequestRecord] = []
+    # The scheduler alone, in this process (its own model copy, the model's stop ids), with
+    # prompts fed on its thread and beside its steps, in turns.
+    local_model = load_model("tiny-code", torch.device("cpu"))
+    locals_ = {
+        mode: Scheduler(
+            local_model,
+            None,
+            eos_token_id=stop_token_ids(model, tokenizer),
+            overlap_prefill=mode == "beside",
+        )
+        for mode in PREFILL_MODES
+    }
+    local_records: dict[str, list[RequestRecord]] = {mode: [] for mode in PREFILL_MODES}
     rounds = 2 if args.quick else ROUNDS
 
     def between(qps, segment) -> None:
         # Between two segments of served traffic, while the server idles: the same minutes.
         for batch, times in measured.items():
             times.append(step_time(model, ids, batch))
-        records = replay(local, ids, duration / rounds, segment)
-        offset = local_records[-1].sent + local_records[-1].e2e if local_records else 0.0
-        for record in records:
-            record.sent += offset
-            record.index += len(local_records)
-        local_records.extend(records)
+        for mode in PREFILL_MODES[:: 1 if segment % 2 else -1]:
+            done = local_records[mode]
+            records = replay(locals_[mode], ids, duration / rounds, segment)
+            offset = done[-1].sent + done[-1].e2e if done else 0.0
+            for record in records:
+                record.sent += offset
+                record.index += len(done)
+            done.extend(records)
 
     load_before = os.getloadavg()
-    server = ServerProcess("--max-batch", str(MAX_BATCH), "--max-queue", "256")
+    server_prefill = "serial" if args.serial_prefill else "beside"
+    server = ServerProcess(
+        "--max-batch",
+        str(MAX_BATCH),
+        "--max-queue",
+        "256",
+        "--no-overlap-prefill" if args.serial_prefill else "--overlap-prefill",
+    )
     try:
         served = run_sweep(
             LoadConfig(
@@ -249,15 +293,12 @@ def main() -> int:
     counts = {int(b): n for b, n in scheduler["decode_steps_by_batch"].items()}
     served_steps = {int(b): t for b, t in scheduler["decode_step_s_by_batch"].items()}
     step_overhead = versus(steps, {b: [counts[b], counts[b] * served_steps[b]] for b in counts})
-    local_overhead = versus(steps, local.counters.decode)
-    local_tpot = percentile([r.tpot for r in local_records if r.tpot is not None], 50)
-    local_expected = percentile(
-        [interpolate(steps, c) for c in experienced_concurrency(local_records)], 50
-    )
-    local_prefill = local.counters.prefill_seconds / (
-        local_records[-1].sent + local_records[-1].e2e
-    )
-    local.close()
+    in_process = {
+        mode: in_process_figures(locals_[mode], local_records[mode], steps)
+        for mode in PREFILL_MODES
+    }
+    for local in locals_.values():
+        local.close()
     mean_concurrency = plain["mean_concurrency"]
     batches = sorted({max(1, math.floor(mean_concurrency)), max(1, math.ceil(mean_concurrency))})
     harness = bench(
@@ -297,19 +338,11 @@ def main() -> int:
             "served_decode_step_s_by_batch": served_steps,
             "served_decode_steps_by_batch": counts,
             "decode_step_overhead": step_overhead,
+            "server_prefill": server_prefill,
             "prefill_share_of_wall": scheduler["prefill_share"],
+            "prefill_beside_share_of_wall": scheduler["prefill_beside_share"],
             "decode_share_of_wall": scheduler["decode_share"],
-            "in_process": {
-                "requests": len(local_records),
-                "tpot_p50_s": local_tpot,
-                "generate_tpot_p50_s_at_experienced_concurrency": local_expected,
-                "overhead": local_tpot / local_expected - 1.0,
-                "decode_step_s_by_batch": {
-                    b: seconds / count for b, (count, seconds) in local.counters.decode.items()
-                },
-                "decode_step_overhead": local_overhead,
-                "prefill_share_of_wall": local_prefill,
-            },
+            "in_process": in_process,
         },
         "ngram": {
             "served_plain_tpot_p50_s": plain["tpot_s"]["p50"],

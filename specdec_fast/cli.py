@@ -414,6 +414,14 @@ def _add_serve(sub) -> None:
         help="prompt tokens per row fed between two decode steps (256)",
     )
     serve.add_argument(
+        "--overlap-prefill",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="feed newcomers' prompts on a thread of their own while the batch decodes "
+        "(default: on for a CPU model with a core free beside --threads and no route reading "
+        "hidden states)",
+    )
+    serve.add_argument(
         "--chat-template",
         default=None,
         help="a Jinja chat template (file or text) for tokenizers without one",

@@ -29,7 +29,8 @@ with parent -2 are padding: they see only themselves and nobody sees them, so th
 Sequences joining a running batch (continuous batching, `specdec_fast.serving`): `reserve(rows)`
 sizes the storage and empties the batch; a newcomer's prompt is fed in chunks by
 `extend_rows(start, tokens, cached)` into storage rows past the batch's end (a `SpecKVCache.rows`
-view), between the batch's own steps, and `admit_rows` then appends those rows to the batch.
+view), between the batch's own steps or, on the CPU and without captured hidden states, on another
+thread during them (`beside_step=True`), and `admit_rows` then appends those rows to the batch.
 `prefill_rows(prompts)` does all three in one chunk (drafters' own caches use it). The batch's
 rows keep their cache throughout.
 
@@ -436,6 +437,13 @@ class ModelRunner:
         # Captured graphs record the hooks that ran at capture time.
         self._graphs.clear()
 
+    @property
+    def feeds_beside_steps(self) -> bool:
+        """Whether `extend_rows(..., beside_step=True)` may run on another thread during a step:
+        on the CPU (another core computes it; an accelerator's one stream would only queue it),
+        with no hidden states captured (the hooks fill one dict per runner)."""
+        return self.device.type == "cpu" and not self._capture_layers
+
     def _hook_for(self, layer: int):
         def hook(module, args, output):
             self._captured[layer] = output[0] if isinstance(output, tuple) else output
@@ -594,7 +602,12 @@ class ModelRunner:
         self.cache.select([])
 
     def extend_rows(
-        self, start: int, tokens: Sequence[Sequence[int]], cached: Sequence[int]
+        self,
+        start: int,
+        tokens: Sequence[Sequence[int]],
+        cached: Sequence[int],
+        *,
+        beside_step: bool = False,
     ) -> dict[int, torch.Tensor]:
         """Feed `tokens[r]` to storage row `start + r`, past the batch's end, and commit them:
         one chunk of the prompts of sequences that join a running batch (`admit_rows` takes them
@@ -607,10 +620,20 @@ class ModelRunner:
             cached: per row, the tokens already committed by earlier chunks (0 on the first:
                 the row's earlier contents are forgotten).
 
+            beside_step: the call may run on another thread while a step of the batch runs
+                (`ModelRunner.feeds_beside_steps`): the forward then runs eagerly over the rows'
+                own view, never through `self.cache`. The caller keeps the batch from reaching
+                the rows and from admitting them until the call returns.
+
         Returns the captured hidden states `{layer: [n, T, H]}` of the fed tokens (T the longest
         chunk; rows past their own chunk are padding). Reads nothing back from the device.
         """
         self._check_open()
+        if beside_step and not self.feeds_beside_steps:
+            raise RuntimeError(
+                "extend_rows: beside_step needs a CPU runner that captures no hidden states "
+                "(feeds_beside_steps)"
+            )
         if self.cache is None:
             raise RuntimeError("extend_rows: call reserve or prefill first")
         if len(tokens) != len(cached):
@@ -636,6 +659,13 @@ class ModelRunner:
             padded[row, : len(chunk)] = chunk
         positions = rows.cache_lens[:, None].long() + torch.arange(width, device=self.device)
         q_lens = to_device([len(row) for row in tokens], self.device, torch.int32)
+        if beside_step:
+            with torch.no_grad():
+                self._model_step(
+                    to_device(padded, self.device), positions, None, q_lens, None, 1, rows
+                )
+            rows.commit_lengths(to_device(lengths, self.device, torch.int32), max(lengths))
+            return {}
         # The forward runs over the view: swap it in for the call (the steps read `self.cache`).
         batch_cache, self.cache = self.cache, rows
         try:
@@ -723,7 +753,10 @@ class ModelRunner:
         if compiled is None:
             function = step.__func__
             own_code = types.FunctionType(
-                function.__code__.replace(), function.__globals__, function.__name__
+                function.__code__.replace(),
+                function.__globals__,
+                function.__name__,
+                function.__defaults__,
             )
             compiled = torch.compile(own_code.__get__(self), fullgraph=True)
             self._compiled[kind] = compiled
@@ -798,11 +831,14 @@ class ModelRunner:
         q_lens: torch.Tensor | None,
         q_depths: torch.Tensor | None,
         logits_to_keep: int,
+        cache: SpecKVCache | None = None,
     ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
-        """One model forward writing K/V at `cache_lens[b] + i`; fp32 logits and hidden states."""
-        self.cache.prepare_write(tokens.shape[1])
+        """One model forward writing K/V at `cache_lens[b] + i` of `cache` (default: the
+        batch's); fp32 logits and hidden states."""
+        cache = self.cache if cache is None else cache
+        cache.prepare_write(tokens.shape[1])
         metadata = StepMetadata(
-            self.cache.cache_lens,
+            cache.cache_lens,
             tree_mask,
             q_lens,
             self.max_cache_len,
@@ -813,7 +849,7 @@ class ModelRunner:
         output = self.model(
             input_ids=tokens,
             position_ids=positions,
-            past_key_values=self.cache,
+            past_key_values=cache,
             use_cache=True,
             logits_to_keep=logits_to_keep,
             **{METADATA_KWARG: metadata},

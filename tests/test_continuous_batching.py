@@ -10,6 +10,7 @@ reads the device once, as `generate`'s does.
 """
 
 import random
+import time
 
 import pytest
 import torch
@@ -258,24 +259,32 @@ def test_each_drafter_takes_rows_joining_and_leaving(code_model, code_prompts, s
         assert not handles[4].completion.speculated
 
 
+def random_arrivals(rng, prompts, count: int, specs, limits: tuple[int, int, int]) -> list:
+    """`count` (step, request) pairs: prompts cut to 2..limits[0] tokens, 1..limits[1] new
+    tokens, every third request sampled (on a route of `specs` that samples exactly), arriving
+    at steps 0..limits[2]."""
+    longest, most_new, last_step = limits
+    requests = [
+        {
+            "prompt": prompts[i % len(prompts)][: rng.randint(2, longest)],
+            "max_new_tokens": rng.randint(1, most_new),
+            "temperature": 0.0 if i % 3 else 0.7,
+            "seed": i,
+        }
+        for i in range(count)
+    ]
+    for request in requests:
+        sampled = request["temperature"] > 0
+        request["route"] = rng.choice([s for s in specs if s in SAMPLED_EXACT or not sampled])
+    return [(rng.randint(0, last_step), request) for request in requests]
+
+
 @needs_bundled
 def test_random_arrivals_on_every_route_equal_generate(code_model, code_prompts):
     """Sixteen requests on random routes, greedy or sampled, arriving at random steps into four
     slots: each request's tokens are `generate()`'s."""
     routes = {spec: DrafterSpec.parse(spec).build(code_model) for spec in SPECS}
-    rng = random.Random(7)
-    requests = [
-        {
-            "prompt": code_prompts[i % len(code_prompts)][: rng.randint(2, 48)],
-            "max_new_tokens": rng.randint(1, 24),
-            "temperature": 0.0 if i % 3 else 0.7,
-            "seed": i,
-        }
-        for i in range(16)
-    ]
-    for request in requests:
-        request["route"] = rng.choice(SPECS if request["temperature"] == 0 else SAMPLED_EXACT)
-    arrivals = [(rng.randint(0, 40), request) for request in requests]
+    arrivals = random_arrivals(random.Random(7), code_prompts, 16, SPECS, (48, 24, 40))
     scheduler = Scheduler(code_model, routes, max_batch=4, prefill_chunk=8, eos_token_id=[])
     handles = run_scripted(scheduler, arrivals)
     scheduler.close()
@@ -341,7 +350,7 @@ def test_long_prompts_are_fed_in_chunks_between_decode_steps():
     last; the running row emits a token at each of them."""
     model = tiny_llama(VOCAB, seed=8)
     short, long = repetitive_prompts([6, 41], VOCAB, seed=9)
-    scheduler = Scheduler(model, prefill_chunk=5, eos_token_id=[])
+    scheduler = Scheduler(model, prefill_chunk=5, eos_token_id=[], overlap_prefill=False)
     decoding = scheduler.submit(Request(short, 40))
     scheduler.step()
     emitted = []
@@ -357,6 +366,105 @@ def test_long_prompts_are_fed_in_chunks_between_decode_steps():
     for handle, prompt, count in ((decoding, short, 40), (joining, long, 6)):
         out = generate(model, [prompt], drafter=None, max_new_tokens=count, eos_token_id=[])
         assert handle.completion.tokens == out.sequences[0][len(prompt) :].tolist()
+
+
+def test_prompts_fed_beside_the_steps_never_stall_the_batch():
+    """With `overlap_prefill`, the 41-token prompt's 8 chunks go to the prefill thread one at a
+    time while the running row decodes: that row emits a token at every step, the newcomer
+    joins after 8 steps or more (a chunk is taken in after the step that sees it done), all
+    its prefill time is beside the steps, and both outputs are `generate()`'s."""
+    model = tiny_llama(VOCAB, seed=8)
+    short, long = repetitive_prompts([6, 41], VOCAB, seed=9)
+    scheduler = Scheduler(model, prefill_chunk=5, eos_token_id=[], overlap_prefill=True)
+    assert scheduler.overlap_prefill
+    decoding = scheduler.submit(Request(short, 60))
+    scheduler.step()
+    joining = scheduler.submit(Request(long, 6))
+    steps = 0
+    while len(scheduler.rows) < 2:
+        before = len(scheduler.rows[0].generated)
+        scheduler.step()
+        steps += 1
+        assert len(scheduler.rows[0].generated) == before + 1
+        assert steps < 200
+    assert steps >= 8
+    counters = scheduler.counters
+    assert counters.prefill_chunks == 9 and counters.prefill_tokens == 5 + 40
+    assert counters.prefill_beside_seconds > 0
+    scheduler.run_until_idle()
+    scheduler.close()
+    for handle, prompt, count in ((decoding, short, 60), (joining, long, 6)):
+        out = generate(model, [prompt], drafter=None, max_new_tokens=count, eos_token_id=[])
+        assert handle.completion.tokens == out.sequences[0][len(prompt) :].tolist()
+
+
+BESIDE_SPECS = ["none", "ngram:8", "suffix:16", "draft:tiny-code-draft:3"]
+
+
+@needs_bundled
+@pytest.mark.parametrize("overlap", [False, True], ids=["serial", "beside"])
+def test_random_arrivals_with_prompts_fed_beside_the_steps_equal_generate(
+    code_model, code_prompts, overlap
+):
+    """Twelve requests on the routes that read no hidden states, greedy or sampled, arriving at
+    random steps into three slots, with prompts fed on this thread or beside the steps: each
+    request's tokens are `generate()`'s, however the joins fall."""
+    routes = {spec: DrafterSpec.parse(spec).build(code_model) for spec in BESIDE_SPECS}
+    arrivals = random_arrivals(random.Random(11), code_prompts, 12, BESIDE_SPECS, (60, 20, 30))
+    scheduler = Scheduler(
+        code_model, routes, max_batch=3, prefill_chunk=8, eos_token_id=[], overlap_prefill=overlap
+    )
+    handles = run_scripted(scheduler, arrivals)
+    scheduler.close()
+    assert (scheduler.counters.prefill_beside_seconds > 0) == overlap
+    for (_, request), handle in zip(arrivals, handles, strict=True):
+        assert handle.completion.tokens == expected_output(code_model, request["route"], request)
+
+
+def test_closing_waits_for_a_chunk_fed_beside_the_steps():
+    """`close()` while a chunk is on the prefill thread ends every request as cancelled, and
+    only after the chunk is in (the storage is not reset under it)."""
+    model = tiny_llama(VOCAB, seed=8)
+    short, long = repetitive_prompts([6, 30], VOCAB, seed=9)
+    scheduler = Scheduler(model, eos_token_id=[], overlap_prefill=True)
+    feed, fed = scheduler.runner.extend_rows, []
+
+    def slow_feed(*args, **kwargs):
+        time.sleep(0.3)
+        out = feed(*args, **kwargs)
+        fed.append(kwargs.get("beside_step", False))
+        return out
+
+    scheduler.runner.extend_rows = slow_feed
+    decoding = scheduler.submit(Request(short, 40))
+    scheduler.step()
+    joining = scheduler.submit(Request(long, 6))
+    scheduler.step()
+    assert scheduler._feeding is not None and fed == [False]
+    scheduler.close()
+    assert fed == [False, True] and scheduler._feeding is None
+    for handle in (decoding, joining):
+        assert handle.completion.finish_reason == "cancelled"
+
+
+def test_overlap_prefill_is_refused_with_routes_that_read_hidden_states():
+    """Hooks fill one dict per runner: with a route reading hidden states, prompts stay on the
+    scheduler's thread (the default turns overlap off; asking for it is an error)."""
+    model = tiny_llama(VOCAB, seed=8)
+
+    class HiddenNGram(NGramDrafter):
+        hidden_layers = (0,)
+
+    assert not Scheduler(model, {"hidden": HiddenNGram()}).overlap_prefill
+    with pytest.raises(ValueError, match="overlap_prefill"):
+        Scheduler(model, {"hidden": HiddenNGram()}, overlap_prefill=True)
+    with ModelRunner(model, 64) as runner:
+        runner.reserve(2)
+        assert runner.feeds_beside_steps
+        runner.capture_hidden([0])
+        assert not runner.feeds_beside_steps
+        with pytest.raises(RuntimeError, match="feeds_beside_steps"):
+            runner.extend_rows(0, [[1, 2]], [0], beside_step=True)
 
 
 def test_requests_are_validated_and_the_queue_is_bounded():
@@ -485,10 +593,13 @@ def test_one_host_read_per_decode_step(code_model, code_prompts, spec, extra):
 
 
 @pytest.mark.slow
-def test_compiled_steps_serve_joins_and_compile_once():
+@pytest.mark.parametrize("overlap", [False, True], ids=["serial", "beside"])
+def test_compiled_steps_serve_joins_and_compile_once(overlap):
     """With compiled steps, rows joining through prefill chunks of every width and batches of
     every size reuse the graphs of the first wave: a second wave compiles nothing, and every
-    output is `generate()`'s."""
+    output is `generate()`'s. With prompts fed beside the steps (eagerly, on the prefill
+    thread), outputs are the same; which chunks wait for a free batch, and so run compiled on
+    the scheduler's thread, depends on timing, so the second wave may meet a new shape."""
     from torch._dynamo.utils import counters
 
     model = tiny_llama(VOCAB, seed=14)
@@ -500,6 +611,7 @@ def test_compiled_steps_serve_joins_and_compile_once():
         prefill_chunk=6,
         eos_token_id=[],
         compile=True,
+        overlap_prefill=overlap,
     )
     waves = []
     for wave in range(2):
@@ -515,7 +627,7 @@ def test_compiled_steps_serve_joins_and_compile_once():
             (run_scripted(scheduler, arrivals), counters["stats"]["unique_graphs"] - before)
         )
     scheduler.close()
-    assert waves[0][1] > 0 and waves[1][1] == 0
+    assert waves[0][1] > 0 and (overlap or waves[1][1] == 0)
     for wave, (handles, _) in enumerate(waves):
         for i, (handle, prompt) in enumerate(zip(handles, prompts, strict=True)):
             out = generate(

@@ -448,7 +448,10 @@ def test_a_short_qps_sweep_writes_its_report(server, tmp_path):
             assert metrics["tpot_s"]["p50"] > 0 and metrics["ttft_s"]["p99"] > 0
             # The server's step counters over the level: where its time went.
             busy = metrics["scheduler"]
-            assert 0 < busy["decode_share"] < 1 and 0 < busy["prefill_share"] < 1
+            assert 0 < busy["decode_share"] < 1
+            # Prompts fed on the scheduler's thread, or beside its steps (`overlap_prefill`).
+            fed = (busy["prefill_share"], busy["prefill_beside_share"])
+            assert all(0 <= share < 1 for share in fed) and sum(fed) > 0
             assert busy["prefill_tokens"] > 0 and sum(busy["decode_steps_by_batch"].values()) > 0
         cell = next(c for c in saved["cells"] if c["batch"] == int(level))
         assert cell["quality"]["greedy_exact_matches"] == cell["quality"]["greedy_prompts"] == 6
@@ -516,6 +519,7 @@ def test_serve_builds_its_routes_guardrails_and_template(monkeypatch, tmp_path):
     monkeypatch.setattr(uvicorn, "run", lambda app, **options: started.update(app=app, **options))
     argv = ["serve", "--drafter", "none", "--routes", str(routes), "--guardrails", str(guardrails)]
     argv += ["--chat-template", str(template), "--port", "8123", "--max-batch", "2"]
+    argv += ["--no-overlap-prefill"]
     assert main(argv) == 0
     engine = started["app"].state.engine
     try:
@@ -526,6 +530,7 @@ def test_serve_builds_its_routes_guardrails_and_template(monkeypatch, tmp_path):
         assert engine.scheduler.lanes["code"].guard.policy.min_window_steps == 1
         assert engine.scheduler.lanes["default"].drafter is None
         assert engine.scheduler.max_batch == 2 and engine.tokenizer.chat_template == TEMPLATE
+        assert not engine.scheduler.overlap_prefill
     finally:
         engine.close()
 

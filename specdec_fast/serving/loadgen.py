@@ -191,16 +191,23 @@ async def _request(
         out.error = "the stream ended without a finish reason"
 
 
+PREFILL_COUNTERS = (
+    "specdec_prefill_seconds",
+    "specdec_prefill_beside_seconds",
+    "specdec_prefill_tokens",
+)
+
+
 async def _scrape(client: httpx.AsyncClient, url: str) -> dict:
     """From `/metrics`: per route its spec-decode counters and ended requests
     ({route: {name: value, "ended": n, "positions": {p: n}}}); "rejected": requests the server
     refused (429/503); the scheduler's time: "decode" {B: [steps, seconds]}, "prefill_seconds",
-    "prefill_tokens"."""
+    "prefill_beside_seconds", "prefill_tokens"."""
     reply = await client.get(url + "/metrics")
     reply.raise_for_status()
     routes: dict[str, dict] = {}
     out = {"routes": routes, "rejected": 0.0, "decode": {}, "prefill_seconds": 0.0}
-    out["prefill_tokens"] = 0.0
+    out["prefill_tokens"] = out["prefill_beside_seconds"] = 0.0
     names = {f"{metric}_total": key for key, metric in SPEC_COUNTERS.items()}
     names[f"{ENDED}_total"] = "ended"
     for family in text_string_to_metric_families(reply.text):
@@ -208,7 +215,7 @@ async def _scrape(client: httpx.AsyncClient, url: str) -> dict:
             name = sample.name.removesuffix("_total")
             if name == REJECTED:
                 out["rejected"] += sample.value
-            elif name in ("specdec_prefill_seconds", "specdec_prefill_tokens"):
+            elif name in PREFILL_COUNTERS:
                 out[name.removeprefix("specdec_")] += sample.value
             elif name in ("specdec_decode_steps", "specdec_decode_step_seconds"):
                 steps = out["decode"].setdefault(int(sample.labels["batch"]), [0.0, 0.0])
@@ -259,7 +266,7 @@ async def run_level(
     wall = time.perf_counter() - start
     after = await _scrape(client, config.url)
     delta = _delta(before["routes"].get(route, {}), after["routes"].get(route, {}))
-    for key in ("rejected", "prefill_seconds", "prefill_tokens"):
+    for key in ("rejected", *(name.removeprefix("specdec_") for name in PREFILL_COUNTERS)):
         delta[key] = after[key] - before[key]
     delta["decode"] = {
         batch: [a - b for a, b in zip(steps, before["decode"].get(batch, [0.0, 0.0]), strict=True)]
@@ -336,7 +343,8 @@ def experienced_concurrency(records: list[RequestRecord]) -> list[float]:
 
 def _scheduler_time(counters: dict, wall: float) -> dict:
     """The server's step counters over a level: mean decode step by batch size, and the share
-    of the wall time spent decoding and feeding prompts."""
+    of the wall time spent decoding and feeding prompts (on the scheduler's thread, and beside
+    its steps on the prefill thread)."""
     decode = {b: s for b, s in counters.get("decode", {}).items() if s[0] > 0}
     decode_s = sum(seconds for _, seconds in decode.values())
     return {
@@ -344,6 +352,9 @@ def _scheduler_time(counters: dict, wall: float) -> dict:
         "decode_step_s_by_batch": {b: seconds / count for b, (count, seconds) in decode.items()},
         "decode_share": decode_s / wall if wall else None,
         "prefill_share": counters.get("prefill_seconds", 0.0) / wall if wall else None,
+        "prefill_beside_share": (
+            counters.get("prefill_beside_seconds", 0.0) / wall if wall else None
+        ),
         "prefill_tokens": int(counters.get("prefill_tokens", 0.0)),
     }
 

@@ -21,7 +21,8 @@ speculate), `specdec_shadow_requests_total`, `specdec_shadow_mismatches_total` a
 `specdec_shadow_skipped_total`; `specdec_requests_rejected_total` (label `reason`:
 queue_full, stopped); and where the scheduler's time goes: `specdec_decode_steps_total` and
 `specdec_decode_step_seconds_total` (label `batch`), `specdec_prefill_chunks_total`,
-`specdec_prefill_tokens_total`, `specdec_prefill_seconds_total`.
+`specdec_prefill_tokens_total`, `specdec_prefill_seconds_total`,
+`specdec_prefill_beside_seconds_total`.
 """
 
 from __future__ import annotations
@@ -149,7 +150,16 @@ class _SchedulerCollector:
                 steps.prefill_chunks,
             ),
             ("specdec_prefill_tokens", "Prompt tokens fed.", steps.prefill_tokens),
-            ("specdec_prefill_seconds", "Time feeding prompts.", steps.prefill_seconds),
+            (
+                "specdec_prefill_seconds",
+                "Time the scheduler's thread spent on prompts.",
+                steps.prefill_seconds,
+            ),
+            (
+                "specdec_prefill_beside_seconds",
+                "Time of prompt chunks fed beside the decode steps, on their own thread.",
+                steps.prefill_beside_seconds,
+            ),
         ):
             family = CounterMetricFamily(name, help_text, labels=["model_name"])
             family.add_metric([model], value)

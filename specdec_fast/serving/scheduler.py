@@ -8,7 +8,9 @@ flow of one step") while requests come and go:
   is free; its prompt is then fed into the storage rows past the batch's end, at most
   `prefill_chunk` tokens per row between two decode steps of the batch (long prompts are
   chunked), and its row joins the batch once the prompt is in. A reused slot starts from an empty
-  cache (its lengths are reset, its old K/V never read);
+  cache (its lengths are reset, its old K/V never read). On the CPU, with a core to spare and no
+  route reading hidden states, the chunks are fed on a thread of their own while the batch
+  decodes (`overlap_prefill`): the batch's steps no longer wait for newcomers' prompts;
 - every request has its own sampling parameters, stop rule, token budget and route. A route's
   drafter (one instance per route, fed rows through `Drafter.join`) drafts for the route's
   speculating rows; every other row verifies its root alone, which is plain decoding, in the same
@@ -31,10 +33,12 @@ on a thread of its own, and `submit` and `Handle.cancel` may then be called from
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import torch
@@ -164,13 +168,16 @@ class RouteCounters:
 @dataclass
 class StepCounters:
     """Where the scheduler's time goes, cumulative: decode steps by batch size (`decode[B]` =
-    [steps, seconds]) and prompt chunks fed (`prefill_chunks`, `prefill_tokens`,
-    `prefill_seconds`)."""
+    [steps, seconds]) and prompt chunks fed (`prefill_chunks`, `prefill_tokens`). `prefill_seconds`
+    is the time the scheduler's thread spent on prompts (feeding them, or waiting for a chunk
+    fed beside the steps when it had nothing to decode); `prefill_beside_seconds` the time of
+    the chunks fed beside decode steps (`overlap_prefill`), on their own thread."""
 
     decode: dict[int, list] = field(default_factory=dict)
     prefill_chunks: int = 0
     prefill_tokens: int = 0
     prefill_seconds: float = 0.0
+    prefill_beside_seconds: float = 0.0
 
 
 SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "seed")
@@ -228,6 +235,25 @@ class _Prefill:
         row = self.rows[r]
         return [] if row.handle.cancelled else row.tokens[self.fed[r] : len(row.tokens) - 1]
 
+    def chunks(self, size: int) -> list[list[int]]:
+        """Each row's next chunk of at most `size` tokens."""
+        return [self.remaining(r)[:size] for r in range(len(self.rows))]
+
+
+@dataclass
+class _Feed:
+    """A chunk of `group`'s prompts being fed on the prefill thread; `future` gives its seconds."""
+
+    group: _Prefill
+    chunks: list[list[int]]
+    future: Future
+
+
+def _spare_core(threads: int) -> bool:
+    """Whether this process may use more CPU cores than `threads`."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return (cores or 1) > threads
+
 
 def _token_latency(seconds: float, emitted: list[list[int]]) -> float | None:
     """Seconds per emitted token of a row, over the rows that emitted `emitted` in a step."""
@@ -257,9 +283,14 @@ class Scheduler:
         max_queue: waiting requests beyond which `submit` raises `QueueFull`.
         max_cache_len: KV slots per sequence; a request needs its prompt, `max_new_tokens` and
             the widest tree of any route. Default: `max_position_embeddings` plus that tree.
-        prefill_chunk: prompt tokens per row fed between two decode steps.
+        prefill_chunk: prompt tokens per row fed between two decode steps (or beside one).
         eos_token_id: stop ids of requests that give none (default: the model's).
         use_cuda_graphs, compile: as for `generate`.
+        overlap_prefill: feed newcomers' prompts on a thread of their own while the batch
+            decodes (their rows join when a chunk is in; outputs are the same). It needs a CPU
+            model and routes that read no hidden states (`ModelRunner.feeds_beside_steps`), and
+            pays where a core is free beside torch's threads. None (default): on when all of
+            that holds.
     """
 
     def __init__(
@@ -275,6 +306,7 @@ class Scheduler:
         eos_token_id: int | Sequence[int] | None = None,
         use_cuda_graphs: bool | None = None,
         compile: bool | None = None,
+        overlap_prefill: bool | None = None,
     ):
         routes = dict(routes) if routes is not None else {DEFAULT_ROUTE: None}
         if not routes:
@@ -323,6 +355,21 @@ class Scheduler:
         )
         self.runner.reserve(max_batch)
         self.device = self.runner.device
+        if overlap_prefill is None:
+            overlap_prefill = self.runner.feeds_beside_steps and _spare_core(
+                torch.get_num_threads()
+            )
+        elif overlap_prefill and not self.runner.feeds_beside_steps:
+            self.runner.close()
+            raise ValueError(
+                "overlap_prefill: needs a model on the CPU and routes whose drafters read no "
+                "hidden states"
+            )
+        self.overlap_prefill = bool(overlap_prefill)
+        self._feeder = (
+            ThreadPoolExecutor(1, thread_name_prefix="specdec-prefill") if overlap_prefill else None
+        )
+        self._feeding: _Feed | None = None
         self.rows: list[_Row] = []  # the batch, in slot order
         self._prefill: _Prefill | None = None
         self._waiting: deque[_Row] = deque()
@@ -422,6 +469,8 @@ class Scheduler:
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join()
         self._abort(CANCELLED)
+        if self._feeder is not None:
+            self._feeder.shutdown()
         self.runner.close()
 
     def _loop(self) -> None:
@@ -449,16 +498,23 @@ class Scheduler:
     def step(self) -> bool:
         """One iteration: drop cancelled requests, feed one chunk of the newcomers' prompts (a
         new group of newcomers takes the free slots when none is being fed), then one decode
-        step of the batch. Returns whether anything is left to do."""
+        step of the batch. With `overlap_prefill` and a batch to decode, the chunk is handed to
+        the prefill thread instead and the step goes on; a chunk fed there is taken in after
+        the step that sees it done. Returns whether anything is left to do."""
         with torch.no_grad():
             self._drop_cancelled()
             if self._prefill is None:
                 self._start_prefill()
             if self._prefill is not None:
-                self._prefill_chunk()
+                if self._feeder is None or not self.rows:
+                    self._prefill_chunk()
+                elif self._feeding is None:
+                    self._feed_beside(self._prefill)
             if self.rows:
                 self._decode()
                 self.steps += 1
+            if self._feeding is not None and self._feeding.future.done():
+                self._take_feed()
         return bool(self.rows or self._prefill is not None or self._waiting)
 
     def run_until_idle(self, max_steps: int | None = None) -> int:
@@ -482,20 +538,43 @@ class Scheduler:
             self._prefill = _Prefill(taken, len(self.rows), [0] * len(taken))
 
     def _prefill_chunk(self) -> None:
+        """Feed the group's next chunk on this thread (after taking in one fed beside)."""
         start = time.perf_counter()
-        group = self._prefill
-        chunks = [group.remaining(r)[: self.prefill_chunk] for r in range(len(group.rows))]
-        hidden = self.runner.extend_rows(group.start, chunks, group.fed)
+        if self._feeding is not None:
+            self._take_feed()
+        else:
+            group = self._prefill
+            chunks = group.chunks(self.prefill_chunk)
+            self._chunk_fed(group, chunks, self.runner.extend_rows(group.start, chunks, group.fed))
+        self.counters.prefill_seconds += time.perf_counter() - start
+
+    def _feed_beside(self, group: _Prefill) -> None:
+        """Hand the group's next chunk to the prefill thread."""
+        chunks = group.chunks(self.prefill_chunk)
+
+        def feed() -> float:
+            start = time.perf_counter()
+            self.runner.extend_rows(group.start, chunks, group.fed, beside_step=True)
+            return time.perf_counter() - start
+
+        self._feeding = _Feed(group, chunks, self._feeder.submit(feed))
+
+    def _take_feed(self) -> None:
+        """The chunk fed beside the steps is in (waiting for it if need be): book it."""
+        feed, self._feeding = self._feeding, None
+        self.counters.prefill_beside_seconds += feed.future.result()
+        self._chunk_fed(feed.group, feed.chunks, {})
+
+    def _chunk_fed(self, group: _Prefill, chunks: list[list[int]], hidden) -> None:
+        """Book a chunk fed to `group`; the group joins the batch once its prompts are in."""
         if hidden:
             group.hidden.append(hidden)
         group.fed = [fed + len(chunk) for fed, chunk in zip(group.fed, chunks, strict=True)]
+        self.counters.prefill_chunks += 1
+        self.counters.prefill_tokens += sum(len(chunk) for chunk in chunks)
         if not any(group.remaining(r) for r in range(len(group.rows))):
             self._prefill = None
             self._join(group)
-        counters = self.counters
-        counters.prefill_chunks += 1
-        counters.prefill_tokens += sum(len(chunk) for chunk in chunks)
-        counters.prefill_seconds += time.perf_counter() - start
 
     def _join(self, group: _Prefill) -> None:
         """The group's rows join the batch, and those that speculate their routes' drafters."""
@@ -879,6 +958,10 @@ class Scheduler:
 
     def _abort(self, reason: str, error: str | None = None) -> None:
         """End every request (waiting, being fed, decoding) with `reason`, and every lane."""
+        if self._feeding is not None:
+            # The prefill thread writes the storage until its chunk is in; errors end with it.
+            feed, self._feeding = self._feeding, None
+            feed.future.exception()
         with self._lock:
             waiting = list(self._waiting)
             self._waiting.clear()

@@ -85,6 +85,7 @@ class ServingEngine:
         keep_special_tokens: keep special tokens in the returned text.
         seed: of the canary draws.
         compile: compile the model's steps (`generate`'s `compile`).
+        overlap_prefill: the scheduler's (`Scheduler`): prompts fed beside the decode steps.
     """
 
     def __init__(
@@ -103,6 +104,7 @@ class ServingEngine:
         keep_special_tokens: bool = False,
         seed: int = 0,
         compile: bool | None = None,
+        overlap_prefill: bool | None = None,
     ):
         self.model, self.tokenizer, self.model_name = model, tokenizer, model_name
         self.keep_special_tokens = keep_special_tokens
@@ -130,6 +132,7 @@ class ServingEngine:
             prefill_chunk=prefill_chunk,
             eos_token_id=stop_token_ids(model, tokenizer),
             compile=compile,
+            overlap_prefill=overlap_prefill,
         )
         self.metrics: ServingMetrics | None = None
         self.mailbox: _Mailbox | None = None  # the serving event loop's (set at start-up)
@@ -422,6 +425,7 @@ def serve(args) -> int:
         max_batch=args.max_batch,
         max_queue=args.max_queue,
         prefill_chunk=args.prefill_chunk,
+        overlap_prefill=args.overlap_prefill,
         context_len=args.max_model_len,
         chat_template=template,
         keep_special_tokens=args.keep_special_tokens,
