@@ -14,7 +14,10 @@
    beside its steps (`--serial-prefill`: between them).
 2. N-gram speculation: the served `ngram:8` route's TPOT p50 improvement over the plain route
    at 4 QPS against what the offline harness (`specdec_fast.harness.bench`, paired runs)
-   measures for `ngram:8` at that concurrency. Target: at least the harness's minus 10%.
+   measures for `ngram:8` at that concurrency. Target: at least the harness's minus 10%. The
+   harness has no runtime fallback, so the served route runs with `log_only` guardrails (the
+   server's default ones switch it to plain decoding for 256 steps after any 16-64-step window
+   of acceptance below 0.1: `--runtime-guardrails`).
 3. Saturation: 1,000 requests (16 new tokens each) arriving at 200 QPS, well above what the
    CPU serves, on the n-gram route with a queue of 256: every request must get exactly one
    complete response or one error (429), none lost or duplicated (client records, the server's
@@ -78,6 +81,9 @@ ROUNDS = 6  # segments of the 4 QPS level, plain and n-gram in turn, generate() 
 MAX_BATCH = 16  # the server's slots
 TIMED_BATCHES = (1, 2, 3, 4, 6, 8, 12, 16)  # generate()'s step timed at these, interpolated
 PREFILL_MODES = ("serial", "beside")  # prompts fed between the steps, or beside them
+# The harness measures speculation without runtime fallback; the served route likewise (each
+# breach is counted, none switches the route to plain decoding for 256 steps).
+LOG_ONLY_GUARDRAILS = "speculative_decoding_guardrails:\n  fallback_action: log_only\n"
 
 
 def free_port() -> int:
@@ -188,6 +194,13 @@ def main() -> int:
     parser.add_argument("--quick", action="store_true", help="10 s levels, 200 requests")
     parser.add_argument("--out", default=None, help="default: bench/results/serving-cpu-DATE")
     parser.add_argument(
+        "--runtime-guardrails",
+        action="store_true",
+        help="the served n-gram route under the server's default guardrails, which switch it "
+        "to plain decoding on a window of low acceptance (default: log_only, as the harness "
+        "runs: no runtime fallback)",
+    )
+    parser.add_argument(
         "--serial-prefill",
         action="store_true",
         help="the server feeds prompts between its decode steps (default: beside them)",
@@ -237,12 +250,18 @@ def main() -> int:
 
     load_before = os.getloadavg()
     server_prefill = "serial" if args.serial_prefill else "beside"
+    guard = []
+    if not args.runtime_guardrails:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "guardrails.yaml").write_text(LOG_ONLY_GUARDRAILS)
+        guard = ["--guardrails", str(out / "guardrails.yaml")]
     server = ServerProcess(
         "--max-batch",
         str(MAX_BATCH),
         "--max-queue",
         "256",
         "--no-overlap-prefill" if args.serial_prefill else "--overlap-prefill",
+        *guard,
     )
     try:
         served = run_sweep(
@@ -339,6 +358,7 @@ def main() -> int:
             "served_decode_steps_by_batch": counts,
             "decode_step_overhead": step_overhead,
             "server_prefill": server_prefill,
+            "server_guardrails": "default" if args.runtime_guardrails else "log_only",
             "prefill_share_of_wall": scheduler["prefill_share"],
             "prefill_beside_share_of_wall": scheduler["prefill_beside_share"],
             "decode_share_of_wall": scheduler["decode_share"],
