@@ -659,28 +659,19 @@ class ModelRunner:
             padded[row, : len(chunk)] = chunk
         positions = rows.cache_lens[:, None].long() + torch.arange(width, device=self.device)
         q_lens = to_device([len(row) for row in tokens], self.device, torch.int32)
+        args = (to_device(padded, self.device), positions, None, q_lens, None, 1)
         if beside_step:
+            # Eager, over the view passed in: the batch's step may be using `self.cache` now.
             with torch.no_grad():
-                self._model_step(
-                    to_device(padded, self.device), positions, None, q_lens, None, 1, rows
-                )
-            rows.commit_lengths(to_device(lengths, self.device, torch.int32), max(lengths))
-            return {}
-        # The forward runs over the view: swap it in for the call (the steps read `self.cache`).
-        batch_cache, self.cache = self.cache, rows
-        try:
-            _, hidden = self._run(
-                "prefill",
-                self._model_step,
-                to_device(padded, self.device),
-                positions,
-                None,
-                q_lens,
-                None,
-                1,
-            )
-        finally:
-            self.cache = batch_cache
+                _, hidden = self._model_step(*args, rows)
+        else:
+            # The forward runs over the view: swap it in for the call (the steps read
+            # `self.cache`).
+            batch_cache, self.cache = self.cache, rows
+            try:
+                _, hidden = self._run("prefill", self._model_step, *args)
+            finally:
+                self.cache = batch_cache
         rows.commit_lengths(to_device(lengths, self.device, torch.int32), max(lengths))
         return hidden
 

@@ -191,11 +191,8 @@ async def _request(
         out.error = "the stream ended without a finish reason"
 
 
-PREFILL_COUNTERS = (
-    "specdec_prefill_seconds",
-    "specdec_prefill_beside_seconds",
-    "specdec_prefill_tokens",
-)
+# The scheduler's prompt counters (`specdec_<name>_total`), read into `_scrape`'s dict.
+PREFILL_COUNTERS = ("prefill_seconds", "prefill_beside_seconds", "prefill_tokens")
 
 
 async def _scrape(client: httpx.AsyncClient, url: str) -> dict:
@@ -206,8 +203,7 @@ async def _scrape(client: httpx.AsyncClient, url: str) -> dict:
     reply = await client.get(url + "/metrics")
     reply.raise_for_status()
     routes: dict[str, dict] = {}
-    out = {"routes": routes, "rejected": 0.0, "decode": {}, "prefill_seconds": 0.0}
-    out["prefill_tokens"] = out["prefill_beside_seconds"] = 0.0
+    out = {"routes": routes, "rejected": 0.0, "decode": {}} | dict.fromkeys(PREFILL_COUNTERS, 0.0)
     names = {f"{metric}_total": key for key, metric in SPEC_COUNTERS.items()}
     names[f"{ENDED}_total"] = "ended"
     for family in text_string_to_metric_families(reply.text):
@@ -215,7 +211,7 @@ async def _scrape(client: httpx.AsyncClient, url: str) -> dict:
             name = sample.name.removesuffix("_total")
             if name == REJECTED:
                 out["rejected"] += sample.value
-            elif name in PREFILL_COUNTERS:
+            elif name.removeprefix("specdec_") in PREFILL_COUNTERS:
                 out[name.removeprefix("specdec_")] += sample.value
             elif name in ("specdec_decode_steps", "specdec_decode_step_seconds"):
                 steps = out["decode"].setdefault(int(sample.labels["batch"]), [0.0, 0.0])
@@ -266,7 +262,7 @@ async def run_level(
     wall = time.perf_counter() - start
     after = await _scrape(client, config.url)
     delta = _delta(before["routes"].get(route, {}), after["routes"].get(route, {}))
-    for key in ("rejected", *(name.removeprefix("specdec_") for name in PREFILL_COUNTERS)):
+    for key in ("rejected", *PREFILL_COUNTERS):
         delta[key] = after[key] - before[key]
     delta["decode"] = {
         batch: [a - b for a, b in zip(steps, before["decode"].get(batch, [0.0, 0.0]), strict=True)]
