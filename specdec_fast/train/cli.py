@@ -1,4 +1,5 @@
-"""`python -m specdec_fast.train COMMAND`: tokenizer, lm, eval, the head commands, block, prompts.
+"""`python -m specdec_fast.train COMMAND`: tokenizer, lm, eval, the head commands, block,
+unlikelihood, prompts.
 
 Each command is a registrar that adds its subparser and sets `run`; further commands (drafter
 heads) append their registrar to `REGISTRARS`.
@@ -115,6 +116,12 @@ def register_block(sub) -> None:
     register_block_command(sub)
 
 
+def register_unlikelihood(sub) -> None:
+    from .unlikelihood import register_unlikelihood_command
+
+    register_unlikelihood_command(sub)
+
+
 def register_prompts(sub) -> None:
     from .prompts import register_prompts as register
 
@@ -127,6 +134,7 @@ REGISTRARS: list[Callable] = [
     register_eval,
     register_heads,
     register_block,
+    register_unlikelihood,
     register_prompts,
 ]
 

@@ -1,4 +1,5 @@
-"""Held-out evaluation: mean next-token loss and draft/target greedy agreement.
+"""Held-out evaluation: mean next-token loss, draft/target greedy agreement, and greedy
+repetition on the shipped code prompts.
 
 The held-out stream is the corpus' held-out split packed like the training data and cut into
 non-overlapping windows of `seq_len + 1` tokens, in file-list order; `max_windows` keeps a prefix.
@@ -10,12 +11,15 @@ interpreter, whose own stdlib may differ from the one the models were trained on
 """
 
 import json
+from collections import Counter
 from pathlib import Path
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 from transformers import AutoModelForCausalLM
+
+from specdec_fast.prompts import load_code_prompts
 
 from . import corpus
 from .data import num_windows, token_stream
@@ -25,6 +29,10 @@ from .tokenizer import load_tokenizer
 SAMPLE_NAME = "heldout_sample.json"
 SAMPLE_FILES = 6
 SAMPLE_CHARS = 4000
+# The demo's criterion for a believable completion: no 8-token sequence 3 or more times in 64
+# greedy tokens.
+REPEAT_NGRAM = 8
+REPEAT_NEW_TOKENS = 64
 
 
 def load_model(path: str | Path) -> torch.nn.Module:
@@ -102,6 +110,36 @@ def sample_rows(model_dir: str | Path, sample_path: str | Path) -> list[torch.Te
     ]
 
 
+def max_ngram_repeats(tokens: list[int], n: int = REPEAT_NGRAM) -> int:
+    """How often the most frequent n-gram of `tokens` occurs (0 when there is none)."""
+    grams = Counter(tuple(tokens[i : i + n]) for i in range(len(tokens) - n + 1))
+    return max(grams.values(), default=0)
+
+
+@torch.no_grad()
+def code_prompt_repeats(
+    model, tokenizer, limit: int | None = None, new_tokens: int = REPEAT_NEW_TOKENS
+) -> list[int]:
+    """`max_ngram_repeats` of the model's greedy continuation (up to `new_tokens`, ending at
+    EOS) of each shipped code prompt, the demo's prompts first."""
+    counts = []
+    for record in load_code_prompts(limit):
+        ids = tokenizer(record["prompt"], return_tensors="pt").input_ids
+        out = model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=new_tokens,
+            do_sample=False,
+            eos_token_id=tokenizer.eos_token_id,
+            pad_token_id=tokenizer.pad_token_id,
+        )
+        new = out[0, ids.shape[1] :].tolist()
+        if tokenizer.eos_token_id in new:
+            new = new[: new.index(tokenizer.eos_token_id)]
+        counts.append(max_ngram_repeats(new))
+    return counts
+
+
 def evaluate_models(
     model_dir: str | Path,
     draft_dir: str | Path | None,
@@ -134,6 +172,9 @@ def evaluate_models(
             "heldout_tokens": sum(row.numel() - 1 for row in rows),
             "heldout_files": len(corpus.list_files("heldout")),
             "seq_len": seq_len,
+            f"code_prompt_max_{REPEAT_NGRAM}gram_repeats": code_prompt_repeats(
+                model, load_tokenizer(folder)
+            ),
         }
     if draft_dir is not None:
         agreement = round(greedy_agreement(predictions["model"], predictions["draft"]), 4)
