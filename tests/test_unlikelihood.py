@@ -2,6 +2,7 @@
 looping model, exact resume and the training prompts."""
 
 import json
+import sys
 
 import numpy as np
 import pytest
@@ -20,14 +21,6 @@ from specdec_fast.train.unlikelihood import (
 
 VOCAB = 512
 PROMPT_LEN = 12
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def _model(seed: int = 0) -> LlamaForCausalLM:
@@ -167,3 +160,27 @@ def test_greedy_continuations_extend_each_prompt_by_its_argmax_and_keep_the_mode
     with torch.no_grad():
         predicted = model(rows[:, :-1]).logits.argmax(-1)[:, PROMPT_LEN - 1 :]
     assert torch.equal(predicted, rows[:, PROMPT_LEN:])
+
+
+def test_the_command_fine_tunes_a_bundled_model_and_records_the_run(tmp_path, monkeypatch):
+    """`python -m specdec_fast.train unlikelihood` end to end on the bundled draft, 2 steps."""
+    from specdec_fast import bundled
+    from specdec_fast.train.cli import main
+    from specdec_fast.train.export import read_info
+
+    out = tmp_path / "out"
+    argv = ["unlikelihood", "--model", "tiny-code-draft", "--run-dir", str(tmp_path / "run")]
+    argv += ["--out", str(out), "--data-dir", str(tmp_path / "data"), "--steps", "2"]
+    argv += ["--ul-batch", "2", "--batch-size", "1", "--seq-len", "64"]
+    monkeypatch.setattr(sys, "argv", ["python -m specdec_fast.train", *argv])  # what is recorded
+    assert main(argv) == 0
+    info = read_info(out)
+    base = read_info(bundled.path("tiny-code-draft"))
+    assert info["command"] == base["command"] and "evaluation" not in info
+    # The bundled draft was fine-tuned once already: the history grows by this run.
+    assert info["unlikelihood"][:-1] == base["unlikelihood"]
+    run = info["unlikelihood"][-1]
+    assert run["settings"]["steps"] == 2 and run["training_prompts"] > 100
+    assert run["command"] == "python -m specdec_fast.train " + " ".join(argv)
+    tuned = LlamaForCausalLM.from_pretrained(out)
+    assert tuned.config.num_hidden_layers == 2 and (out / "tokenizer.json").exists()

@@ -390,7 +390,7 @@ def _run_block(args) -> int:
     )
     args.lr = DEFAULT_LR[options.flavour] if args.lr is None else args.lr
     settings = run_settings(args)
-    target_dir, target, stream = training_target(args)
+    target_dir, target, stream = training_target(args.target, args.data_dir)
     module, steps_done = train_block(
         options, settings, target, stream, args.run_dir, resume=args.resume, stop_at=args.stop_at
     )

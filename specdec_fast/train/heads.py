@@ -416,17 +416,17 @@ DESCRIPTIONS = {
 }
 
 
-def training_target(args) -> tuple[str, nn.Module, np.ndarray]:
-    """(target folder, fp32 target on the GPU when there is one, the training split's token
-    stream) of a drafter command's `--target` and `--data-dir`."""
+def training_target(name: str, data_dir: str) -> tuple[str, nn.Module, np.ndarray]:
+    """(folder, fp32 model on the GPU when there is one, the training split's token stream) of
+    a training command's model (`--target`, a folder or bundled name) and `--data-dir`."""
     from specdec_fast.loading import load_model, resolve_path
 
     from .data import token_stream
 
-    target_dir = resolve_path(args.target)
+    target_dir = resolve_path(name)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    target = load_model(args.target, device, torch.float32)
-    return target_dir, target, token_stream("train", target_dir, args.data_dir)
+    target = load_model(name, device, torch.float32)
+    return target_dir, target, token_stream("train", target_dir, data_dir)
 
 
 def heldout_rows(args, target_dir: str) -> list[torch.Tensor]:
@@ -448,7 +448,7 @@ def _run_heads(args) -> int:
         draft_vocab=args.draft_vocab,
     )
     settings = run_settings(args)
-    target_dir, target, stream = training_target(args)
+    target_dir, target, stream = training_target(args.target, args.data_dir)
     head, steps_done = train_heads(
         options, settings, target, stream, args.run_dir, resume=args.resume, stop_at=args.stop_at
     )

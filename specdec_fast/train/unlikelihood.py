@@ -184,11 +184,9 @@ def train_unlikelihood(
 
 
 def _run_unlikelihood(args) -> int:
-    from specdec_fast.loading import load_model, resolve_path
-
     from . import corpus
-    from .data import token_stream
     from .export import export_checkpoint, read_info
+    from .heads import training_target
     from .options import command_line, run_settings
     from .tokenizer import load_tokenizer
 
@@ -200,12 +198,9 @@ def _run_unlikelihood(args) -> int:
         ngram=args.ngram,
         ul_weight=args.ul_weight,
     )
-    model_dir = resolve_path(args.model)
+    model_dir, model, stream = training_target(args.model, args.data_dir)
     base_info = read_info(model_dir)
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    model = load_model(args.model, device, torch.float32)
     tokenizer = load_tokenizer(model_dir)
-    stream = token_stream("train", model_dir, args.data_dir)
     prompts = training_prompts(corpus.read_texts("train"), tokenizer, settings.prompt_len)
     steps_done = train_unlikelihood(
         model, settings, stream, prompts, args.run_dir, resume=args.resume, stop_at=args.stop_at
@@ -213,16 +208,15 @@ def _run_unlikelihood(args) -> int:
     if steps_done < settings.steps or args.out is None:
         return 0
     base_info.pop("evaluation", None)
-    info = {
-        **base_info,
-        "unlikelihood": {
-            "command": command_line(),
-            "settings": dataclasses.asdict(settings),
-            "training_prompts": len(prompts),
-            "tokens_trained": steps_done
-            * (settings.batch_size * settings.seq_len + settings.ul_batch * settings.new_tokens),
-        },
+    run = {
+        "command": command_line(),
+        "settings": dataclasses.asdict(settings),
+        "training_prompts": len(prompts),
+        "tokens_trained": steps_done
+        * (settings.batch_size * settings.seq_len + settings.ul_batch * settings.new_tokens),
     }
+    # One entry per fine-tune, oldest first: tuning a tuned model keeps the history.
+    info = {**base_info, "unlikelihood": [*base_info.get("unlikelihood", []), run]}
     export_checkpoint(model, model_dir, args.out, info)
     print(f"model exported to {args.out}", file=sys.stderr)
     return 0
