@@ -16,8 +16,17 @@ import torch
 from safetensors.torch import load_file
 
 from specdec_fast import bundled
-from specdec_fast.train.evaluate import SAMPLE_NAME, load_model, mean_loss, sample_rows
+from specdec_fast.prompts import load_code_prompts
+from specdec_fast.train.evaluate import (
+    REPEAT_NEW_TOKENS,
+    SAMPLE_NAME,
+    code_prompt_repeats,
+    load_model,
+    mean_loss,
+    sample_rows,
+)
 from specdec_fast.train.export import read_info
+from specdec_fast.train.tokenizer import load_tokenizer
 
 TARGET, DRAFT = "tiny-code", "tiny-code-draft"
 # Seven checkpoints ship (target, draft, Medusa, EAGLE, EAGLE-3, DFlash, PARD): about 27 MB.
@@ -116,11 +125,13 @@ def test_heldout_sample_loss_is_at_most_the_recorded_value(models, sample, name)
 
 def test_target_and_draft_agree_on_the_heldout_sample(models, sample):
     """Speculation with the pair pays through agreement of their greedy tokens. Measured at
-    export: 0.666 of the sample's 7,283 positions (0.584 over the whole held-out stream); argmax
-    flips from BLAS differences are rare, while a damaged or swapped model falls far below.
+    export: 0.640 of the sample's 7,283 positions (0.560 over the whole held-out stream; 0.666
+    and 0.584 before both models' unlikelihood fine-tunes); argmax flips from BLAS differences
+    are rare, while a damaged or swapped model falls far below.
 
-    The target does not beat the draft on held-out loss any more (3.257 against 3.253 nats after
-    about 3 epochs of the 3.3M-token corpus): at this corpus size the pair is data-limited."""
+    The target does not beat the draft on held-out loss (3.312 against 3.282 nats after about 3
+    epochs of the 3.3M-token corpus and the fine-tunes): at this corpus size the pair is
+    data-limited."""
     agree = total = 0
     with torch.no_grad():
         for row in sample:
@@ -128,4 +139,18 @@ def test_target_and_draft_agree_on_the_heldout_sample(models, sample):
             same = models[TARGET](ids).logits.argmax(-1) == models[DRAFT](ids).logits.argmax(-1)
             agree += int(same.sum())
             total += same.numel()
-    assert agree / total >= 0.65
+    assert agree / total >= 0.62
+
+
+def test_greedy_completions_of_every_code_prompt_do_not_loop(models):
+    """What the demo shows must read as code, not as a loop: no 8-token sequence 3 or more
+    times in the first 64 greedy tokens, on every shipped code prompt (the demo's first; all
+    held out from training). Before the unlikelihood fine-tune, 16 of the 24 target completions
+    fell into `#\\n#\\n...` or `import sys` loops (up to 28 repeats). The draft's own greedy text
+    is never shown (speculative output is the target's), so only the target is held to it."""
+    tokenizer = load_tokenizer(bundled.path(TARGET))
+    counts = code_prompt_repeats(models[TARGET], tokenizer)
+    assert len(counts) == len(load_code_prompts()) and REPEAT_NEW_TOKENS == 64
+    assert max(counts) < 3, counts
+    recorded = read_info(bundled.path(TARGET))["evaluation"]["code_prompt_max_8gram_repeats"]
+    assert max(recorded) < 3

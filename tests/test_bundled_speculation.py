@@ -16,11 +16,14 @@ pytestmark = pytest.mark.skipif(
     reason="the bundled checkpoints are not installed",
 )
 NEW_TOKENS = 48
-# Measured on these 3 prompts x 48 tokens (CPU, fp32, 2026-11-30): draft chain k=4 2.03 tokens
-# per step (acceptance 25.7%), n-gram 8 nodes 2.76 (37.1%). Greedy runs are deterministic, so the
-# floors sit about 20% below.
-MIN_DRAFT_CHAIN = 1.6
-MIN_NGRAM = 2.2
+# Measured on these 3 prompts x 48 tokens (CPU, fp32, 2026-12-02, after the unlikelihood
+# fine-tunes): draft chain k=4 1.46 tokens per step (20 of 112 drafted tokens accepted), n-gram 8
+# nodes 1.10 (8 of 147). Greedy runs are deterministic, so the floors sit about 20% below, or
+# halfway to 1.0 (nothing accepted) where 20% would reach it. Before the fine-tunes the target
+# looped on these prompts and the same drafters made 2.03 and 2.76: a repeated line is easy to
+# draft.
+MIN_DRAFT_CHAIN = 1.2
+MIN_NGRAM = 1.05
 
 
 @pytest.fixture(scope="module")

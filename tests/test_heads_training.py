@@ -143,11 +143,12 @@ def test_frequent_tokens_and_the_command_line():
 
 # --- the bundled heads ---------------------------------------------------------------------------
 
-# Mean accepted tokens per step (bonus token included) on two held-out code prompts, greedy,
-# 16-node trees: measured 1.81 (Medusa), 3.00 (EAGLE-2) and 3.00 (EAGLE-3) at export on the
-# development CPU. The floors leave room for other BLAS builds; an untrained, swapped or broken
-# head (about 1.0-1.2) fails.
-BUNDLED_FLOORS = {"tiny-code-medusa": 1.5, "tiny-code-eagle": 2.4, "tiny-code-eagle3": 2.4}
+# Mean accepted tokens per step (bonus token included) on two held-out code prompts x 32
+# tokens, greedy, 16-node trees: measured 1.23 (Medusa), 2.00 (EAGLE-2) and 2.00 (EAGLE-3) on
+# the development CPU after the target's unlikelihood fine-tune and the heads' retraining (1.81,
+# 3.00 and 3.00 before, on a target that looped). The floors leave room for other BLAS builds;
+# an untrained, swapped or broken head (about 1.0) fails.
+BUNDLED_FLOORS = {"tiny-code-medusa": 1.1, "tiny-code-eagle": 1.6, "tiny-code-eagle3": 1.6}
 
 
 @pytest.fixture(scope="module")

@@ -165,7 +165,7 @@ def test_greedy_continuations_extend_each_prompt_by_its_argmax_and_keep_the_mode
 def test_the_command_fine_tunes_a_bundled_model_and_records_the_run(tmp_path, monkeypatch):
     """`python -m specdec_fast.train unlikelihood` end to end on the bundled draft, 2 steps."""
     from specdec_fast import bundled
-    from specdec_fast.train.cli import main
+    from specdec_fast.train.cli import build_parser
     from specdec_fast.train.export import read_info
 
     out = tmp_path / "out"
@@ -173,7 +173,9 @@ def test_the_command_fine_tunes_a_bundled_model_and_records_the_run(tmp_path, mo
     argv += ["--out", str(out), "--data-dir", str(tmp_path / "data"), "--steps", "2"]
     argv += ["--ul-batch", "2", "--batch-size", "1", "--seq-len", "64"]
     monkeypatch.setattr(sys, "argv", ["python -m specdec_fast.train", *argv])  # what is recorded
-    assert main(argv) == 0
+    # Parsed and run as `main` does, without its process-wide thread and denormal settings.
+    args = build_parser().parse_args(argv)
+    assert args.run(args) == 0
     info = read_info(out)
     base = read_info(bundled.path("tiny-code-draft"))
     assert info["command"] == base["command"] and "evaluation" not in info
