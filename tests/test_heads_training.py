@@ -114,12 +114,14 @@ def test_exported_heads_load_into_their_drafters(target, stream, tmp_path, kind)
         "description": "test heads",
         "target": "tiny",
         "tokens_trained": steps * 64,
+        "data": "128 tokens of test windows",
         "heldout_top1": [0.5, 0.25],
         "heldout_tokens": 100,
     }
     export_heads(head, tmp_path / "out", info)
     readme = (tmp_path / "out" / "README.md").read_text()
     assert "python -m specdec_fast.train ..." in readme and "50.0%" in readme
+    assert "Data: 128 tokens of test windows." in readme
     if kind == "medusa":
         drafter = MedusaDrafter.from_pretrained(tmp_path / "out", target)
     else:

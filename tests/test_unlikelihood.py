@@ -10,12 +10,12 @@ import torch
 from transformers import LlamaForCausalLM
 
 from specdec_fast.train.lm import LOG_NAME, model_config
+from specdec_fast.train.prompts import training_prompts
 from specdec_fast.train.unlikelihood import (
     UnlikelihoodSettings,
     greedy_continuations,
     repeated_ngram_mask,
     train_unlikelihood,
-    training_prompts,
     unlikelihood_loss,
 )
 

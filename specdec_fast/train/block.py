@@ -40,6 +40,13 @@ from torch import nn
 from specdec_fast.drafters.block import BlockDrafter, PardDraft
 from specdec_fast.heads.block import DFlashHead
 
+from .generated import (
+    DATA_SOURCES,
+    GeneratedData,
+    add_data_arguments,
+    data_description,
+    training_stream,
+)
 from .heads import (
     HeadLoss,
     heldout_rows,
@@ -67,7 +74,10 @@ class BlockOptions:
     """What to train. block_size: tokens per block b (None: the flavour's default);
     num_layers, target_layers: the DFlash head's layers and the target layers it reads (None:
     the reference's default); init: the PARD model to start from; anchors: blocks per window;
-    loss_decay: gamma of the per-depth weights; mask_token_id: None for the target's pad token."""
+    loss_decay: gamma of the per-depth weights; mask_token_id: None for the target's pad token;
+    data: "corpus" (windows of the training split) or "generated" (the target's greedy
+    continuations of `sequences` prompts of `prompt_len` tokens, `specdec_fast.train.generated`;
+    blocks are then anchored in the continuations only)."""
 
     flavour: str
     block_size: int | None = None
@@ -77,8 +87,14 @@ class BlockOptions:
     anchors: int = 32
     loss_decay: float = 7.0
     mask_token_id: int | None = None
+    data: str = "corpus"
+    sequences: int = GeneratedData.count
+    prompt_len: int = GeneratedData.prompt_len
+    prompts: str = GeneratedData.prompts
 
     def __post_init__(self):
+        if self.data not in DATA_SOURCES:
+            raise ValueError(f"data: expected one of {DATA_SOURCES}, got {self.data!r}")
         if self.flavour not in FLAVOURS:
             raise ValueError(f"flavour: expected one of {FLAVOURS}, got {self.flavour!r}")
         if self.block_size is None:
@@ -239,10 +255,12 @@ def _gather_positions(values: torch.Tensor, index: torch.Tensor) -> torch.Tensor
 
 def anchor_range(options: BlockOptions, seq_len: int) -> tuple[int, int]:
     """The anchors whose blocks have labels in a window of `seq_len` tokens (DFlash also needs
-    one context entry)."""
+    one context entry); with generated data, the blocks that start in the continuation (the
+    first is anchored at the prompt's last token)."""
+    low = options.prompt_len - 1 if options.data == "generated" else 0
     if options.flavour == "dflash":
-        return 1, seq_len - options.block_size + 1
-    return 0, seq_len - options.block_size
+        return max(low, 1), seq_len - options.block_size + 1
+    return low, seq_len - options.block_size
 
 
 def train_block(
@@ -357,9 +375,7 @@ def write_readme(out_dir: Path, info: dict) -> None:
         f"{info['description']}, self-distilled from the bundled target `{info['target']}` "
         f"({info['parameters']:,} parameters, {info['bytes'] / 1e6:.1f} MB in bf16).\n\n"
         f"Trained with:\n\n```\n{info['command']}\n```\n\n"
-        f"Data: {info['tokens_trained']:,} tokens of windows of the corpus' training split "
-        f"(the Python standard library without its held-out modules), labelled by the target "
-        f"itself.\n\n"
+        f"Data: {info['data']}.\n\n"
         f"Held-out top-1 agreement with the target's greedy token per block depth "
         f"({info['heldout_windows']} windows of held-out modules): {agreement}.\n\n"
         f"Greedy speculation with a {engine['nodes']}-node best-first tree on "
@@ -387,10 +403,15 @@ def _run_block(args) -> int:
         anchors=args.anchors,
         loss_decay=args.loss_decay,
         mask_token_id=args.mask_token_id,
+        data=args.data,
+        sequences=args.sequences,
+        prompt_len=args.prompt_len,
+        prompts=args.prompts,
     )
     args.lr = DEFAULT_LR[options.flavour] if args.lr is None else args.lr
     settings = run_settings(args)
     target_dir, target, stream = training_target(args.target, args.data_dir)
+    stream = training_stream(options, settings, target, target_dir, stream, args.data_dir)
     module, steps_done = train_block(
         options, settings, target, stream, args.run_dir, resume=args.resume, stop_at=args.stop_at
     )
@@ -412,6 +433,9 @@ def _run_block(args) -> int:
         "options": options.to_dict(),
         "settings": dataclasses.asdict(settings),
         "tokens_trained": steps_done * settings.batch_size * settings.seq_len,
+        "data": data_description(
+            options, settings, steps_done * settings.batch_size * settings.seq_len
+        ),
         "heldout_top1": agreement,
         "heldout_windows": len(rows),
         "engine": engine_acceptance(out_dir, target, prompts),
@@ -457,6 +481,7 @@ def register_block_command(sub) -> None:
     parser.add_argument("--anchors", type=int, default=defaults.anchors, help="blocks per window")
     parser.add_argument("--loss-decay", type=float, default=defaults.loss_decay)
     parser.add_argument("--mask-token-id", type=int, help="default: the target's pad token")
+    add_data_arguments(parser)
     parser.add_argument("--eval-windows", type=int, default=8, help="held-out windows")
     parser.add_argument("--eval-prompts", type=int, default=4, help="held-out code prompts")
     parser.set_defaults(run=_run_block)

@@ -38,6 +38,13 @@ from specdec_fast.progress import Progress
 
 from .data import batch_at_step
 from .export import write_info
+from .generated import (
+    DATA_SOURCES,
+    GeneratedData,
+    add_data_arguments,
+    data_description,
+    training_stream,
+)
 from .lm import (
     CHECKPOINT_NAME,
     LOG_NAME,
@@ -60,7 +67,9 @@ FEATURE_WEIGHT, TOKEN_WEIGHT = 1.0, 0.1
 @dataclasses.dataclass
 class HeadOptions:
     """What to train. num_heads/num_layers/own_projection: Medusa; unroll: EAGLE steps;
-    draft_vocab: EAGLE-3's draft vocabulary (the most frequent training tokens)."""
+    draft_vocab: EAGLE-3's draft vocabulary (the most frequent training tokens); data,
+    sequences, prompt_len: corpus windows or the target's greedy continuations of them
+    (`specdec_fast.train.generated`)."""
 
     kind: str
     num_heads: int = 4
@@ -68,10 +77,16 @@ class HeadOptions:
     own_projection: bool = False
     unroll: int = 3
     draft_vocab: int = 2048
+    data: str = "corpus"
+    sequences: int = GeneratedData.count
+    prompt_len: int = GeneratedData.prompt_len
+    prompts: str = GeneratedData.prompts
 
     def __post_init__(self):
         if self.kind not in KINDS:
             raise ValueError(f"kind: expected one of {KINDS}, got {self.kind!r}")
+        if self.data not in DATA_SOURCES:
+            raise ValueError(f"data: expected one of {DATA_SOURCES}, got {self.data!r}")
 
     def to_dict(self) -> dict:
         """What a checkpoint records (and a resumed run must match), like a model config."""
@@ -401,9 +416,7 @@ def export_heads(head: nn.Module, out_dir: str | Path, info: dict) -> None:
         f"{info['description']}, self-distilled from the bundled target `{info['target']}` "
         f"({info['parameters']:,} parameters, bf16).\n\n"
         f"Trained with:\n\n```\n{info['command']}\n```\n\n"
-        f"Data: {info['tokens_trained']:,} tokens of windows of the corpus' training split "
-        f"(the Python standard library without its held-out modules), labelled by the target "
-        f"itself.\n\n"
+        f"Data: {info['data']}.\n\n"
         f"Held-out top-1 agreement with the target's greedy token ({info['heldout_tokens']:,} "
         f"tokens of held-out modules): {accuracy}.\n"
     )
@@ -446,9 +459,14 @@ def _run_heads(args) -> int:
         own_projection=args.own_projection,
         unroll=args.unroll,
         draft_vocab=args.draft_vocab,
+        data=args.data,
+        sequences=args.sequences,
+        prompt_len=args.prompt_len,
+        prompts=args.prompts,
     )
     settings = run_settings(args)
     target_dir, target, stream = training_target(args.target, args.data_dir)
+    stream = training_stream(options, settings, target, target_dir, stream, args.data_dir)
     head, steps_done = train_heads(
         options, settings, target, stream, args.run_dir, resume=args.resume, stop_at=args.stop_at
     )
@@ -469,6 +487,9 @@ def _run_heads(args) -> int:
         "options": dataclasses.asdict(options),
         "settings": dataclasses.asdict(settings),
         "tokens_trained": steps_done * settings.batch_size * settings.seq_len,
+        "data": data_description(
+            options, settings, steps_done * settings.batch_size * settings.seq_len
+        ),
         "heldout_top1": accuracy,
         "heldout_tokens": sum(row.numel() - 1 for row in rows),
     }
@@ -497,6 +518,7 @@ def register_head_commands(sub) -> None:
             log_every=5,
         )
         parser.add_argument("--eval-windows", type=int, default=8, help="held-out windows")
+        add_data_arguments(parser)
         defaults = HeadOptions(kind)
         if kind == "medusa":
             parser.add_argument("--num-heads", type=int, default=defaults.num_heads)

@@ -12,6 +12,8 @@ import json
 import re
 import sys
 
+import torch
+
 from specdec_fast.harness.prompts import DEFAULT_PROMPTS, PromptRecord
 from specdec_fast.prompts import CODE_PROMPTS, load_code_prompts
 
@@ -22,9 +24,9 @@ from . import corpus
 _CUT = re.compile(r"^( *)def [^\n]*:\n\1    \"\"\"[^\n]*\n", re.MULTILINE)
 
 
-def cut_prompts(text: str, context_chars: int, per_file: int) -> list[str]:
-    """Up to `per_file` prompts from one module: the `context_chars` characters before and
-    including each cut point, starting at a line boundary."""
+def cut_prompts(text: str, context_chars: int, per_file: int | None) -> list[str]:
+    """Up to `per_file` prompts (None: every one) from one module: the `context_chars`
+    characters before and including each cut point, starting at a line boundary."""
     prompts = []
     for match in _CUT.finditer(text):
         end = match.end()
@@ -35,6 +37,21 @@ def cut_prompts(text: str, context_chars: int, per_file: int) -> list[str]:
         if len(prompts) == per_file:
             break
     return prompts
+
+
+def training_prompts(texts: list[str], tokenizer, prompt_len: int, per_file: int | None = 4):
+    """int64 `[count, prompt_len]` token rows: the last `prompt_len` tokens (no BOS) of every
+    prompt cut from `texts` as the shipped code prompts are (after a signature and its
+    docstring's first line; at most `per_file` per text, None for all), skipping shorter ones."""
+    rows = []
+    for text in texts:
+        for prompt in cut_prompts(text, context_chars=600, per_file=per_file):
+            ids = tokenizer(prompt, add_special_tokens=False).input_ids
+            if len(ids) >= prompt_len:
+                rows.append(ids[-prompt_len:])
+    if not rows:
+        raise ValueError(f"no training prompt of at least {prompt_len} tokens in the corpus")
+    return torch.tensor(rows, dtype=torch.int64)
 
 
 def build_code_prompts(count: int = 24, context_chars: int = 600, per_file: int = 2) -> list[dict]:

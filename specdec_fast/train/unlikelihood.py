@@ -36,7 +36,7 @@ from .lm import (
 )
 from .options import add_run_arguments
 from .progress import StepLog
-from .prompts import cut_prompts
+from .prompts import training_prompts
 
 # Probabilities this close to 1 would make -log(1 - p) unbounded.
 _MAX_PROBABILITY = 1.0 - 1e-5
@@ -53,21 +53,6 @@ class UnlikelihoodSettings(TrainSettings):
     new_tokens: int = 64
     ngram: int = 4
     ul_weight: float = 1.0
-
-
-def training_prompts(texts: list[str], tokenizer, prompt_len: int) -> torch.Tensor:
-    """`[count, prompt_len]` token rows: the last `prompt_len` tokens (no BOS) of every prompt cut
-    from `texts` as the shipped code prompts are (after a signature and its docstring's first
-    line), skipping shorter ones."""
-    rows = []
-    for text in texts:
-        for prompt in cut_prompts(text, context_chars=600, per_file=4):
-            ids = tokenizer(prompt, add_special_tokens=False).input_ids
-            if len(ids) >= prompt_len:
-                rows.append(ids[-prompt_len:])
-    if not rows:
-        raise ValueError(f"no training prompt of at least {prompt_len} tokens in the corpus")
-    return torch.tensor(rows, dtype=torch.int64)
 
 
 def repeated_ngram_mask(rows: torch.Tensor, start: int, n: int) -> torch.Tensor:
