@@ -41,10 +41,10 @@ from specdec_fast.drafters.block import BlockDrafter, PardDraft
 from specdec_fast.heads.block import DFlashHead
 
 from .generated import (
-    DATA_SOURCES,
-    GeneratedData,
+    DataOptions,
     add_data_arguments,
     data_description,
+    data_options,
     training_stream,
 )
 from .heads import (
@@ -70,7 +70,7 @@ ANCHOR_SEED_STRIDE = 1_000_003
 
 
 @dataclasses.dataclass
-class BlockOptions:
+class BlockOptions(DataOptions):
     """What to train. block_size: tokens per block b (None: the flavour's default);
     num_layers, target_layers: the DFlash head's layers and the target layers it reads (None:
     the reference's default); init: the PARD model to start from; anchors: blocks per window;
@@ -87,14 +87,9 @@ class BlockOptions:
     anchors: int = 32
     loss_decay: float = 7.0
     mask_token_id: int | None = None
-    data: str = "corpus"
-    sequences: int = GeneratedData.count
-    prompt_len: int = GeneratedData.prompt_len
-    prompts: str = GeneratedData.prompts
 
     def __post_init__(self):
-        if self.data not in DATA_SOURCES:
-            raise ValueError(f"data: expected one of {DATA_SOURCES}, got {self.data!r}")
+        super().__post_init__()
         if self.flavour not in FLAVOURS:
             raise ValueError(f"flavour: expected one of {FLAVOURS}, got {self.flavour!r}")
         if self.block_size is None:
@@ -403,10 +398,7 @@ def _run_block(args) -> int:
         anchors=args.anchors,
         loss_decay=args.loss_decay,
         mask_token_id=args.mask_token_id,
-        data=args.data,
-        sequences=args.sequences,
-        prompt_len=args.prompt_len,
-        prompts=args.prompts,
+        **data_options(args),
     )
     args.lr = DEFAULT_LR[options.flavour] if args.lr is None else args.lr
     settings = run_settings(args)
@@ -417,6 +409,7 @@ def _run_block(args) -> int:
     )
     if steps_done < settings.steps or args.out is None:
         return 0
+    tokens = steps_done * settings.batch_size * settings.seq_len
     rows = heldout_rows(args, target_dir)
     agreement = heldout_block_top1(options, module, target, rows)
     out_dir = Path(args.out)
@@ -432,10 +425,8 @@ def _run_block(args) -> int:
         "target": args.target,
         "options": options.to_dict(),
         "settings": dataclasses.asdict(settings),
-        "tokens_trained": steps_done * settings.batch_size * settings.seq_len,
-        "data": data_description(
-            options, settings, steps_done * settings.batch_size * settings.seq_len
-        ),
+        "tokens_trained": tokens,
+        "data": data_description(options, settings, tokens),
         "heldout_top1": agreement,
         "heldout_windows": len(rows),
         "engine": engine_acceptance(out_dir, target, prompts),

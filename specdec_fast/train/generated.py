@@ -56,14 +56,31 @@ class GeneratedData:
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
 
-    @property
-    def seq_len(self) -> int:
-        return self.prompt_len + self.new_tokens
+
+@dataclasses.dataclass(kw_only=True)
+class DataOptions:
+    """What a drafter command trains on, recorded with its other options (a resumed run must
+    match): `data` "corpus" (windows of the training split) or "generated" (the target's greedy
+    continuations of `sequences` prompts of `prompt_len` tokens from `prompts`)."""
+
+    data: str = DATA_SOURCES[0]
+    sequences: int = GeneratedData.count
+    prompt_len: int = GeneratedData.prompt_len
+    prompts: str = GeneratedData.prompts
+
+    def __post_init__(self):
+        if self.data not in DATA_SOURCES:
+            raise ValueError(f"data: expected one of {DATA_SOURCES}, got {self.data!r}")
 
 
-def generated_data(options, settings) -> GeneratedData:
-    """The sequences of a run with `options.data == "generated"` (options with `sequences` and
-    `prompt_len`, settings with `seq_len` and `seed`): one training window each."""
+def data_options(args) -> dict:
+    """The `DataOptions` fields of parsed `add_data_arguments` options."""
+    return {field.name: getattr(args, field.name) for field in dataclasses.fields(DataOptions)}
+
+
+def generated_data(options: DataOptions, settings) -> GeneratedData:
+    """The sequences of a run with `options.data == "generated"` (settings with `seq_len` and
+    `seed`): one training window each."""
     if settings.seq_len <= options.prompt_len:
         raise ValueError(
             f"--seq-len {settings.seq_len} leaves no continuation after --prompt-len "
@@ -78,7 +95,7 @@ def generated_data(options, settings) -> GeneratedData:
     )
 
 
-def data_description(options, settings, tokens: int) -> str:
+def data_description(options: DataOptions, settings, tokens: int) -> str:
     """What a README says of a run's data."""
     if options.data == "generated":
         prompts = {
@@ -99,7 +116,7 @@ def data_description(options, settings, tokens: int) -> str:
 
 
 def add_data_arguments(parser) -> None:
-    """`--data`, `--sequences`, `--prompt-len` (read into the options of a drafter command)."""
+    """`--data`, `--sequences`, `--prompts`, `--prompt-len` (read back with `data_options`)."""
     defaults = GeneratedData()
     parser.add_argument(
         "--data",
@@ -122,9 +139,11 @@ def add_data_arguments(parser) -> None:
     )
 
 
-def training_stream(options, settings, target, target_dir, stream, cache_dir) -> np.ndarray:
+def training_stream(
+    options: DataOptions, settings, target, target_dir, stream, cache_dir
+) -> np.ndarray:
     """The token stream a drafter command trains on: the corpus' `stream` itself, or the
-    target's greedy continuations of windows of it (generated once, cached)."""
+    target's greedy continuations of prompts from it (generated once, cached)."""
     if options.data == "corpus":
         return stream
     return generated_stream(

@@ -39,10 +39,10 @@ from specdec_fast.progress import Progress
 from .data import batch_at_step
 from .export import write_info
 from .generated import (
-    DATA_SOURCES,
-    GeneratedData,
+    DataOptions,
     add_data_arguments,
     data_description,
+    data_options,
     training_stream,
 )
 from .lm import (
@@ -65,7 +65,7 @@ FEATURE_WEIGHT, TOKEN_WEIGHT = 1.0, 0.1
 
 
 @dataclasses.dataclass
-class HeadOptions:
+class HeadOptions(DataOptions):
     """What to train. num_heads/num_layers/own_projection: Medusa; unroll: EAGLE steps;
     draft_vocab: EAGLE-3's draft vocabulary (the most frequent training tokens); data,
     sequences, prompt_len: corpus windows or the target's greedy continuations of them
@@ -77,16 +77,11 @@ class HeadOptions:
     own_projection: bool = False
     unroll: int = 3
     draft_vocab: int = 2048
-    data: str = "corpus"
-    sequences: int = GeneratedData.count
-    prompt_len: int = GeneratedData.prompt_len
-    prompts: str = GeneratedData.prompts
 
     def __post_init__(self):
+        super().__post_init__()
         if self.kind not in KINDS:
             raise ValueError(f"kind: expected one of {KINDS}, got {self.kind!r}")
-        if self.data not in DATA_SOURCES:
-            raise ValueError(f"data: expected one of {DATA_SOURCES}, got {self.data!r}")
 
     def to_dict(self) -> dict:
         """What a checkpoint records (and a resumed run must match), like a model config."""
@@ -459,10 +454,7 @@ def _run_heads(args) -> int:
         own_projection=args.own_projection,
         unroll=args.unroll,
         draft_vocab=args.draft_vocab,
-        data=args.data,
-        sequences=args.sequences,
-        prompt_len=args.prompt_len,
-        prompts=args.prompts,
+        **data_options(args),
     )
     settings = run_settings(args)
     target_dir, target, stream = training_target(args.target, args.data_dir)
@@ -472,6 +464,7 @@ def _run_heads(args) -> int:
     )
     if steps_done < settings.steps or args.out is None:
         return 0
+    tokens = steps_done * settings.batch_size * settings.seq_len
     rows = heldout_rows(args, target_dir)
     accuracy = heldout_accuracy(options, head, target, rows)
     description = DESCRIPTIONS[options.kind].format(
@@ -486,10 +479,8 @@ def _run_heads(args) -> int:
         "target": args.target,
         "options": dataclasses.asdict(options),
         "settings": dataclasses.asdict(settings),
-        "tokens_trained": steps_done * settings.batch_size * settings.seq_len,
-        "data": data_description(
-            options, settings, steps_done * settings.batch_size * settings.seq_len
-        ),
+        "tokens_trained": tokens,
+        "data": data_description(options, settings, tokens),
         "heldout_top1": accuracy,
         "heldout_tokens": sum(row.numel() - 1 for row in rows),
     }
