@@ -23,7 +23,8 @@
    complete response or one error (429), none lost or duplicated (client records, the server's
    counters and greedy outputs cross-checked).
 
-The server runs as its own process (`specdec-fast serve`, one torch thread, eager steps:
+The server runs as its own process (`specdec-fast serve`, its engine in a child process of its own
+unless `--no-engine-process`, one torch thread, eager steps:
 `--no-compile`, which is faster than compiled steps for this 6M-parameter model on a CPU),
 the load generator in this one. The 4 QPS level runs in six segments, the plain and the n-gram
 route in turn; between segments, while the server idles, this process times `generate()`'s
@@ -205,6 +206,12 @@ def main() -> int:
         action="store_true",
         help="the server feeds prompts between its decode steps (default: beside them)",
     )
+    parser.add_argument(
+        "--engine-process",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="the server's engine in a child process (default), or on a thread of the server",
+    )
     args = parser.parse_args()
     # Eager steps everywhere, as the server's (see the module doc).
     os.environ[COMPILE_ENV] = "0"
@@ -261,6 +268,7 @@ def main() -> int:
         "--max-queue",
         "256",
         "--no-overlap-prefill" if args.serial_prefill else "--overlap-prefill",
+        "--engine-process" if args.engine_process else "--no-engine-process",
         *guard,
     )
     try:
@@ -358,6 +366,7 @@ def main() -> int:
             "served_decode_steps_by_batch": counts,
             "decode_step_overhead": step_overhead,
             "server_prefill": server_prefill,
+            "server_engine": "process" if args.engine_process else "thread",
             "server_guardrails": "default" if args.runtime_guardrails else "log_only",
             "prefill_share_of_wall": scheduler["prefill_share"],
             "prefill_beside_share_of_wall": scheduler["prefill_beside_share"],

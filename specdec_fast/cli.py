@@ -428,6 +428,13 @@ def _add_serve(sub) -> None:
     )
     serve.add_argument("--seed", type=int, default=0, help="of the canary draws (0)")
     serve.add_argument(
+        "--engine-process",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="run the model and scheduler in a child process, apart from the HTTP side, so "
+        "that the two do not share one interpreter lock (default: on)",
+    )
+    serve.add_argument(
         "--threads", type=int, default=None, help="CPU threads for torch (default: torch's)"
     )
     serve.add_argument(

@@ -9,7 +9,6 @@ tiny chat template. Expected outputs come from `generate()` on a separate copy o
 import asyncio
 import json
 import random
-import threading
 import time
 import warnings
 
@@ -18,13 +17,14 @@ import openai
 import pytest
 import torch
 import uvicorn
-from prometheus_client.parser import text_string_to_metric_families
+from loopback import LONG_STREAM, PROMPTS, TEMPLATE, TIMEOUT_S, Server, greedy_reference, overload
 
-from specdec_fast import bundled, generate
+from specdec_fast import bundled
 from specdec_fast.cli import main
 from specdec_fast.guardrails import Guardrails
 from specdec_fast.harness.prompts import PromptRecord
 from specdec_fast.loading import load_model, load_tokenizer
+from specdec_fast.serving.engine import ServingEngine
 from specdec_fast.serving.loadgen import (
     LoadConfig,
     RequestRecord,
@@ -34,15 +34,11 @@ from specdec_fast.serving.loadgen import (
 )
 from specdec_fast.serving.protocol import TextStream
 from specdec_fast.serving.routes import ROUTE_HEADER, RouteConfig, load_routes, server_routes
-from specdec_fast.serving.server import REQUEST_ID_HEADER, ServingEngine, create_app
-from specdec_fast.text import decode, encode_prompt, stop_token_ids
+from specdec_fast.serving.server import REQUEST_ID_HEADER
+from specdec_fast.text import encode_prompt
 
 pytestmark = pytest.mark.skipif(
     "tiny-code" not in bundled.available(), reason="the bundled checkpoints are not installed"
-)
-TEMPLATE = (
-    "{{ bos_token }}{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
-    "{% if add_generation_prompt %}assistant:{% endif %}"
 )
 GUARDRAILS = """
 speculative_decoding_guardrails:
@@ -53,58 +49,6 @@ speculative_decoding_guardrails:
   routes:
     faulty: {window_steps: 2, min_window_steps: 1, cooldown_steps: 100000}
 """
-TIMEOUT_S = 60.0
-PROMPTS = [
-    "def reverse(s):\n",
-    "import os\n\n\ndef main():\n",
-    "class Stack:\n    def __init__(self):\n",
-    "for i in range(10):\n",
-]
-
-
-class Server:
-    """uvicorn serving `engine` on a free loopback port, on a thread of its own."""
-
-    def __init__(self, engine: ServingEngine):
-        config = uvicorn.Config(
-            create_app(engine), host="127.0.0.1", port=0, log_level="warning", lifespan="on"
-        )
-        self.engine = engine
-        self.server = uvicorn.Server(config)
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
-        self.thread.start()
-        deadline = time.monotonic() + TIMEOUT_S
-        while not self.server.started:
-            assert time.monotonic() < deadline, "the server did not start"
-            time.sleep(0.02)
-        port = self.server.servers[0].sockets[0].getsockname()[1]
-        self.url = f"http://127.0.0.1:{port}"
-
-    def close(self) -> None:
-        self.server.should_exit = True
-        self.thread.join(TIMEOUT_S)
-        assert not self.thread.is_alive()
-
-    def metric(self, name: str, **labels) -> float:
-        """The sum of the /metrics samples of `name` with these labels (0.0 when absent)."""
-        text = httpx.get(self.url + "/metrics", timeout=TIMEOUT_S).text
-        total = 0.0
-        for line in text.splitlines():
-            if line.startswith(name + "{") or line.startswith(name + " "):
-                head, value = line.rsplit(" ", 1)
-                if all(f'{key}="{val}"' in head for key, val in labels.items()):
-                    total += float(value)
-        return total
-
-    def decode_steps(self) -> dict[int, float]:
-        """The server's decode steps so far, by batch size."""
-        text = httpx.get(self.url + "/metrics", timeout=TIMEOUT_S).text
-        return {
-            int(sample.labels["batch"]): sample.value
-            for family in text_string_to_metric_families(text)
-            for sample in family.samples
-            if sample.name == "specdec_decode_steps_total"
-        }
 
 
 def make_engine(routes, **options) -> ServingEngine:
@@ -132,19 +76,7 @@ def server():
 
 @pytest.fixture(scope="module")
 def reference():
-    """`generate()` greedy on another copy of the model: the text a request must get."""
-    model = load_model("tiny-code", torch.device("cpu"))
-    tokenizer = load_tokenizer("tiny-code")
-    tokenizer.chat_template = TEMPLATE
-    stops = stop_token_ids(model, tokenizer)
-
-    def complete(prompt=None, messages=None, max_tokens=16) -> tuple[str, int]:
-        ids = encode_prompt(tokenizer, prompt, messages, chat=messages is not None)
-        out = generate(model, [ids], drafter=None, max_new_tokens=max_tokens, eos_token_id=stops)
-        tokens = out.sequences[0][len(ids) :].tolist()
-        return decode(tokenizer, tokens), len(tokens)
-
-    return complete
+    return greedy_reference()
 
 
 def test_the_openai_client_streams_chat_completions(server, reference):
@@ -315,40 +247,8 @@ def test_overload_gets_429_a_disconnect_frees_the_slot_and_a_stop_503(reference)
     stopped scheduler gets 503s."""
     small = Server(make_engine(server_routes("none", []), max_batch=1, max_queue=1))
     try:
-        body = {"prompt": PROMPTS[0], "max_tokens": 2000, "ignore_eos": True, "stream": True}
-        waiting: dict = {}
-
-        def second():
-            waiting["reply"] = httpx.post(
-                small.url + "/v1/completions",
-                json={"prompt": PROMPTS[1], "max_tokens": 8, "temperature": 0},
-                timeout=TIMEOUT_S,
-            )
-
-        with httpx.Client(timeout=TIMEOUT_S) as client:
-            with client.stream("POST", small.url + "/v1/completions", json=body) as stream:
-                lines = stream.iter_lines()
-                assert next(line for line in lines if line.startswith("data: "))
-                thread = threading.Thread(target=second)
-                thread.start()
-                deadline = time.monotonic() + TIMEOUT_S
-                while small.engine.scheduler.waiting < 1:
-                    assert time.monotonic() < deadline
-                    time.sleep(0.01)
-                refused = client.post(
-                    small.url + "/v1/completions",
-                    json={"prompt": "x"},
-                    headers={REQUEST_ID_HEADER: "refused-1"},
-                )
-                assert refused.status_code == 429
-                assert refused.json()["error"]["code"] == "queue_full"
-                assert refused.headers[REQUEST_ID_HEADER] == "refused-1"  # the client's own
-            # The stream is closed here, long before its 2000 tokens.
-            started = time.monotonic()
-            thread.join(TIMEOUT_S)
-        assert waiting["reply"].status_code == 200
-        assert waiting["reply"].json()["choices"][0]["text"] == reference(PROMPTS[1], None, 8)[0]
-        assert time.monotonic() - started < TIMEOUT_S / 2
+        served = overload(small)
+        assert served.json()["choices"][0]["text"] == reference(PROMPTS[1], None, 8)[0]
         assert small.metric("vllm:request_success_total", finished_reason="abort") == 1.0
         assert small.metric("specdec_requests_rejected_total", reason="queue_full") == 1.0
         assert small.metric("vllm:num_requests_running") == 0.0
@@ -367,7 +267,7 @@ def test_overload_gets_429_a_disconnect_frees_the_slot_and_a_stop_503(reference)
         # Once the scheduler has stopped, health and requests get 503s in OpenAI's shape.
         small.engine.scheduler.close()
         assert httpx.get(small.url + "/health", timeout=TIMEOUT_S).status_code == 503
-        stopped = httpx.post(small.url + "/v1/completions", json=body, timeout=TIMEOUT_S)
+        stopped = httpx.post(small.url + "/v1/completions", json=LONG_STREAM, timeout=TIMEOUT_S)
         assert stopped.status_code == 503 and stopped.json()["error"]["code"] == "stopped"
         assert small.metric("specdec_requests_rejected_total", reason="stopped") == 1.0
     finally:
@@ -519,7 +419,7 @@ def test_serve_builds_its_routes_guardrails_and_template(monkeypatch, tmp_path):
     monkeypatch.setattr(uvicorn, "run", lambda app, **options: started.update(app=app, **options))
     argv = ["serve", "--drafter", "none", "--routes", str(routes), "--guardrails", str(guardrails)]
     argv += ["--chat-template", str(template), "--port", "8123", "--max-batch", "2"]
-    argv += ["--no-overlap-prefill"]
+    argv += ["--no-overlap-prefill", "--no-engine-process"]
     assert main(argv) == 0
     engine = started["app"].state.engine
     try:

@@ -144,36 +144,19 @@ class _Pair:
     shadow: Handle | None = None
 
 
-class Router:
-    """Routes requests to the scheduler: picks the route, draws the canary, makes shadow copies.
+class RouteTable:
+    """The names requests give: the served model name (the default route), every route's name
+    and aliases; what each selects. It needs no scheduler: a server whose scheduler runs in
+    another process resolves requests with it.
 
     Args:
-        scheduler: serves every route (its routes are these routes' names).
         routes: the route configurations.
         served_model: the model name that selects the default route.
-        observe: called with (route, completion) when a served request ends (the metrics).
-        seed: of the canary draws (and of the seeds shadowed sampled requests share); each
-            route draws from its own generator, seeded by `seed` and its name.
     """
 
-    def __init__(
-        self,
-        scheduler: Scheduler,
-        routes: list[RouteConfig],
-        served_model: str,
-        observe: Callable[[str, Completion], None] | None = None,
-        seed: int = 0,
-    ):
-        self.scheduler = scheduler
+    def __init__(self, routes: list[RouteConfig], served_model: str):
         self.routes = {route.name: route for route in routes}
         self.served_model = served_model
-        self.observe = observe
-        self.shadow = {route.name: ShadowCounters() for route in routes}
-        # Requests of each speculate-mode route that were drawn to speculate.
-        self.canary_speculating = dict.fromkeys(self.routes, 0)
-        # One generator per route: a route's draws do not depend on other routes' traffic.
-        self._random = {route.name: random.Random(f"{seed}:{route.name}") for route in routes}
-        self._lock = threading.Lock()
         self._models: dict[str, str] = {served_model: DEFAULT_ROUTE}
         for route in routes:
             for name in (route.name, *route.aliases):
@@ -213,6 +196,37 @@ class Router:
                 )
             return header
         return DEFAULT_ROUTE if model is None else self._models[model]
+
+
+class Router(RouteTable):
+    """Routes requests to the scheduler: picks the route, draws the canary, makes shadow copies.
+
+    Args:
+        scheduler: serves every route (its routes are these routes' names).
+        routes: the route configurations.
+        served_model: the model name that selects the default route.
+        observe: called with (route, completion) when a served request ends (the metrics).
+        seed: of the canary draws (and of the seeds shadowed sampled requests share); each
+            route draws from its own generator, seeded by `seed` and its name.
+    """
+
+    def __init__(
+        self,
+        scheduler: Scheduler,
+        routes: list[RouteConfig],
+        served_model: str,
+        observe: Callable[[str, Completion], None] | None = None,
+        seed: int = 0,
+    ):
+        super().__init__(routes, served_model)
+        self.scheduler = scheduler
+        self.observe = observe
+        self.shadow = {route.name: ShadowCounters() for route in routes}
+        # Requests of each speculate-mode route that were drawn to speculate.
+        self.canary_speculating = dict.fromkeys(self.routes, 0)
+        # One generator per route: a route's draws do not depend on other routes' traffic.
+        self._random = {route.name: random.Random(f"{seed}:{route.name}") for route in routes}
+        self._lock = threading.Lock()
 
     def submit(self, route: str, request: Request) -> Handle:
         """Submit `request` on `route` (its `speculate` set by the route's mode and canary).

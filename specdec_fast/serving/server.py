@@ -7,15 +7,18 @@ fields), `GET /v1/models` (the served model name, every route name and alias), `
 `specdec_fast.serving.metrics`).
 
 Requests are routed (`specdec_fast.serving.routes`) and decoded by one continuous-batching
-`Scheduler` on its own thread; tokens travel to the event loop as they are accepted and are
-decoded there incrementally. Errors use OpenAI's error shape: 400 for a malformed request (bad
+`Scheduler`, in a child process of its own (`ProcessEngine`, the default of `specdec-fast
+serve`: the engine keeps an interpreter to itself) or on a thread of this one (`ServingEngine`,
+`--no-engine-process`); tokens travel to the event loop as they are accepted and are decoded
+there incrementally. Errors use OpenAI's error shape: 400 for a malformed request (bad
 JSON, an unknown model or route, a bad field, a prompt over the context), 429 when the queue of
 waiting requests is full, 503 when the scheduler has stopped; a request's `X-Request-Id` comes
 back on every response to it, errors included. A client that disconnects, from a
 stream or while waiting for a whole response, has its request cancelled: its slot goes to the
 next request.
 
-    engine = ServingEngine(model, tokenizer, server_routes("ngram", []))
+    engine = ServingEngine(model, tokenizer, server_routes("ngram", []))  # in this process
+    engine = ProcessEngine(EngineConfig("tiny-code", server_routes("ngram", [])))  # or apart
     uvicorn.run(create_app(engine), host="127.0.0.1", port=8000)
 """
 
@@ -37,7 +40,8 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException
 
 from specdec_fast.guardrails import Guardrails
-from specdec_fast.serving.metrics import ServingMetrics
+from specdec_fast.serving.engine import ServingEngine
+from specdec_fast.serving.engine_process import EngineConfig, ProcessEngine
 from specdec_fast.serving.protocol import (
     CHAT,
     COMPLETION,
@@ -53,101 +57,12 @@ from specdec_fast.serving.protocol import (
     sse,
     usage,
 )
-from specdec_fast.serving.routes import ROUTE_HEADER, RouteConfig, Router
-from specdec_fast.serving.scheduler import (
-    FAILED,
-    Completion,
-    QueueFull,
-    Scheduler,
-    SchedulerStopped,
-)
+from specdec_fast.serving.routes import ROUTE_HEADER
+from specdec_fast.serving.scheduler import FAILED, Completion, QueueFull, SchedulerStopped
 from specdec_fast.serving.scheduler import Request as SchedulerRequest
-from specdec_fast.text import stop_token_ids
 
 REQUEST_ID_HEADER = "X-Request-Id"
 RETRY_AFTER_S = "1"
-
-
-class ServingEngine:
-    """What a server serves: the model and tokenizer, one scheduler for every route (drafters
-    built through the registry, one per route), the router and the metrics.
-
-    Args:
-        model, tokenizer: the target and its tokenizer.
-        routes: the routes (`server_routes`); a drafter SPEC used by several routes loads its
-            checkpoint once.
-        guardrails: policies by route name (default: the default policy everywhere).
-        model_name: the name `/v1/models` lists and requests give (the default route).
-        max_batch, max_queue, prefill_chunk: the scheduler's (`Scheduler`).
-        context_len: prompt plus completion tokens a request may hold (default: the model's
-            `max_position_embeddings`).
-        chat_template: a Jinja chat template for tokenizers without one (or to replace it).
-        keep_special_tokens: keep special tokens in the returned text.
-        seed: of the canary draws.
-        compile: compile the model's steps (`generate`'s `compile`).
-        overlap_prefill: the scheduler's (`Scheduler`): prompts fed beside the decode steps.
-    """
-
-    def __init__(
-        self,
-        model,
-        tokenizer,
-        routes: list[RouteConfig],
-        *,
-        guardrails: Guardrails | None = None,
-        model_name: str = "specdec-fast",
-        max_batch: int = 16,
-        max_queue: int = 256,
-        prefill_chunk: int = 256,
-        context_len: int | None = None,
-        chat_template: str | None = None,
-        keep_special_tokens: bool = False,
-        seed: int = 0,
-        compile: bool | None = None,
-        overlap_prefill: bool | None = None,
-    ):
-        self.model, self.tokenizer, self.model_name = model, tokenizer, model_name
-        self.keep_special_tokens = keep_special_tokens
-        if chat_template is not None:
-            tokenizer.chat_template = chat_template
-        text_config = model.config.get_text_config(decoder=True)
-        self.vocab_size = text_config.vocab_size
-        self.context_len = context_len or text_config.max_position_embeddings
-        factories: dict[tuple, object] = {}
-        drafters = {}
-        for route in routes:
-            spec = route.spec
-            key = (spec.kind, spec.path)
-            if spec.info is not None and key not in factories:
-                factories[key] = spec.factory(model)
-            drafters[route.name] = None if spec.info is None else factories[key](spec.size)
-        width = max((d.max_nodes for d in drafters.values() if d is not None), default=1)
-        self.scheduler = Scheduler(
-            model,
-            drafters,
-            guardrails=guardrails or Guardrails(),
-            max_batch=max_batch,
-            max_queue=max_queue,
-            max_cache_len=self.context_len + width,
-            prefill_chunk=prefill_chunk,
-            eos_token_id=stop_token_ids(model, tokenizer),
-            compile=compile,
-            overlap_prefill=overlap_prefill,
-        )
-        self.metrics: ServingMetrics | None = None
-        self.mailbox: _Mailbox | None = None  # the serving event loop's (set at start-up)
-        self.router = Router(self.scheduler, routes, model_name, self._observe, seed)
-        self.metrics = ServingMetrics(self.scheduler, self.router, model_name)
-
-    def _observe(self, route: str, completion: Completion) -> None:
-        if self.metrics is not None:
-            self.metrics.observe(route, completion)
-
-    def start(self) -> None:
-        self.scheduler.start()
-
-    def close(self) -> None:
-        self.scheduler.close()
 
 
 def _error(status: int, message: str, kind: str, param=None, code=None, headers=None):
@@ -160,8 +75,8 @@ def _echoed(request: Request) -> dict[str, str]:
     return {} if given is None else {REQUEST_ID_HEADER: given}
 
 
-def create_app(engine: ServingEngine) -> FastAPI:
-    """The FastAPI application over `engine`; its lifespan starts and closes the scheduler."""
+def create_app(engine: ServingEngine | ProcessEngine) -> FastAPI:
+    """The FastAPI application over `engine`; its lifespan starts and closes it."""
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -193,7 +108,7 @@ def create_app(engine: ServingEngine) -> FastAPI:
 
     @app.get("/health")
     async def health():
-        if not engine.scheduler.alive:
+        if not await engine.healthy():
             return _error(503, "the scheduler is not running", "server_error", code="stopped")
         return {"status": "ok"}
 
@@ -217,7 +132,11 @@ def create_app(engine: ServingEngine) -> FastAPI:
 
     @app.get("/metrics")
     async def metrics():
-        return Response(engine.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+        try:
+            body = await engine.metrics_text()
+        except SchedulerStopped as error:
+            return _error(503, str(error), "server_error", code="stopped")
+        return Response(body, media_type=CONTENT_TYPE_LATEST)
 
     @app.post("/v1/completions")
     async def completions(request: Request):
@@ -270,7 +189,7 @@ class _Events:
         self.mailbox.post(self.queue, item)
 
 
-async def _generate(engine: ServingEngine, request: Request, kind: str):
+async def _generate(engine: ServingEngine | ProcessEngine, request: Request, kind: str):
     body = await request.body()
     params = parse_request(body, kind, engine.tokenizer, engine.vocab_size, engine.context_len)
     route = engine.router.resolve(params.model, request.headers.get(ROUTE_HEADER))
@@ -288,9 +207,8 @@ async def _generate(engine: ServingEngine, request: Request, kind: str):
         on_finish=events.put,
     )
     try:
-        handle = engine.router.submit(route, scheduled)
+        handle = await engine.submit(route, scheduled)
     except QueueFull as error:
-        engine.metrics.reject("queue_full")
         return _error(
             429,
             str(error),
@@ -299,7 +217,6 @@ async def _generate(engine: ServingEngine, request: Request, kind: str):
             headers={"Retry-After": RETRY_AFTER_S} | _echoed(request),
         )
     except SchedulerStopped as error:
-        engine.metrics.reject("stopped")
         return _error(503, str(error), "server_error", code="stopped", headers=_echoed(request))
     except ValueError as error:
         raise RequestError(str(error)) from None
@@ -403,8 +320,6 @@ def serve(args) -> int:
     from specdec_fast.loading import load_model, load_tokenizer, pick_device
     from specdec_fast.serving.routes import load_routes, server_routes
 
-    if args.threads is not None:
-        torch.set_num_threads(args.threads)
     extra = load_routes(args.routes) if args.routes else []
     routes = server_routes(
         str(args.drafter), extra, mode="shadow" if args.shadow else "speculate", canary=args.canary
@@ -414,22 +329,27 @@ def serve(args) -> int:
     if args.chat_template is not None:
         path = Path(args.chat_template)
         template = path.read_text() if path.is_file() else args.chat_template
-    model = load_model(args.model, pick_device(args.device), args.dtype)
-    tokenizer = load_tokenizer(args.model)
-    engine = ServingEngine(
-        model,
-        tokenizer,
-        routes,
-        guardrails=guardrails,
-        model_name=args.served_model_name or Path(args.model).name,
-        max_batch=args.max_batch,
-        max_queue=args.max_queue,
-        prefill_chunk=args.prefill_chunk,
-        overlap_prefill=args.overlap_prefill,
-        context_len=args.max_model_len,
-        chat_template=template,
-        keep_special_tokens=args.keep_special_tokens,
-        seed=args.seed,
-    )
+    options = {
+        "model_name": args.served_model_name or Path(args.model).name,
+        "max_batch": args.max_batch,
+        "max_queue": args.max_queue,
+        "prefill_chunk": args.prefill_chunk,
+        "overlap_prefill": args.overlap_prefill,
+        "context_len": args.max_model_len,
+        "chat_template": template,
+        "keep_special_tokens": args.keep_special_tokens,
+        "seed": args.seed,
+    }
+    if args.engine_process:
+        config = EngineConfig(
+            args.model, routes, guardrails, args.device, args.dtype, args.threads, options
+        )
+        engine = ProcessEngine(config)
+    else:
+        if args.threads is not None:
+            torch.set_num_threads(args.threads)
+        model = load_model(args.model, pick_device(args.device), args.dtype)
+        tokenizer = load_tokenizer(args.model)
+        engine = ServingEngine(model, tokenizer, routes, guardrails=guardrails, **options)
     uvicorn.run(create_app(engine), host=args.host, port=args.port, log_level=args.log_level)
     return 0

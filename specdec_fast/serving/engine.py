@@ -1,0 +1,127 @@
+"""`ServingEngine`: what `specdec-fast serve` serves, in the server's own process: the model and
+tokenizer, one continuous-batching `Scheduler` on a thread of its own, the router and the
+metrics. `specdec_fast.serving.engine_process.ProcessEngine` runs one in a child process.
+"""
+
+from __future__ import annotations
+
+from specdec_fast.guardrails import Guardrails
+from specdec_fast.serving.metrics import ServingMetrics
+from specdec_fast.serving.routes import RouteConfig, Router
+from specdec_fast.serving.scheduler import (
+    Completion,
+    Handle,
+    QueueFull,
+    Request,
+    Scheduler,
+    SchedulerStopped,
+)
+from specdec_fast.text import stop_token_ids
+
+
+class ServingEngine:
+    """What a server serves: the model and tokenizer, one scheduler for every route (drafters
+    built through the registry, one per route), the router and the metrics.
+
+    Args:
+        model, tokenizer: the target and its tokenizer.
+        routes: the routes (`server_routes`); a drafter SPEC used by several routes loads its
+            checkpoint once.
+        guardrails: policies by route name (default: the default policy everywhere).
+        model_name: the name `/v1/models` lists and requests give (the default route).
+        max_batch, max_queue, prefill_chunk: the scheduler's (`Scheduler`).
+        context_len: prompt plus completion tokens a request may hold (default: the model's
+            `max_position_embeddings`).
+        chat_template: a Jinja chat template for tokenizers without one (or to replace it).
+        keep_special_tokens: keep special tokens in the returned text.
+        seed: of the canary draws.
+        compile: compile the model's steps (`generate`'s `compile`).
+        overlap_prefill: the scheduler's (`Scheduler`): prompts fed beside the decode steps.
+    """
+
+    def __init__(
+        self,
+        model,
+        tokenizer,
+        routes: list[RouteConfig],
+        *,
+        guardrails: Guardrails | None = None,
+        model_name: str = "specdec-fast",
+        max_batch: int = 16,
+        max_queue: int = 256,
+        prefill_chunk: int = 256,
+        context_len: int | None = None,
+        chat_template: str | None = None,
+        keep_special_tokens: bool = False,
+        seed: int = 0,
+        compile: bool | None = None,
+        overlap_prefill: bool | None = None,
+    ):
+        self.model, self.tokenizer, self.model_name = model, tokenizer, model_name
+        self.keep_special_tokens = keep_special_tokens
+        if chat_template is not None:
+            tokenizer.chat_template = chat_template
+        text_config = model.config.get_text_config(decoder=True)
+        self.vocab_size = text_config.vocab_size
+        self.context_len = context_len or text_config.max_position_embeddings
+        factories: dict[tuple, object] = {}
+        drafters = {}
+        for route in routes:
+            spec = route.spec
+            key = (spec.kind, spec.path)
+            if spec.info is not None and key not in factories:
+                factories[key] = spec.factory(model)
+            drafters[route.name] = None if spec.info is None else factories[key](spec.size)
+        width = max((d.max_nodes for d in drafters.values() if d is not None), default=1)
+        self.scheduler = Scheduler(
+            model,
+            drafters,
+            guardrails=guardrails or Guardrails(),
+            max_batch=max_batch,
+            max_queue=max_queue,
+            max_cache_len=self.context_len + width,
+            prefill_chunk=prefill_chunk,
+            eos_token_id=stop_token_ids(model, tokenizer),
+            compile=compile,
+            overlap_prefill=overlap_prefill,
+        )
+        self.metrics: ServingMetrics | None = None
+        self.mailbox = None  # the server's delivery to its event loop (set at start-up)
+        self.router = Router(self.scheduler, routes, model_name, self._observe, seed)
+        self.metrics = ServingMetrics(self.scheduler, self.router, model_name)
+
+    def _observe(self, route: str, completion: Completion) -> None:
+        if self.metrics is not None:
+            self.metrics.observe(route, completion)
+
+    def start(self) -> None:
+        self.scheduler.start()
+
+    def close(self) -> None:
+        self.scheduler.close()
+
+    def submit_now(self, route: str, request: Request) -> Handle:
+        """`request` on `route` through the router; a refusal (`QueueFull`, `SchedulerStopped`)
+        is counted in the metrics, then raised; a `ValueError` names a bad request."""
+        try:
+            return self.router.submit(route, request)
+        except QueueFull:
+            self.metrics.reject("queue_full")
+            raise
+        except SchedulerStopped:
+            self.metrics.reject("stopped")
+            raise
+
+    # The server's interface, shared with `ProcessEngine` (whose answers come from its child).
+
+    async def submit(self, route: str, request: Request) -> Handle:
+        """`submit_now`: its callbacks run on the scheduler's thread."""
+        return self.submit_now(route, request)
+
+    async def metrics_text(self) -> bytes:
+        """The /metrics body."""
+        return self.metrics.render()
+
+    async def healthy(self) -> bool:
+        """Whether requests are being served."""
+        return self.scheduler.alive
