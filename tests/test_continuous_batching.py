@@ -10,6 +10,7 @@ reads the device once, as `generate`'s does.
 """
 
 import random
+import threading
 import time
 
 import pytest
@@ -29,6 +30,7 @@ from specdec_fast.loading import load_model, load_tokenizer
 from specdec_fast.prompts import load_code_prompts
 from specdec_fast.runner import ModelRunner
 from specdec_fast.serving import QueueFull, Request, Scheduler
+from specdec_fast.serving.scheduler import FAILED
 
 VOCAB = 96
 CONFIG = LlamaConfig(
@@ -343,6 +345,47 @@ def test_a_cancelled_request_frees_its_slot_for_the_next():
     queued.cancel()
     scheduler.step()
     assert queued.completion.finish_reason == "cancelled" and queued.completion.admitted is None
+
+
+def test_after_step_follows_each_step_of_the_thread_with_its_deliveries_made():
+    # The engine process sends a step's events from `after_step`: by then the step's callbacks
+    # have run, and it runs after every step of the thread, a failed one included.
+    model = tiny_llama(VOCAB, seed=5)
+    prompt = repetitive_prompts([9], VOCAB, seed=7)[0]
+    delivered: list[int] = []
+    seen: list[tuple[int, int, str]] = []  # (steps, tokens delivered, thread) at each call
+
+    def after_step() -> None:
+        seen.append((scheduler.steps, len(delivered), threading.current_thread().name))
+
+    scheduler = Scheduler(model, max_batch=2, eos_token_id=[], after_step=after_step)
+    scheduler.start()
+    try:
+        handle = scheduler.submit(Request(prompt, 12, on_tokens=delivered.extend))
+        assert handle.wait(60) is not None
+        deadline = time.monotonic() + 10
+        while seen[-1][0] < scheduler.steps and time.monotonic() < deadline:
+            time.sleep(0.01)
+        expected = generate(model, [prompt], drafter=None, max_new_tokens=12, eos_token_id=[])
+        assert delivered == expected.sequences[0][9:].tolist()
+        assert {thread for *_, thread in seen} == {"specdec-scheduler"}
+        # One call per decode step at least, each seeing every token of the steps before it.
+        assert len({steps for steps, *_ in seen}) >= scheduler.steps == 12
+        assert all(tokens == steps for steps, tokens, _ in seen)
+
+        def broken(*args, **kwargs):
+            raise RuntimeError("injected")
+
+        calls = len(seen)
+        scheduler.runner.verify = broken
+        failed = scheduler.submit(Request(prompt, 4))
+        assert failed.wait(60).finish_reason == FAILED
+        deadline = time.monotonic() + 10
+        while len(seen) == calls and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert len(seen) > calls
+    finally:
+        scheduler.close()
 
 
 def test_long_prompts_are_fed_in_chunks_between_decode_steps():

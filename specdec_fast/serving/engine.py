@@ -5,6 +5,8 @@ metrics. `specdec_fast.serving.engine_process.ProcessEngine` runs one in a child
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from specdec_fast.guardrails import Guardrails
 from specdec_fast.serving.metrics import ServingMetrics
 from specdec_fast.serving.routes import RouteConfig, Router
@@ -37,6 +39,7 @@ class ServingEngine:
         seed: of the canary draws.
         compile: compile the model's steps (`generate`'s `compile`).
         overlap_prefill: the scheduler's (`Scheduler`): prompts fed beside the decode steps.
+        after_step: the scheduler's: called at the end of each of its steps.
     """
 
     def __init__(
@@ -56,6 +59,7 @@ class ServingEngine:
         seed: int = 0,
         compile: bool | None = None,
         overlap_prefill: bool | None = None,
+        after_step: Callable[[], None] | None = None,
     ):
         self.model, self.tokenizer, self.model_name = model, tokenizer, model_name
         self.keep_special_tokens = keep_special_tokens
@@ -84,6 +88,7 @@ class ServingEngine:
             eos_token_id=stop_token_ids(model, tokenizer),
             compile=compile,
             overlap_prefill=overlap_prefill,
+            after_step=after_step,
         )
         self.metrics: ServingMetrics | None = None
         self.mailbox = None  # the server's delivery to its event loop (set at start-up)

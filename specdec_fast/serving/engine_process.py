@@ -12,8 +12,8 @@ and the server process does the HTTP side.
 The two talk over one `multiprocessing` pipe (spawned, never forked: torch's thread pools do
 not survive a fork). The server sends `submit` (a request without its callbacks), `cancel`,
 `metrics`, `health` and `close`; the child answers each call and sends its requests' events
-(each step's new tokens, then the `Completion`) in batches, from a thread that takes whatever
-accumulated while it sent the last. The server's reader thread calls the requests' callbacks,
+(each step's new tokens, then the `Completion`) in one message per step, sent by the
+scheduler's thread as the step ends. The server's reader thread calls the requests' callbacks,
 as the scheduler's thread would in one process. If the child dies, every request in flight ends
 with an error, `/health` and new requests get 503s.
 
@@ -118,16 +118,12 @@ class ProcessEngine:
         self._conn = here
         while not here.poll(0.5):
             if not self.process.is_alive():
-                raise RuntimeError(
-                    f"the engine process exited with code {self.process.exitcode} while starting"
-                )
+                raise self._died_starting()
         try:
             kind, payload = here.recv()
         except EOFError:
             self.process.join(CLOSE_TIMEOUT_S)
-            raise RuntimeError(
-                f"the engine process exited with code {self.process.exitcode} while starting"
-            ) from None
+            raise self._died_starting() from None
         if kind == "failed":
             self.process.join(CLOSE_TIMEOUT_S)
             raise RuntimeError(f"the engine process failed to start:\n{payload}")
@@ -137,6 +133,11 @@ class ProcessEngine:
             target=self._read, name="specdec-engine-reader", daemon=True
         )
         self._reader.start()
+
+    def _died_starting(self) -> RuntimeError:
+        return RuntimeError(
+            f"the engine process exited with code {self.process.exitcode} while starting"
+        )
 
     def close(self) -> None:
         """Ask the child to end every request and exit; kill it if it does not in time."""
@@ -159,8 +160,6 @@ class ProcessEngine:
         """Submit `request` on `route` in the child; raises what `ServingEngine.submit_now`
         raises there (`QueueFull`, `SchedulerStopped`, `ValueError`). Its callbacks run on
         this process's reader thread."""
-        if self.stopped is not None:
-            raise SchedulerStopped(f"the engine process is not serving: {self.stopped}")
         key = next(self._keys)
         self._requests[key] = request
         bare = replace(request, on_tokens=None, on_finish=None)
@@ -289,41 +288,31 @@ def _failed(request: Request, reason: str) -> Completion:
 
 
 class _Outbox:
-    """The child's events for the server, sent by a thread of their own: each send carries
-    everything posted while the previous one went out (a step's tokens for every request)."""
+    """The child's events for the server (each step's new tokens, completions), posted by the
+    requests' callbacks and sent by `flush` in one message: by the scheduler's thread at the
+    end of each step (its `after_step`), and by the main thread after each call it serves.
+    No thread of its own: a sender woken per event would take the interpreter lock from the
+    decode loop once per event; a flush at the end of a step costs one pickle and one write."""
 
     def __init__(self, send):
         self._send = send
         self._items: list[tuple[int, object]] = []
-        self._closed = False
-        self._ready = threading.Condition()
-        self._thread = threading.Thread(target=self._run, name="specdec-engine-outbox", daemon=True)
-        self._thread.start()
+        self._lock = threading.Lock()  # held while sending too: events leave in order
+        self.closed = False
 
     def post(self, key: int, item) -> None:
-        with self._ready:
+        with self._lock:
             self._items.append((key, item))
-            self._ready.notify()
 
-    def close(self) -> None:
-        """Send what is left, then stop the thread."""
-        with self._ready:
-            self._closed = True
-            self._ready.notify()
-        self._thread.join()
-
-    def _run(self) -> None:
-        while True:
-            with self._ready:
-                while not self._items and not self._closed:
-                    self._ready.wait()
-                items, self._items = self._items, []
-                if not items:
-                    return
+    def flush(self) -> None:
+        with self._lock:
+            if not self._items or self.closed:
+                return
+            items, self._items = self._items, []
             try:
                 self._send(("events", items))
             except OSError:  # the server process is gone
-                return
+                self.closed = True
 
 
 def _child(conn, config: EngineConfig) -> None:
@@ -342,13 +331,19 @@ def _child(conn, config: EngineConfig) -> None:
         with lock:
             conn.send(message)
 
+    outbox = _Outbox(send)
     try:
         if config.threads is not None:
             torch.set_num_threads(config.threads)
         model = load_model(config.model, pick_device(config.device), config.dtype)
         tokenizer = load_tokenizer(config.model)
         engine = ServingEngine(
-            model, tokenizer, config.routes, guardrails=config.guardrails, **config.engine
+            model,
+            tokenizer,
+            config.routes,
+            guardrails=config.guardrails,
+            after_step=outbox.flush,
+            **config.engine,
         )
         engine.start()
     except Exception:  # noqa: BLE001 - the server reports it and exits
@@ -357,12 +352,37 @@ def _child(conn, config: EngineConfig) -> None:
     # The startup heap lives as long as the engine: frozen, full collections skip it.
     gc.collect()
     gc.freeze()
-    outbox = _Outbox(send)
     handles = {}
 
     def finished(key: int, completion: Completion) -> None:
         handles.pop(key, None)
         outbox.post(key, completion)
+
+    def serve(kind: str, args: list) -> None:
+        if kind == "cancel":
+            handle = handles.get(args[0])
+            if handle is not None:
+                handle.cancel()
+            return
+        call, *args = args
+        if kind == "submit":
+            key, route, request = args
+            request = replace(
+                request, on_tokens=partial(outbox.post, key), on_finish=partial(finished, key)
+            )
+            try:
+                handle = engine.submit_now(route, request)
+            except _REFUSALS as error:
+                send(("answer", call, error))
+                return
+            handles[key] = handle
+            if handle.done.is_set():  # it ended before it was stored
+                handles.pop(key, None)
+            send(("answer", call, True))
+        elif kind == "metrics":
+            send(("answer", call, engine.metrics.render()))
+        elif kind == "health":
+            send(("answer", call, engine.scheduler.alive))
 
     send(("ready", {"vocab_size": engine.vocab_size, "context_len": engine.context_len}))
     try:
@@ -373,31 +393,9 @@ def _child(conn, config: EngineConfig) -> None:
                 break
             if kind == "close":
                 break
-            if kind == "cancel":
-                handle = handles.get(args[0])
-                if handle is not None:
-                    handle.cancel()
-                continue
-            call, *args = args
-            if kind == "submit":
-                key, route, request = args
-                request = replace(
-                    request, on_tokens=partial(outbox.post, key), on_finish=partial(finished, key)
-                )
-                try:
-                    handle = engine.submit_now(route, request)
-                except _REFUSALS as error:
-                    send(("answer", call, error))
-                    continue
-                handles[key] = handle
-                if handle.done.is_set():  # it ended before it was stored
-                    handles.pop(key, None)
-                send(("answer", call, True))
-            elif kind == "metrics":
-                send(("answer", call, engine.metrics.render()))
-            elif kind == "health":
-                send(("answer", call, engine.scheduler.alive))
+            serve(kind, args)
+            outbox.flush()  # what the call's requests posted outside a step
     finally:
         engine.close()
-        outbox.close()
+        outbox.flush()
         conn.close()

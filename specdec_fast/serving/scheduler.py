@@ -291,6 +291,9 @@ class Scheduler:
             model and routes that read no hidden states (`ModelRunner.feeds_beside_steps`), and
             pays where a core is free beside torch's threads. None (default): on when all of
             that holds.
+        after_step: called with no arguments after each step of the scheduler's thread
+            (`start`), failed or not: where the callbacks' deliveries of a step can go out at
+            once (the engine process sends a step's events to the server in one message).
     """
 
     def __init__(
@@ -307,6 +310,7 @@ class Scheduler:
         use_cuda_graphs: bool | None = None,
         compile: bool | None = None,
         overlap_prefill: bool | None = None,
+        after_step: Callable[[], None] | None = None,
     ):
         routes = dict(routes) if routes is not None else {DEFAULT_ROUTE: None}
         if not routes:
@@ -382,6 +386,7 @@ class Scheduler:
         self.error: BaseException | None = None
         self.steps = 0
         self.counters = StepCounters()
+        self.after_step = after_step
 
     @property
     def context_len(self) -> int:
@@ -491,6 +496,9 @@ class Scheduler:
                         self.error = fatal
                     self._abort(FAILED, f"{type(fatal).__name__}: {fatal}")
                     return
+            finally:
+                if self.after_step is not None:
+                    self.after_step()
 
     def _has_work(self) -> bool:
         return bool(self.rows or self._prefill is not None or self._waiting)

@@ -150,9 +150,10 @@ def create_app(engine: ServingEngine | ProcessEngine) -> FastAPI:
 
 
 class _Mailbox:
-    """Deliveries from the scheduler's thread to queues of the event loop: one wake-up of the
-    loop carries everything posted since the last (a step's tokens for every stream), so that
-    the loop takes the interpreter from the scheduler's thread once per step, not per request."""
+    """Deliveries from the engine's thread (the scheduler's, or the reader of the engine
+    process's pipe) to queues of the event loop: one wake-up of the loop carries everything
+    posted since the last (a step's tokens for every stream), so that the loop takes the
+    interpreter from that thread once per step, not per request."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop):
         self.loop = loop
