@@ -299,18 +299,25 @@ class SpecKVCache(Cache):
 
     def select(self, rows: Sequence[int]) -> None:
         """Keep only the sequences `rows` (indices into the batch, in that order), moved to the
-        front of the storage in place."""
+        front of the storage in place.
+
+        Only the rows whose position changes move, and only their first `_len_bound` slots
+        (the host's bound of every committed length): a row leaving a batch of long contexts
+        costs a copy of what the rows behind it hold, not of the whole storage.
+        """
         rows = [int(row) for row in rows]
-        if rows != list(range(len(rows))):
-            index = to_device(rows, self.kv.device)
-            count = len(rows)
+        count = len(rows)
+        first = next((i for i, row in enumerate(rows) if row != i), count)
+        if first < count:
+            moving = to_device(rows[first:], self.kv.device)
+            held = min(self._len_bound, self.max_cache_len)
             # The gather copies before the assignment writes, so overlapping moves are safe.
-            self._kv_storage[:, :, :count] = self.kv[:, :, index]
-            self._lens_storage[:count] = self.cache_lens[index]
-            self.write_slots = self.write_slots[index]
+            self._kv_storage[:, :, first:count, :, :held] = self.kv[:, :, moving, :, :held]
+            self._lens_storage[first:count] = self.cache_lens[moving]
+            self.write_slots = self.write_slots[to_device(rows, self.kv.device)]
         else:
-            self.write_slots = self.write_slots[: len(rows)]
-        self._bind(len(rows))
+            self.write_slots = self.write_slots[:count]
+        self._bind(count)
 
     def rows(self, start: int, count: int) -> "SpecKVCache":
         """A cache over the storage rows `[start, start + count)`, sharing this cache's storage:

@@ -106,6 +106,27 @@ def test_room_is_checked_without_reading_the_device_until_near_capacity():
         cache.ensure_room(1)
 
 
+@pytest.mark.parametrize("keep", [[0, 1, 2, 3], [0, 2, 3], [3, 1], [1, 0, 2], []])
+def test_select_moves_the_committed_slots_of_the_rows_that_shift(keep):
+    """`select` keeps each kept row's committed K/V and length, in the order asked. It copies
+    only rows whose position changes, and only the slots below the host's length bound: the
+    rows in front and everything past the bound are left as they were (poisoned here)."""
+    lengths = [3, 0, 5, 2]
+    cache = make_cache(lengths)
+    before = cache._kv_storage.clone()
+    cache.select(keep)
+    assert cache.batch_size == len(keep)
+    assert cache.cache_lens.tolist() == [lengths[r] for r in keep]
+    for slot, row in enumerate(keep):
+        held = lengths[row]
+        assert torch.equal(cache.kv[:, :, slot, :, :held], before[:, :, row, :, :held])
+    first = next((i for i, row in enumerate(keep) if row != i), len(keep))
+    assert torch.equal(cache._kv_storage[:, :, :first], before[:, :, :first])
+    bound = max(lengths)
+    assert torch.equal(cache._kv_storage[..., bound:, :], before[..., bound:, :])
+    assert torch.equal(cache._kv_storage[:, :, len(keep) :], before[:, :, len(keep) :])
+
+
 @pytest.mark.parametrize(
     ("config", "windows"),
     [
