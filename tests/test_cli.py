@@ -228,6 +228,25 @@ def test_compile_choice_does_not_outlive_the_command(flag, tmp_path, capsys):
     assert os.environ.get("SPECDEC_COMPILE") == before
 
 
+@pytest.mark.parametrize(
+    ("argv", "expected"),
+    [
+        (["bench", "--model", "m", "--drafter", "ngram", "--out", "o", "--device", "cpu"], "1"),
+        (["bench", "--model", "m", "--out", "o", "--device", "cpu", "--no-compile"], "0"),
+        (["generate", "--model", "m", "--prompt", "x", "--device", "cpu"], "0"),
+        (["generate", "--model", "m", "--prompt", "x", "--device", "cpu", "--compile"], "1"),
+    ],
+)
+def test_compile_defaults_on_for_bench_only_on_the_cpu(argv, expected, monkeypatch):
+    """On the CPU, `bench` compiles by default (its cells run long enough to pay back the
+    compile), one-shot commands do not; the flags override either."""
+    from specdec_fast.cli import _choose_compile, build_parser
+
+    monkeypatch.setenv("SPECDEC_COMPILE", "unset")
+    _choose_compile(build_parser().parse_args(argv))
+    assert os.environ["SPECDEC_COMPILE"] == expected
+
+
 def test_generate_exact_mode(model_dir, capsys):
     """--exact: speculative and plain completions are the same tokens; --compile is refused."""
     exact, _ = generate_json(capsys, model_dir, "--drafter", "ngram:4", "--exact")

@@ -307,6 +307,8 @@ def test_bench_help_and_bad_grid(capsys):
     reason="the bundled target tiny-code is not in this install yet (it is being trained)",
 )
 def test_bench_cli_on_the_bundled_models(tmp_path):
+    # Eager steps: compiling each cell's shapes would take this test 90 s on 2 cores; the
+    # command's compile default is tested in test_cli.py, compiled steps in test_compiled_step.py.
     # A tiny prompt set: one default prompt per task type, at the command line's token limit.
     prompts = tmp_path / "prompts.jsonl"
     records = [r.to_dict() for r in default_prompts(1)]
@@ -315,7 +317,7 @@ def test_bench_cli_on_the_bundled_models(tmp_path):
         ["bench", "--model", "tiny-code", "--drafter", "ngram", "--drafter",
          "draft:tiny-code-draft", "--k", "2", "--batch", "3", "--prompts", str(prompts),
          "--out", str(tmp_path / "report"), "--device", "cpu", "--dtype", "float32",
-         "--no-chat"]
+         "--no-chat", "--no-compile"]
     )  # fmt: skip
     assert code == 0
     report = json.loads((tmp_path / "report" / "report.json").read_text())
