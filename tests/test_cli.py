@@ -237,7 +237,7 @@ def test_compile_choice_does_not_outlive_the_command(flag, tmp_path, capsys):
         (["generate", "--model", "m", "--prompt", "x", "--device", "cpu", "--compile"], "1"),
     ],
 )
-def test_compile_defaults_on_for_bench_only_on_the_cpu(argv, expected, monkeypatch):
+def test_on_the_cpu_bench_compiles_by_default_one_shot_commands_do_not(argv, expected, monkeypatch):
     """On the CPU, `bench` compiles by default (its cells run long enough to pay back the
     compile), one-shot commands do not; the flags override either."""
     from specdec_fast.cli import _choose_compile, build_parser

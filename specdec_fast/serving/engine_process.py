@@ -302,7 +302,8 @@ class _Outbox:
 
     def post(self, key: int, item) -> None:
         with self._lock:
-            self._items.append((key, item))
+            if not self.closed:  # nobody to send to once the server is gone
+                self._items.append((key, item))
 
     def flush(self) -> None:
         with self._lock:
