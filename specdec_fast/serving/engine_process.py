@@ -69,6 +69,22 @@ class EngineConfig:
     threads: int | None = None
     engine: dict = field(default_factory=dict)
 
+    def build(self, **extra):
+        """The `ServingEngine` this describes, in this process (torch's threads set, the model
+        and tokenizer loaded); `extra`: more of its keyword arguments (`after_step`)."""
+        import torch
+
+        from specdec_fast.loading import load_model, load_tokenizer, pick_device
+        from specdec_fast.serving.engine import ServingEngine
+
+        if self.threads is not None:
+            torch.set_num_threads(self.threads)
+        model = load_model(self.model, pick_device(self.device), self.dtype)
+        tokenizer = load_tokenizer(self.model)
+        return ServingEngine(
+            model, tokenizer, self.routes, guardrails=self.guardrails, **self.engine, **extra
+        )
+
 
 class ProcessEngine:
     """A `ServingEngine` in a child process, with the interface the server uses (`submit`,
@@ -319,11 +335,6 @@ class _Outbox:
 def _child(conn, config: EngineConfig) -> None:
     """The engine process: build the `ServingEngine`, then serve the server's calls until it
     says `close` or goes away."""
-    import torch
-
-    from specdec_fast.loading import load_model, load_tokenizer, pick_device
-    from specdec_fast.serving.engine import ServingEngine
-
     # Ctrl-C reaches the whole process group: the server's shutdown (its `close`) ends this one.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     lock = threading.Lock()
@@ -334,18 +345,7 @@ def _child(conn, config: EngineConfig) -> None:
 
     outbox = _Outbox(send)
     try:
-        if config.threads is not None:
-            torch.set_num_threads(config.threads)
-        model = load_model(config.model, pick_device(config.device), config.dtype)
-        tokenizer = load_tokenizer(config.model)
-        engine = ServingEngine(
-            model,
-            tokenizer,
-            config.routes,
-            guardrails=config.guardrails,
-            after_step=outbox.flush,
-            **config.engine,
-        )
+        engine = config.build(after_step=outbox.flush)
         engine.start()
     except Exception:  # noqa: BLE001 - the server reports it and exits
         send(("failed", traceback.format_exc()))

@@ -32,7 +32,6 @@ import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 
-import torch
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -318,7 +317,6 @@ def serve(args) -> int:
     uvicorn until interrupted."""
     import uvicorn
 
-    from specdec_fast.loading import load_model, load_tokenizer, pick_device
     from specdec_fast.serving.routes import load_routes, server_routes
 
     extra = load_routes(args.routes) if args.routes else []
@@ -341,16 +339,9 @@ def serve(args) -> int:
         "keep_special_tokens": args.keep_special_tokens,
         "seed": args.seed,
     }
-    if args.engine_process:
-        config = EngineConfig(
-            args.model, routes, guardrails, args.device, args.dtype, args.threads, options
-        )
-        engine = ProcessEngine(config)
-    else:
-        if args.threads is not None:
-            torch.set_num_threads(args.threads)
-        model = load_model(args.model, pick_device(args.device), args.dtype)
-        tokenizer = load_tokenizer(args.model)
-        engine = ServingEngine(model, tokenizer, routes, guardrails=guardrails, **options)
+    config = EngineConfig(
+        args.model, routes, guardrails, args.device, args.dtype, args.threads, options
+    )
+    engine = ProcessEngine(config) if args.engine_process else config.build()
     uvicorn.run(create_app(engine), host=args.host, port=args.port, log_level=args.log_level)
     return 0
