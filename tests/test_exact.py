@@ -1,9 +1,10 @@
 """Exact mode (`generate(..., exact=True)`): speculative output equals plain output bit for bit.
 
 The models are bf16 and initialized narrow (flat logits), so greedy decoding meets many
-near-ties; without exact mode the same setup diverges (`test_default_mode_diverges`, which shows
-the equality tests have power). The kernel tests check the batch-invariant ops row by row: a
-row's result is the same bits alone and among others, and close to the references.
+near-ties; without exact mode the same setup diverges where the CPU's GEMMs are not
+batch-invariant (`test_default_mode_diverges`, which shows the equality tests have power). The
+kernel tests check the batch-invariant ops row by row: a row's result is the same bits alone and
+among others, and close to the references.
 """
 
 import pytest
@@ -88,16 +89,32 @@ def test_speculative_equals_plain_bitwise(models, draft_model, kind, batch_size)
     assert differing(plain, outputs(model, None, 8, exact=True)) == 0
 
 
+def linears_batch_invariant(model, rows: int = 72) -> bool:
+    """Whether this machine's GEMMs give each row of every linear layer of `model` the same bits
+    at any row count up to `rows` (a decode step's B rows to a tree's B x N and a prefill)."""
+    generator = torch.Generator().manual_seed(0)
+    for weight in {m.weight for m in model.modules() if isinstance(m, torch.nn.Linear)}:
+        x = torch.randn(rows, weight.shape[1], generator=generator).to(weight.dtype)
+        full = F.linear(x, weight)
+        if any(not torch.equal(F.linear(x[:m], weight), full[:m]) for m in range(1, rows)):
+            return False
+    return True
+
+
 def test_default_mode_diverges(models, draft_model):
     """The same models, prompts and drafters without exact mode: bf16 near-ties flip between a
-    decode step and a tree (at batch 1 on this project's CPU they happen not to; batches of 4
-    and 8 diverge on a prompt or two per model)."""
+    decode step and a tree where the CPU's GEMMs round a row differently by row count (on the
+    machines this project has run on, batches of 4 and 8 diverge on a prompt or two per model).
+    Where they never do (some CPUs' bf16 kernels are batch-invariant at these shapes), default
+    mode has nothing to diverge on and the check cannot apply: it is skipped, saying so."""
     divergences = 0
     for model in models.values():
         for batch_size in (4, 8):
             plain = outputs(model, None, batch_size, exact=False)
             for drafter in drafters(draft_model).values():
                 divergences += differing(plain, outputs(model, drafter, batch_size, exact=False))
+    if divergences == 0 and all(linears_batch_invariant(m) for m in models.values()):
+        pytest.skip("this CPU's bf16 GEMMs are batch-invariant at these shapes")
     assert divergences > 0
 
 
