@@ -357,8 +357,12 @@ def main() -> int:
     for local in locals_.values():
         local.close()
     mean_concurrency = plain["mean_concurrency"]
-    routes = {"default": ngram, GUARDED: served["serving"][level][GUARDED]}
-    spans = [mean_concurrency] + [route["mean_concurrency"] for route in routes.values()]
+    # The n-gram routes and their guardrails.
+    routes = {
+        "default": (ngram, "log_only"),
+        GUARDED: (served["serving"][level][GUARDED], "default"),
+    }
+    spans = [mean_concurrency] + [route["mean_concurrency"] for route, _ in routes.values()]
     batches = sorted(range(max(1, math.floor(min(spans))), max(1, math.ceil(max(spans))) + 1))
     harness = bench(
         model,
@@ -373,7 +377,7 @@ def main() -> int:
     )
     ngram_results = {
         name: ngram_figures(plain, route, harness) | {"guardrails": guardrails}
-        for (name, route), guardrails in zip(routes.items(), ("log_only", "default"), strict=True)
+        for name, (route, guardrails) in routes.items()
     }
     checks = saturated["integrity"][str(int(SATURATION_QPS))]["default"]
     results = {

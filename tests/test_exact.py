@@ -93,7 +93,8 @@ def linears_batch_invariant(model, rows: int = 72) -> bool:
     """Whether this machine's GEMMs give each row of every linear layer of `model` the same bits
     at any row count up to `rows` (a decode step's B rows to a tree's B x N and a prefill)."""
     generator = torch.Generator().manual_seed(0)
-    for weight in {m.weight for m in model.modules() if isinstance(m, torch.nn.Linear)}:
+    linears = (m.weight for m in model.modules() if isinstance(m, torch.nn.Linear))
+    for weight in dict.fromkeys(linears):  # tied weights once, in module order
         x = torch.randn(rows, weight.shape[1], generator=generator).to(weight.dtype)
         full = F.linear(x, weight)
         if any(not torch.equal(F.linear(x[:m], weight), full[:m]) for m in range(1, rows)):
