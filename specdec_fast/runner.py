@@ -109,8 +109,36 @@ _OPEN_LOCK = threading.Lock()
 COMPILE_LOG: list[tuple[str, float]] = []
 
 
-def _graphs_compiled() -> int:
+def graphs_compiled() -> int:
     return torch._dynamo.utils.counters["stats"]["unique_graphs"]
+
+
+def compile_own_copy(step):
+    """`torch.compile(step, fullgraph=True)` of a bound method, on its own copy of the code.
+
+    Dynamo keeps graphs (and counts them against its recompile limit) per code object: with a
+    copy each, runners of different models, or of one model's prefill and verify, and drafters'
+    own steps neither evict nor exhaust each other's graphs.
+    """
+    function = step.__func__
+    own_code = types.FunctionType(
+        function.__code__.replace(),
+        function.__globals__,
+        function.__name__,
+        function.__defaults__,
+        function.__closure__,
+    )
+    return torch.compile(own_code.__get__(step.__self__), fullgraph=True)
+
+
+def record_compile(label: str, seconds: float) -> None:
+    """Log a compilation or graph capture (`COMPILE_LOG`), then collect and freeze the heap."""
+    COMPILE_LOG.append((label, seconds))
+    # Compiling leaves millions of long-lived objects (graphs, guards, generated code); each
+    # full collection of the garbage collector walked them all, a 250 ms pause in the middle
+    # of a later call. Frozen, they are skipped (vLLM's engine freezes its startup heap too).
+    gc.collect()
+    gc.freeze()
 
 
 def _step_kind(tokens: torch.Tensor) -> str:
@@ -734,23 +762,11 @@ class ModelRunner:
         return logits, hidden
 
     def _compiled_step(self, kind: str, step):
-        """The compiled version of the bound method `step`, made once per runner and kind.
-
-        Each runner compiles its own copy of the code: dynamo keeps graphs (and counts them
-        against its recompile limit) per code object, so runners of different models, or of
-        one model's prefill and verify, neither evict nor exhaust each other's graphs.
-        """
+        """The compiled version of the bound method `step`, made once per runner and kind
+        (`compile_own_copy`)."""
         compiled = self._compiled.get(kind)
         if compiled is None:
-            function = step.__func__
-            own_code = types.FunctionType(
-                function.__code__.replace(),
-                function.__globals__,
-                function.__name__,
-                function.__defaults__,
-            )
-            compiled = torch.compile(own_code.__get__(self), fullgraph=True)
-            self._compiled[kind] = compiled
+            compiled = self._compiled[kind] = compile_own_copy(step)
         return compiled
 
     def _run(self, kind: str, step, *args):
@@ -772,7 +788,7 @@ class ModelRunner:
         # Emptied out here, not inside the step: a compiled step guards on the dict it mutates,
         # and one that found the previous step's entries would compile a second graph.
         self._captured.clear()
-        graphs_before = _graphs_compiled()
+        graphs_before = graphs_compiled()
         start = time.perf_counter()
         with torch.no_grad():
             try:
@@ -786,18 +802,13 @@ class ModelRunner:
                 )
                 self._eager_shapes.add(shape)
                 out = step(*args)
-        if _graphs_compiled() > graphs_before:
+        if graphs_compiled() > graphs_before:
             self._record_compile(f"{kind} B={shape[1]} N={shape[2]}", time.perf_counter() - start)
         return out
 
     def _record_compile(self, label: str, seconds: float) -> None:
         self.compile_seconds[label] = seconds
-        COMPILE_LOG.append((f"{self.model.config.model_type} {label}", seconds))
-        # Compiling leaves millions of long-lived objects (graphs, guards, generated code); each
-        # full collection of the garbage collector walked them all, a 250 ms pause in the middle
-        # of a later call. Frozen, they are skipped (vLLM's engine freezes its startup heap too).
-        gc.collect()
-        gc.freeze()
+        record_compile(f"{self.model.config.model_type} {label}", seconds)
 
     def _verify_step(
         self, tokens: torch.Tensor, parents: torch.Tensor, q_lens: torch.Tensor | None

@@ -173,6 +173,27 @@ def test_sampling_follows_the_target(sampling_target, flavour, tree, setting):
     assert stats.accepted_tokens > 0
 
 
+@pytest.mark.slow
+def test_compiled_dflash_steps_match_eager_and_compile_once(
+    target, ragged, references, monkeypatch
+):
+    """With SPECDEC_COMPILE on, the DFlash block forward and context writes run compiled: the
+    same output and the same accepted drafts as eagerly (the compiled block gives the same
+    trees), reported in `stats.compiled`; a second call (another batch size, other lengths)
+    compiles nothing for the drafter."""
+    calls = [ragged[:3], ragged[5:7]]
+    drafter = BlockDrafter(dflash_head(target), max_nodes=10)
+    eager = [generate(target, p, drafter=drafter, max_new_tokens=32).stats for p in calls]
+    monkeypatch.setenv("SPECDEC_COMPILE", "1")
+    drafter = BlockDrafter(dflash_head(target), max_nodes=10)
+    for index, (prompts, want) in enumerate(zip(calls, eager, strict=True)):
+        out = generate(target, prompts, drafter=drafter, max_new_tokens=32, compile=False)
+        assert [s.tolist() for s in out.sequences] == [references[ragged.index(p)] for p in prompts]
+        assert [s.accepted for s in out.stats.sequences] == [s.accepted for s in want.sequences]
+        kinds = {label.split()[1] for label in out.stats.compiled if label.startswith("dflash")}
+        assert kinds == ({"context", "block"} if index == 0 else set()), out.stats.compiled
+
+
 @pytest.mark.parametrize("flavour", list(MODELS))
 def test_adaptive_and_guarded_block_drafters_stay_exact(target, ragged, references, flavour):
     """Under the adaptive wrapper (budgets changing step to step, trees trimmed to their best

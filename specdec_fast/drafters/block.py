@@ -32,6 +32,8 @@ for (default 8, PARD's published `para_num`).
 from __future__ import annotations
 
 import os
+import time
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -50,7 +52,13 @@ from specdec_fast.heads.checkpoint import (
 from specdec_fast.kernels import pack_tree_mask
 from specdec_fast.kernels.tree_attention import run_tree_attention
 from specdec_fast.loading import quiet_transformers
-from specdec_fast.runner import ModelRunner
+from specdec_fast.runner import (
+    ModelRunner,
+    compile_by_default,
+    compile_own_copy,
+    graphs_compiled,
+    record_compile,
+)
 from specdec_fast.transfer import to_device
 from specdec_fast.trees import best_first_tree, block_chain, sampled_block_chain
 
@@ -142,7 +150,11 @@ def load_block_model(name_or_path: str | os.PathLike, target) -> DFlashHead | Pa
 
 
 class _FeatureBlock:
-    """The DFlash flavour: the head's context cache and one block forward per step."""
+    """The DFlash flavour: the head's context cache and one block forward per step.
+
+    The block forward and the context writes run through `torch.compile` when runners compile
+    (`SPECDEC_COMPILE`, default on), each on its own code: batch size, cache capacity and
+    context width are dynamic, so a handful of graphs serve every call of the drafter."""
 
     def __init__(self, head: DFlashHead):
         self.head = head
@@ -150,7 +162,7 @@ class _FeatureBlock:
         self.hidden_layers = head.hidden_layers
         self._cache: SpecKVCache | None = None
         self._lengths: list[int] = []  # committed context entries per row (host mirror)
-        self._masks: dict[int, torch.Tensor] = {}
+        self._compiled: dict[str, object] = {}
 
     def attach(self, target, max_cache_len: int, depth: int) -> None:
         self.head.check_target(target)
@@ -159,6 +171,36 @@ class _FeatureBlock:
         self._lm_head = target.get_output_embeddings()
         self._capacity = max_cache_len + max(self.head.block_size, depth + 1)
         self._depth = depth
+        self._compile = compile_by_default()
+
+    def _run(self, kind: str, step, *args):
+        """`step(*args)`, through its compiled version when compiling (made on first use; the
+        first call of each new graph is logged as the runners' are). Past dynamo's recompile
+        limit the step runs eagerly, with a warning."""
+        if not self._compile:
+            return step(*args)
+        compiled = self._compiled.get(kind)
+        if compiled is None:
+            compiled = self._compiled[kind] = compile_own_copy(step)
+        for tensor in args:
+            for dim in range(tensor.dim()):
+                torch._dynamo.maybe_mark_dynamic(tensor, dim)
+        graphs_before = graphs_compiled()
+        start = time.perf_counter()
+        try:
+            out = compiled(*args)
+        except torch._dynamo.exc.FailOnRecompileLimitHit:
+            warnings.warn(
+                f"specdec-fast: the DFlash {kind} step met torch.compile's recompile limit; it "
+                "runs eagerly from now on",
+                stacklevel=4,
+            )
+            self._compiled[kind] = step
+            return step(*args)
+        if graphs_compiled() > graphs_before:
+            label = f"dflash {kind} B={args[0].shape[0]}"
+            record_compile(label, time.perf_counter() - start)
+        return out
 
     def begin(self, state: DraftState) -> None:
         head, device = self.head, state.device
@@ -178,44 +220,54 @@ class _FeatureBlock:
     def _write_context(self, features: list[torch.Tensor], counts: list[int]) -> None:
         """Commit `counts[r]` context entries per row from target features `[B, n, H]` each."""
         cache = self._cache
-        width = features[0].shape[1]
         cache.bound_lengths(max(self._lengths))
-        cache.ensure_room(width)
-        cache.prepare_write(width)
-        positions = cache.cache_lens[:, None].long() + torch.arange(width, device=cache.kv.device)
-        for layer, (keys, values) in zip(
-            cache.layers, self.head.context(self.head.fuse(features), positions), strict=True
-        ):
-            layer.update(keys, values)
+        cache.ensure_room(features[0].shape[1])
+        self._run("context", self._context_step, *features)
         cache.cache_lens.add_(to_device(counts, cache.kv.device, torch.int32))
         self._lengths = [
             length + count for length, count in zip(self._lengths, counts, strict=True)
         ]
 
-    def _attend(self, layer: int, queries, keys, values) -> torch.Tensor:
-        cache = self._cache
-        key_cache, value_cache = cache.layers[layer].update(keys, values)
-        batch, _, size, _ = queries.shape
-        mask = self._masks.get(batch)
-        if mask is None:
-            # Bidirectional within the block; the committed context is always visible.
-            full = torch.ones(batch, size, size, dtype=torch.bool, device=queries.device)
-            mask = self._masks[batch] = pack_tree_mask(full)
-        scale = queries.shape[-1] ** -0.5
-        return run_tree_attention(
-            queries, key_cache, value_cache, cache.cache_lens, mask, None, scale, None, None, None
-        )
+    def _context_step(self, *features: torch.Tensor) -> None:
+        """Write the context entries of `[B, n, H]` features past the committed ones."""
+        head, cache = self.head, self._cache
+        width = features[0].shape[1]
+        cache.prepare_write(width)
+        offsets = torch.arange(width, device=features[0].device)
+        positions = cache.cache_lens[:, None].long() + offsets
+        for layer, (keys, values) in zip(
+            cache.layers, head.context(head.fuse(features), positions), strict=True
+        ):
+            layer.update(keys, values)
 
     def block_logits(self, state: DraftState) -> torch.Tensor:
-        head, cache = self.head, self._cache
-        size = head.block_size
-        masks = state.roots.new_full((state.batch_size, size - 1), head.mask_token_id)
-        tokens = torch.cat([state.roots[:, None].long(), masks], dim=1)
+        cache = self._cache
         cache.bound_lengths(max(self._lengths))
-        cache.ensure_room(size)
+        cache.ensure_room(self.head.block_size)
+        return self._run("block", self._block_step, state.roots)
+
+    def _block_step(self, roots: torch.Tensor) -> torch.Tensor:
+        """fp32 logits `[B, b - 1, V]` of the block `[root, MASK x (b - 1)]` above the committed
+        context, bidirectional within the block (written past the committed length)."""
+        head, cache = self.head, self._cache
+        size, batch = head.block_size, roots.shape[0]
+        masks = roots.new_full((batch, size - 1), head.mask_token_id)
+        tokens = torch.cat([roots[:, None], masks], dim=1).long()
         cache.prepare_write(size)
-        positions = cache.cache_lens[:, None].long() + torch.arange(size, device=tokens.device)
-        outputs = head(self._embed(tokens), positions, self._attend)
+        positions = cache.cache_lens[:, None].long() + torch.arange(size, device=roots.device)
+        # Bidirectional within the block; the committed context is always visible.
+        full = torch.ones(batch, size, size, dtype=torch.bool, device=roots.device)
+        mask = pack_tree_mask(full)
+
+        def attend(layer: int, queries, keys, values) -> torch.Tensor:
+            key_cache, value_cache = cache.layers[layer].update(keys, values)
+            scale = queries.shape[-1] ** -0.5
+            args = (queries, key_cache, value_cache, cache.cache_lens, mask, None, scale)
+            if torch.compiler.is_compiling():
+                return torch.ops.specdec_fast.tree_attention(*args, None, None, None)
+            return run_tree_attention(*args, None, None, None)
+
+        outputs = head(self._embed(tokens), positions, attend)
         return self._lm_head(outputs[:, 1:]).float()
 
     def update(self, state: DraftState, outcome: StepOutcome) -> None:
@@ -251,7 +303,6 @@ class _FeatureBlock:
 
     def end(self) -> None:
         self._cache = None
-        self._masks.clear()
 
 
 class _StandaloneBlock:
