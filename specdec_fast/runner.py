@@ -114,13 +114,14 @@ def graphs_compiled() -> int:
 
 
 def compile_own_copy(step):
-    """`torch.compile(step, fullgraph=True)` of a bound method, on its own copy of the code.
+    """`torch.compile(step, fullgraph=True)` of a function or bound method, on its own copy of the
+    code.
 
     Dynamo keeps graphs (and counts them against its recompile limit) per code object: with a
     copy each, runners of different models, or of one model's prefill and verify, and drafters'
     own steps neither evict nor exhaust each other's graphs.
     """
-    function = step.__func__
+    function = getattr(step, "__func__", step)
     own_code = types.FunctionType(
         function.__code__.replace(),
         function.__globals__,
@@ -128,7 +129,8 @@ def compile_own_copy(step):
         function.__defaults__,
         function.__closure__,
     )
-    return torch.compile(own_code.__get__(step.__self__), fullgraph=True)
+    owner = getattr(step, "__self__", None)
+    return torch.compile(own_code if owner is None else own_code.__get__(owner), fullgraph=True)
 
 
 def record_compile(label: str, seconds: float) -> None:

@@ -72,6 +72,9 @@ PARD_TYPE = "pard"
 DEFAULT_PARD_BLOCK = 8
 # Random stream of the sampled chains' draws (verify uses 0 and 1, draft models 2).
 STREAM_BLOCK = 3
+# The DFlash steps' compiled code by (kind, head config, dtype, device): drafters built anew
+# around heads of one shape (a benchmark's cells, a server's routes) share the graphs.
+_COMPILED_STEPS: dict[tuple[str, tuple[str, str, str]], object] = {}
 
 
 @dataclass
@@ -153,8 +156,9 @@ class _FeatureBlock:
     """The DFlash flavour: the head's context cache and one block forward per step.
 
     The block forward and the context writes run through `torch.compile` when runners compile
-    (`SPECDEC_COMPILE`, default on), each on its own code: batch size, cache capacity and
-    context width are dynamic, so a handful of graphs serve every call of the drafter."""
+    (`SPECDEC_COMPILE`, default on), each on its own code per head shape (`_COMPILED_STEPS`):
+    batch size, cache capacity and context width are dynamic, so a handful of graphs serve every
+    call of every drafter over heads of that shape."""
 
     def __init__(self, head: DFlashHead):
         self.head = head
@@ -162,7 +166,6 @@ class _FeatureBlock:
         self.hidden_layers = head.hidden_layers
         self._cache: SpecKVCache | None = None
         self._lengths: list[int] = []  # committed context entries per row (host mirror)
-        self._compiled: dict[str, object] = {}
 
     def attach(self, target, max_cache_len: int, depth: int) -> None:
         self.head.check_target(target)
@@ -172,6 +175,12 @@ class _FeatureBlock:
         self._capacity = max_cache_len + max(self.head.block_size, depth + 1)
         self._depth = depth
         self._compile = compile_by_default()
+        head = self.head
+        self._signature = (
+            head.config.to_json_string(),
+            str(head.fc.weight.dtype),
+            str(target.device),
+        )
 
     def _run(self, kind: str, step, *args):
         """`step(*args)`, through its compiled version when compiling (made on first use; the
@@ -179,23 +188,24 @@ class _FeatureBlock:
         limit the step runs eagerly, with a warning."""
         if not self._compile:
             return step(*args)
-        compiled = self._compiled.get(kind)
+        key = (kind, self._signature)
+        compiled = _COMPILED_STEPS.get(key)
         if compiled is None:
-            compiled = self._compiled[kind] = compile_own_copy(step)
+            compiled = _COMPILED_STEPS[key] = compile_own_copy(step.__func__)
         for tensor in args:
             for dim in range(tensor.dim()):
                 torch._dynamo.maybe_mark_dynamic(tensor, dim)
         graphs_before = graphs_compiled()
         start = time.perf_counter()
         try:
-            out = compiled(*args)
+            out = compiled(self, *args)
         except torch._dynamo.exc.FailOnRecompileLimitHit:
             warnings.warn(
                 f"specdec-fast: the DFlash {kind} step met torch.compile's recompile limit; it "
                 "runs eagerly from now on",
                 stacklevel=4,
             )
-            self._compiled[kind] = step
+            _COMPILED_STEPS[key] = step.__func__
             return step(*args)
         if graphs_compiled() > graphs_before:
             label = f"dflash {kind} B={args[0].shape[0]}"
