@@ -35,28 +35,6 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip_gpu)
 
 
-def pytest_collection_finish(session):
-    """Start the subprocesses that test modules run beside the suite: a module may define
-    `start_beside(names)`, called once with the names of its selected tests before any test
-    runs (tests/test_gpu_suite.py starts its dry run there, on the core the single-threaded
-    suite leaves idle)."""
-    selected: dict = {}
-    for item in session.items:
-        start = getattr(item.module, "start_beside", None)
-        if start is not None:
-            selected.setdefault(start, []).append(item.name)
-    for start, names in selected.items():
-        start(names)
-
-
-def pytest_sessionfinish(session):
-    """Stop what `start_beside` started and no test waited for (a run cut short by -x)."""
-    for module in {item.module for item in session.items}:
-        stop = getattr(module, "stop_beside", None)
-        if stop is not None:
-            stop()
-
-
 @pytest.fixture
 def device() -> torch.device:
     return DEVICE

@@ -1,20 +1,13 @@
 """bench/gpu_suite.py fits the device's limits: its dry run plays every part on the CPU with tiny
 shapes and writes exactly two files (archive and summary), the quick plan is predicted under 8
 minutes and each part's full plan under 4; a part that does not fit what is left of the budget
-is skipped, and one that overruns its timeout is killed with its output kept.
-
-The dry run (a minute and a half of subprocesses) starts when collection ends (`start_beside`,
-called by conftest), one thread per process, on the core the single-threaded suite leaves idle;
-its test waits for it and checks what it wrote."""
+is skipped, and one that overruns its timeout is killed with its output kept."""
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 import tarfile
-import tempfile
-from pathlib import Path
 
 import pytest
 from bench_smoke import BENCH_DIR, import_bench
@@ -32,56 +25,14 @@ def run_suite(tmp_path, *args):
         [sys.executable, str(BENCH_DIR / "gpu_suite.py"), *args],
         capture_output=True,
         text=True,
-        env={**os.environ, "OUT": str(out)},
+        env={**os.environ, "OUT": str(out), "OMP_NUM_THREADS": "1"},
         check=False,
     )
     return result, out
 
 
-DRY_RUN_TEST = "test_dry_run_plays_every_part_and_predicts_the_quick_budget"
-_beside: dict = {}
-
-
-def start_beside(names: list[str]) -> None:
-    """Start the quick dry run in a folder of its own when its test is selected."""
-    if DRY_RUN_TEST not in names or _beside:
-        return
-    folder = Path(tempfile.mkdtemp(prefix="specdec-dry-run-"))
-    (folder / "out").mkdir()
-    environment = {**os.environ, "OUT": str(folder / "out"), "OMP_NUM_THREADS": "1"}
-    _beside["folder"] = folder
-    # Files, not pipes: nothing reads the output until the test runs.
-    with (folder / "stdout").open("w") as stdout, (folder / "stderr").open("w") as stderr:
-        _beside["process"] = subprocess.Popen(
-            [sys.executable, str(BENCH_DIR / "gpu_suite.py"), "--dry-run", "--quick"],
-            stdout=stdout,
-            stderr=stderr,
-            env=environment,
-        )
-
-
-def stop_beside() -> None:
-    process = _beside.pop("process", None)
-    if process is not None and process.poll() is None:
-        process.kill()
-        process.wait()
-    folder = _beside.pop("folder", None)
-    if folder is not None:
-        shutil.rmtree(folder, ignore_errors=True)
-
-
-def test_dry_run_plays_every_part_and_predicts_the_quick_budget(suite):
-    if "process" not in _beside:  # run on its own, outside a collected session
-        start_beside([DRY_RUN_TEST])
-    process, folder = _beside["process"], _beside["folder"]
-    process.wait(timeout=1800)
-    result = subprocess.CompletedProcess(
-        process.args,
-        process.returncode,
-        (folder / "stdout").read_text(),
-        (folder / "stderr").read_text(),
-    )
-    out = folder / "out"
+def test_dry_run_plays_every_part_and_predicts_the_quick_budget(tmp_path, suite):
+    result, out = run_suite(tmp_path, "--dry-run", "--quick")
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert sorted(path.name for path in out.iterdir()) == sorted([suite.ARCHIVE, suite.SUMMARY])
     summary = json.loads((out / suite.SUMMARY).read_text())
