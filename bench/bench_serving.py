@@ -59,11 +59,11 @@ import numpy
 import torch
 
 from specdec_fast import generate
+from specdec_fast.compiled import COMPILE_ENV
 from specdec_fast.harness import bench, versions
 from specdec_fast.harness.prompts import load_prompts
 from specdec_fast.loading import load_model, load_tokenizer
 from specdec_fast.prompts import CODE_PROMPTS
-from specdec_fast.runner import COMPILE_ENV
 from specdec_fast.serving import Request, Scheduler
 from specdec_fast.serving.loadgen import (
     LoadConfig,

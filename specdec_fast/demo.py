@@ -26,13 +26,13 @@ from dataclasses import dataclass
 import torch
 
 from specdec_fast import bundled
+from specdec_fast.compiled import compile_by_default
 from specdec_fast.drafters.base import Drafter
 from specdec_fast.drafters.registry import KINDS, DrafterSpec, bundled_specs
 from specdec_fast.engine import generate
 from specdec_fast.loading import load_model, load_tokenizer, pick_device
 from specdec_fast.progress import Progress
 from specdec_fast.prompts import load_chat_prompts, load_code_prompts
-from specdec_fast.runner import compile_by_default
 from specdec_fast.text import decode, encode_prompt, stop_token_ids, use_chat
 
 BUNDLED_TARGET = "tiny-code"

@@ -32,10 +32,11 @@ from transformers import PreTrainedModel
 
 from specdec_fast.arguments import check_generate_arguments
 from specdec_fast.batch import Batch, TokenCallback
+from specdec_fast.compiled import COMPILE_LOG
 from specdec_fast.drafters.base import Drafter, StepOutcome, with_roots
 from specdec_fast.drafters.checks import checked, malformed_error, screens_values
 from specdec_fast.kernels.verify import run_verify
-from specdec_fast.runner import COMPILE_LOG, ModelRunner
+from specdec_fast.runner import ModelRunner
 from specdec_fast.stats import SequenceStats, SpecStats
 
 

@@ -61,12 +61,8 @@ Step metadata (tree masks, depths, positions, lengths) is built and checked once
 the attention function of every layer then calls the kernel without validating again.
 """
 
-import gc
-import os
 import threading
 import time
-import types
-import warnings
 import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -83,6 +79,7 @@ from specdec_fast.attention import (
     register_attention,
 )
 from specdec_fast.cache import SpecKVCache, attention_windows
+from specdec_fast.compiled import CompiledStep, compile_by_default, record_compile
 from specdec_fast.exact import switch_exact
 from specdec_fast.kernels import pack_tree_mask
 from specdec_fast.kernels.validation import check_tensor
@@ -93,7 +90,6 @@ FINAL_NORM = -1
 INDEX_DTYPES = (torch.int32, torch.int64)
 # Eager runs before capture: lazy initialisations and Triton compilation must not be captured.
 GRAPH_WARMUP_STEPS = 2
-COMPILE_ENV = "SPECDEC_COMPILE"
 RUNNER_ATTRIBUTE = "_specdec_runner"
 # MKL's fp32 GEMM runs 10-15 rows through a small-matrix path that is slower than its 16-row
 # kernel: a SmolLM2-shaped verify at batch 1 takes 142 ms at N = 11, 167 ms at N = 15 and 121 ms
@@ -104,57 +100,10 @@ MKL_FAST_ROWS = 16
 _OPEN_LOCK = threading.Lock()
 
 
-# (model type and step shape, seconds) of every compilation and graph capture in this process,
-# in order: `generate` reports the ones its call made (`SpecStats.compiled`), draft models' too.
-COMPILE_LOG: list[tuple[str, float]] = []
-
-
-def graphs_compiled() -> int:
-    return torch._dynamo.utils.counters["stats"]["unique_graphs"]
-
-
-def compile_own_copy(step):
-    """`torch.compile(step, fullgraph=True)` of a function or bound method, on its own copy of the
-    code.
-
-    Dynamo keeps graphs (and counts them against its recompile limit) per code object: with a
-    copy each, runners of different models, or of one model's prefill and verify, and drafters'
-    own steps neither evict nor exhaust each other's graphs.
-    """
-    function = getattr(step, "__func__", step)
-    own_code = types.FunctionType(
-        function.__code__.replace(),
-        function.__globals__,
-        function.__name__,
-        function.__defaults__,
-        function.__closure__,
-    )
-    owner = getattr(step, "__self__", None)
-    return torch.compile(own_code if owner is None else own_code.__get__(owner), fullgraph=True)
-
-
-def record_compile(label: str, seconds: float) -> None:
-    """Log a compilation or graph capture (`COMPILE_LOG`), then collect and freeze the heap."""
-    COMPILE_LOG.append((label, seconds))
-    # Compiling leaves millions of long-lived objects (graphs, guards, generated code); each
-    # full collection of the garbage collector walked them all, a 250 ms pause in the middle
-    # of a later call. Frozen, they are skipped (vLLM's engine freezes its startup heap too).
-    gc.collect()
-    gc.freeze()
-
-
 def _step_kind(tokens: torch.Tensor) -> str:
     """ "decode" for one node per row, else "verify": each kind compiles its own code, so the
     compiled-code lookup of a step checks the guards of its own kind's graphs only."""
     return "decode" if tokens.shape[1] == 1 else "verify"
-
-
-def compile_by_default() -> bool:
-    """`SPECDEC_COMPILE` (default on): whether runners compile their steps when not told."""
-    value = os.environ.get(COMPILE_ENV, "1").strip().lower()
-    if value not in ("0", "1", "false", "true", "no", "yes", "off", "on", ""):
-        raise ValueError(f"{COMPILE_ENV} must be 0 or 1, got {value!r}")
-    return value in ("1", "true", "yes", "on", "")
 
 
 @dataclass
@@ -362,8 +311,7 @@ class ModelRunner:
         self._hooks: list[torch.utils.hooks.RemovableHandle] = []
         self._graphs: dict[tuple, _VerifyGraph] = {}
         self._graph_pool = None
-        self._compiled: dict[str, object] = {}
-        self._eager_shapes: set[tuple] = set()
+        self._compiled: dict[str, CompiledStep] = {}
         # Wall time of the calls that compiled a graph (or captured a CUDA graph), by step shape.
         self.compile_seconds: dict[str, float] = {}
         self._open = False
@@ -763,49 +711,24 @@ class ModelRunner:
         logits = torch.zeros(batch, 0, config.vocab_size, device=self.device)
         return logits, hidden
 
-    def _compiled_step(self, kind: str, step):
-        """The compiled version of the bound method `step`, made once per runner and kind
-        (`compile_own_copy`)."""
-        compiled = self._compiled.get(kind)
-        if compiled is None:
-            compiled = self._compiled[kind] = compile_own_copy(step)
-        return compiled
-
     def _run(self, kind: str, step, *args):
-        """`step(*args)` with no grad, through its compiled version when compiling; the first
-        call of a (kind, shape) is timed into `compile_seconds`. Past dynamo's recompile limit
-        for this runner (a drafter feeding ever new shapes) a shape runs eagerly, with a
-        warning."""
-        shape = (kind, *args[0].shape)
-        if self.compile and shape not in self._eager_shapes:
-            compiled = self._compiled_step(kind, step)
-            # Batch size and step width (tokens per row) vary: a graph serves them all, except
-            # that the compiler keeps size 1 apart (batch 1 or 2+, a decode step or a tree).
-            for tensor in args:
-                if isinstance(tensor, torch.Tensor):
-                    for dim in range(tensor.dim()):
-                        torch._dynamo.maybe_mark_dynamic(tensor, dim)
-        else:
-            compiled = step
+        """`step(*args)` with no grad, through its compiled version (a `CompiledStep` per kind,
+        made on first use) when compiling; the calls that compiled a graph are timed into
+        `compile_seconds`."""
         # Emptied out here, not inside the step: a compiled step guards on the dict it mutates,
         # and one that found the previous step's entries would compile a second graph.
         self._captured.clear()
-        graphs_before = graphs_compiled()
-        start = time.perf_counter()
         with torch.no_grad():
-            try:
-                out = compiled(*args)
-            except torch._dynamo.exc.FailOnRecompileLimitHit:
-                warnings.warn(
-                    f"specdec-fast: the {kind} step of this {self.model.config.model_type} model "
-                    f"met torch.compile's recompile limit; shape {tuple(args[0].shape)} runs "
-                    "eagerly",
-                    stacklevel=3,
-                )
-                self._eager_shapes.add(shape)
-                out = step(*args)
-        if graphs_compiled() > graphs_before:
-            self._record_compile(f"{kind} B={shape[1]} N={shape[2]}", time.perf_counter() - start)
+            if not self.compile:
+                return step(*args)
+            compiled = self._compiled.get(kind)
+            if compiled is None:
+                what = f"the {kind} step of this {self.model.config.model_type} model"
+                compiled = self._compiled[kind] = CompiledStep(step, what)
+            out, seconds = compiled(*args)
+        if seconds is not None:
+            shape = args[0].shape
+            self._record_compile(f"{kind} B={shape[0]} N={shape[1]}", seconds)
         return out
 
     def _record_compile(self, label: str, seconds: float) -> None:

@@ -1,6 +1,7 @@
 """Compiled steps: `generate(compile=True)` gives HF's greedy output, compiles each step kind once,
 and a later call (other prompts, lengths, batch size) compiles nothing; the model comes out of
-every call, errors included, with its own attention.
+every call, errors included, with its own attention; past the recompile limit a step runs
+eagerly.
 
 The other engine tests run eagerly (conftest sets SPECDEC_COMPILE=0); these compile tiny models
 with inductor, a few seconds per graph.
@@ -11,9 +12,9 @@ import gc
 import pytest
 import torch
 from tiny_models import repetitive_prompts, tiny_llama
-from torch._dynamo.utils import counters
 
 from specdec_fast import DraftModelDrafter, NGramDrafter, generate
+from specdec_fast.compiled import CompiledStep, graphs_compiled
 from specdec_fast.runner import kept_runner
 
 VOCAB = 96
@@ -42,10 +43,6 @@ class HiddenNGram(NGramDrafter):
     then run inside the compiled steps."""
 
     hidden_layers = (0, -1)
-
-
-def graphs_compiled() -> int:
-    return counters["stats"]["unique_graphs"]
 
 
 def test_compiled_generate_equals_hf_greedy_and_recompiles_nothing(models):
@@ -126,3 +123,31 @@ def test_compiled_rows_that_finish_early_shrink_the_batch(models):
         cut(sequence, prompt) for sequence, prompt in zip(expected, prompts, strict=True)
     ]
     assert len({len(s) for s in out.sequences}) > 1  # the rows did finish at different steps
+
+
+def scaled(x: torch.Tensor, factor: torch.Tensor) -> torch.Tensor:
+    return x * factor + 1
+
+
+def test_a_step_past_the_recompile_limit_runs_eagerly_and_keeps_its_graphs(monkeypatch):
+    """Each dtype needs a graph of its own: with a limit of two the third dtype warns and runs
+    eagerly (the right result, every later call too, without compiling), while the first two
+    stay compiled. One graph serves every size of a dimension (dynamic from the first call)."""
+    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 2)
+    step = CompiledStep(scaled, "the test step")
+    factor = torch.tensor(3.0)
+    first = [step(torch.ones(3, 5), factor), step(torch.ones(4, 7), factor)]
+    assert first[0][1] is not None and first[1][1] is None  # the second size compiles nothing
+    assert torch.equal(first[1][0], torch.full((4, 7), 4.0))
+    out, seconds = step(torch.ones(3, 5, dtype=torch.float64), factor.double())
+    assert seconds is not None
+    with pytest.warns(UserWarning, match="the test step met torch.compile's recompile limit"):
+        out, seconds = step(torch.ones(3, 5, dtype=torch.float16), factor.half())
+    assert seconds is None and torch.equal(out, torch.full((3, 5), 4.0, dtype=torch.float16))
+    before = graphs_compiled()
+    for _ in range(2):
+        out, seconds = step(torch.ones(3, 5, dtype=torch.float16), factor.half())
+        assert torch.equal(out, torch.full((3, 5), 4.0, dtype=torch.float16))
+    out, seconds = step(torch.ones(6, 2), factor)
+    assert torch.equal(out, torch.full((6, 2), 4.0))
+    assert graphs_compiled() == before

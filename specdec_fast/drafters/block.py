@@ -32,8 +32,6 @@ for (default 8, PARD's published `para_num`).
 from __future__ import annotations
 
 import os
-import time
-import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -42,6 +40,7 @@ import torch
 from transformers import PreTrainedModel
 
 from specdec_fast.cache import SpecKVCache
+from specdec_fast.compiled import CompiledStep, compile_by_default, record_compile
 from specdec_fast.heads.block import DFlashHead, is_dflash_config, load_dflash_head
 from specdec_fast.heads.checkpoint import (
     SAFETENSORS_INDEX,
@@ -52,13 +51,7 @@ from specdec_fast.heads.checkpoint import (
 from specdec_fast.kernels import pack_tree_mask
 from specdec_fast.kernels.tree_attention import run_tree_attention
 from specdec_fast.loading import quiet_transformers
-from specdec_fast.runner import (
-    ModelRunner,
-    compile_by_default,
-    compile_own_copy,
-    graphs_compiled,
-    record_compile,
-)
+from specdec_fast.runner import ModelRunner
 from specdec_fast.transfer import to_device
 from specdec_fast.trees import best_first_tree, block_chain, sampled_block_chain
 
@@ -74,7 +67,7 @@ DEFAULT_PARD_BLOCK = 8
 STREAM_BLOCK = 3
 # The DFlash steps' compiled code by (kind, head config, dtype, device): drafters built anew
 # around heads of one shape (a benchmark's cells, a server's routes) share the graphs.
-_COMPILED_STEPS: dict[tuple[str, tuple[str, str, str]], object] = {}
+_COMPILED_STEPS: dict[tuple[str, tuple[str, str, str]], CompiledStep] = {}
 
 
 @dataclass
@@ -183,33 +176,18 @@ class _FeatureBlock:
         )
 
     def _run(self, kind: str, step, *args):
-        """`step(*args)`, through its compiled version when compiling (made on first use; the
-        first call of each new graph is logged as the runners' are). Past dynamo's recompile
-        limit the step runs eagerly, with a warning."""
+        """`step(*args)`, through its compiled version when compiling (a `CompiledStep` shared
+        by every drafter over heads of this shape, made on first use; the calls that compiled a
+        graph are logged as the runners' are)."""
         if not self._compile:
             return step(*args)
         key = (kind, self._signature)
         compiled = _COMPILED_STEPS.get(key)
         if compiled is None:
-            compiled = _COMPILED_STEPS[key] = compile_own_copy(step.__func__)
-        for tensor in args:
-            for dim in range(tensor.dim()):
-                torch._dynamo.maybe_mark_dynamic(tensor, dim)
-        graphs_before = graphs_compiled()
-        start = time.perf_counter()
-        try:
-            out = compiled(self, *args)
-        except torch._dynamo.exc.FailOnRecompileLimitHit:
-            warnings.warn(
-                f"specdec-fast: the DFlash {kind} step met torch.compile's recompile limit; it "
-                "runs eagerly from now on",
-                stacklevel=4,
-            )
-            _COMPILED_STEPS[key] = step.__func__
-            return step(*args)
-        if graphs_compiled() > graphs_before:
-            label = f"dflash {kind} B={args[0].shape[0]}"
-            record_compile(label, time.perf_counter() - start)
+            compiled = _COMPILED_STEPS[key] = CompiledStep(step.__func__, f"the DFlash {kind} step")
+        out, seconds = compiled(self, *args)
+        if seconds is not None:
+            record_compile(f"dflash {kind} B={args[0].shape[0]}", seconds)
         return out
 
     def begin(self, state: DraftState) -> None:

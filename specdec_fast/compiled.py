@@ -1,0 +1,111 @@
+"""Compiled steps: `torch.compile` of the runners' and drafters' own step functions, the switch
+that turns it on (`SPECDEC_COMPILE`) and the log of every compilation in this process."""
+
+import gc
+import os
+import time
+import types
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+COMPILE_ENV = "SPECDEC_COMPILE"
+
+# (what compiled, seconds) of every compilation and graph capture in this process, in order:
+# `generate` reports the ones its call made (`SpecStats.compiled`), drafters' too.
+COMPILE_LOG: list[tuple[str, float]] = []
+
+
+def compile_by_default() -> bool:
+    """`SPECDEC_COMPILE` (default on): whether runners compile their steps when not told."""
+    value = os.environ.get(COMPILE_ENV, "1").strip().lower()
+    if value not in ("0", "1", "false", "true", "no", "yes", "off", "on", ""):
+        raise ValueError(f"{COMPILE_ENV} must be 0 or 1, got {value!r}")
+    return value in ("1", "true", "yes", "on", "")
+
+
+def graphs_compiled() -> int:
+    """Graphs dynamo has compiled in this process so far."""
+    return torch._dynamo.utils.counters["stats"]["unique_graphs"]
+
+
+def compile_own_copy(step: Callable) -> Callable:
+    """`torch.compile(step, fullgraph=True)` of a function or bound method, on its own copy of the
+    code.
+
+    Dynamo keeps graphs (and counts them against its recompile limit) per code object: with a
+    copy each, runners of different models, or of one model's prefill and verify, and drafters'
+    own steps neither evict nor exhaust each other's graphs.
+    """
+    function = getattr(step, "__func__", step)
+    own_code = types.FunctionType(
+        function.__code__.replace(),
+        function.__globals__,
+        function.__name__,
+        function.__defaults__,
+        function.__closure__,
+    )
+    owner = getattr(step, "__self__", None)
+    return torch.compile(own_code if owner is None else own_code.__get__(owner), fullgraph=True)
+
+
+def record_compile(label: str, seconds: float) -> None:
+    """Log a compilation or graph capture (`COMPILE_LOG`), then collect and freeze the heap."""
+    COMPILE_LOG.append((label, seconds))
+    # Compiling leaves millions of long-lived objects (graphs, guards, generated code); each
+    # full collection of the garbage collector walked them all, a 250 ms pause in the middle
+    # of a later call. Frozen, they are skipped (vLLM's engine freezes its startup heap too).
+    gc.collect()
+    gc.freeze()
+
+
+def _tensor_shapes(args: tuple) -> tuple:
+    return tuple(tuple(arg.shape) if isinstance(arg, torch.Tensor) else None for arg in args)
+
+
+class CompiledStep:
+    """`step` through `torch.compile` on its own code (`compile_own_copy`), compiled on first use.
+
+    Every dimension of the tensor arguments is dynamic, except that the compiler keeps sizes 0
+    and 1 apart: a step has a graph per pattern of such sizes (batch 1 or 2+, a decode step or a
+    tree). The dimensions are marked at every call (about 6 us a step): a graph recompiled for
+    another reason (a guard on the runner's hooks or a drafter's attributes) must come out
+    dynamic too, or the next new size would compile once more. A call that compiled a graph
+    returns the seconds it took; past dynamo's recompile limit for this step a shape runs
+    eagerly from then on, with a warning naming `what`.
+    """
+
+    def __init__(self, step: Callable, what: str):
+        self.step = step
+        self.what = what
+        self._compiled: Callable | None = None
+        self._eager_shapes: set[tuple] = set()
+
+    def __call__(self, *args) -> tuple[Any, float | None]:
+        """`(step(*args), seconds)`; `seconds` is None unless this call compiled a graph."""
+        shapes = _tensor_shapes(args)
+        if shapes in self._eager_shapes:
+            return self.step(*args), None
+        if self._compiled is None:
+            self._compiled = compile_own_copy(self.step)
+        for tensor in args:
+            if isinstance(tensor, torch.Tensor):
+                for dim in range(tensor.dim()):
+                    torch._dynamo.maybe_mark_dynamic(tensor, dim)
+        graphs_before = graphs_compiled()
+        start = time.perf_counter()
+        try:
+            out = self._compiled(*args)
+        except torch._dynamo.exc.FailOnRecompileLimitHit:
+            warnings.warn(
+                f"specdec-fast: {self.what} met torch.compile's recompile limit; shape "
+                f"{next((shape for shape in shapes if shape is not None), ())} runs eagerly",
+                stacklevel=3,
+            )
+            self._eager_shapes.add(shapes)
+            return self.step(*args), None
+        if graphs_compiled() > graphs_before:
+            return out, time.perf_counter() - start
+        return out, None
