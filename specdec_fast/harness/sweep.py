@@ -463,7 +463,8 @@ def run_sweep(
     cells = config.cells()
     total = len(config.batches) * (1 + len(cells))
     repeats = config.repeats
-    bar = Progress(total, desc="bench cells", unit="cell", enabled=progress)
+    # A sweep runs for minutes: to a log file it writes a plain line per minute at most.
+    bar = Progress(total, desc="bench cells", unit="cell", log_every_s=60.0, enabled=progress)
     cost_model = None
     if any(adaptive for *_, adaptive in cells):
         largest = max(spec.nodes(size) for _, spec, size, adaptive in cells if adaptive)
