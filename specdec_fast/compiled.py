@@ -1,12 +1,15 @@
 """Compiled steps: `torch.compile` of the runners' and drafters' own step functions, the switch
-that turns it on (`SPECDEC_COMPILE`) and the log of every compilation in this process."""
+that turns it on (`SPECDEC_COMPILE`, or the compile choice of the call in progress) and the log of
+every compilation in this process."""
 
 import gc
 import os
 import time
 import types
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 from typing import Any
 
 import torch
@@ -18,8 +21,28 @@ COMPILE_ENV = "SPECDEC_COMPILE"
 COMPILE_LOG: list[tuple[str, float]] = []
 
 
+# The compile choice of the `generate` call or scheduler attaching drafters (`compile_choice`).
+_CHOICE: ContextVar[bool | None] = ContextVar("specdec_compile_choice", default=None)
+
+
+@contextmanager
+def compile_choice(compile: bool | None) -> Iterator[None]:
+    """Within the block, `compile_by_default()` answers `compile` (None changes nothing):
+    `generate(compile=...)` and the scheduler attach drafters in it, so that drafters' own
+    models and steps follow the call's choice."""
+    token = _CHOICE.set(compile if compile is not None else _CHOICE.get())
+    try:
+        yield
+    finally:
+        _CHOICE.reset(token)
+
+
 def compile_by_default() -> bool:
-    """`SPECDEC_COMPILE` (default on): whether runners compile their steps when not told."""
+    """Whether runners and drafters compile their steps when not told: the choice of the call
+    in progress (`compile_choice`), else `SPECDEC_COMPILE` (default on)."""
+    chosen = _CHOICE.get()
+    if chosen is not None:
+        return chosen
     value = os.environ.get(COMPILE_ENV, "1").strip().lower()
     if value not in ("0", "1", "false", "true", "no", "yes", "off", "on", ""):
         raise ValueError(f"{COMPILE_ENV} must be 0 or 1, got {value!r}")

@@ -32,7 +32,7 @@ from transformers import PreTrainedModel
 
 from specdec_fast.arguments import check_generate_arguments
 from specdec_fast.batch import Batch, TokenCallback
-from specdec_fast.compiled import COMPILE_LOG
+from specdec_fast.compiled import COMPILE_LOG, compile_choice
 from specdec_fast.drafters.base import Drafter, StepOutcome, with_roots
 from specdec_fast.drafters.checks import checked, malformed_error, screens_values
 from specdec_fast.kernels.verify import run_verify
@@ -110,7 +110,8 @@ def generate(
         use_cuda_graphs: capture verify steps as CUDA graphs (default: on for CUDA models).
         compile: run the model's forwards through `torch.compile` (default: `SPECDEC_COMPILE`,
             on). Each new step shape compiles once per process; the compiled steps are kept on
-            the model for later calls (`ModelRunner.for_model`).
+            the model for later calls (`ModelRunner.for_model`). The drafter's own models and
+            steps (a draft model's, PARD's, a DFlash head's) follow the same choice.
         exact: make every target forward batch-invariant (`specdec_fast.exact`): each token's
             logits are then the same bits whether it is verified in a tree or decoded alone, at
             any batch size, so speculative output equals plain output of this mode bit for bit
@@ -176,7 +177,7 @@ def generate(
         )
         compiled_before = len(COMPILE_LOG)
         try:
-            _decode(runner, drafter, batch, capacity)
+            _decode(runner, drafter, batch, capacity, compile)
             stats.compiled = dict(COMPILE_LOG[compiled_before:])
         finally:
             try:
@@ -194,10 +195,18 @@ def generate(
     return GenerateOutput(sequences, stats)
 
 
-def _decode(runner: ModelRunner, drafter: Drafter | None, batch: Batch, capacity: int) -> None:
-    """Prefill, then speculative steps until every row of `batch` has finished."""
+def _decode(
+    runner: ModelRunner,
+    drafter: Drafter | None,
+    batch: Batch,
+    capacity: int,
+    compile: bool | None,
+) -> None:
+    """Prefill, then speculative steps until every row of `batch` has finished. The drafter
+    attaches under the call's compile choice (its own models compile or not as the target)."""
     if drafter is not None:
-        drafter.attach(runner.model, capacity)
+        with compile_choice(compile):
+            drafter.attach(runner.model, capacity)
         runner.capture_hidden(drafter.hidden_layers)
     vocab = runner.model.config.get_text_config(decoder=True).vocab_size
     screened = drafter is not None and screens_values(drafter)

@@ -16,6 +16,7 @@ from test_generate_sampling import P_MIN, chi_square_p, exact_pair_probs, sample
 from tiny_models import repetitive_prompts, tiny_llama
 
 from specdec_fast import AdaptiveDrafter, BlockDrafter, CostModel, PardDraft, bundled, generate
+from specdec_fast.compiled import compile_choice
 from specdec_fast.drafters.block import load_block_model, load_pard
 from specdec_fast.guardrails import GuardedDrafter, GuardrailPolicy, RouteGuard
 from specdec_fast.heads.block import DFlashHead, default_target_layers, load_dflash_head
@@ -29,6 +30,7 @@ from specdec_fast.train.block import (
 from specdec_fast.train.cli import build_parser
 from specdec_fast.train.heads import target_pass
 from specdec_fast.train.lm import LOG_NAME, TrainSettings
+from specdec_fast.wrapping import WrappedDrafter
 
 # Random drafters guess right often enough on a small vocabulary for acceptance to be exercised.
 VOCAB = 32
@@ -173,25 +175,32 @@ def test_sampling_follows_the_target(sampling_target, flavour, tree, setting):
     assert stats.accepted_tokens > 0
 
 
+class AttachedCompiled(WrappedDrafter):
+    """The inner drafter attaches under a compile choice of on, whatever the call's."""
+
+    def attach(self, target, max_cache_len: int) -> None:
+        with compile_choice(True):
+            self.inner.attach(target, max_cache_len)
+
+
 @pytest.mark.slow
-def test_compiled_dflash_steps_match_eager_and_compile_once(
-    target, ragged, references, monkeypatch
-):
-    """With SPECDEC_COMPILE on, the DFlash block forward and context writes run compiled: the
+def test_compiled_dflash_steps_match_eager_and_compile_once(target, ragged, references):
+    """Attached under a compile choice of on (the target eager: compiling it would take the
+    test from 15 s to 2 min), the DFlash block forward and context writes run compiled: the
     same output and the same accepted drafts as eagerly (the compiled block gives the same
     trees), reported in `stats.compiled`. A second call, with a new drafter around another head
     of the same shape (other weights), another batch size and other lengths, compiles nothing
     and still drafts as that head does eagerly. (A one-layer head: no other test compiles one.)"""
     calls = [(ragged[:3], 0), (ragged[5:7], 1)]
 
-    def run(prompts, seed):
+    def run(prompts, seed, compiled):
         drafter = BlockDrafter(dflash_head(target, seed, num_layers=1), max_nodes=10)
+        drafter = AttachedCompiled(drafter) if compiled else drafter
         return generate(target, prompts, drafter=drafter, max_new_tokens=32, compile=False)
 
-    eager = [run(prompts, seed).stats for prompts, seed in calls]
-    monkeypatch.setenv("SPECDEC_COMPILE", "1")
+    eager = [run(prompts, seed, False).stats for prompts, seed in calls]
     for index, ((prompts, seed), want) in enumerate(zip(calls, eager, strict=True)):
-        out = run(prompts, seed)
+        out = run(prompts, seed, True)
         assert [s.tolist() for s in out.sequences] == [references[ragged.index(p)] for p in prompts]
         assert [s.accepted for s in out.stats.sequences] == [s.accepted for s in want.sequences]
         kinds = {label.split()[1] for label in out.stats.compiled if label.startswith("dflash")}

@@ -14,7 +14,13 @@ import torch
 from tiny_models import repetitive_prompts, tiny_llama
 
 from specdec_fast import DraftModelDrafter, NGramDrafter, generate
-from specdec_fast.compiled import CompiledStep, graphs_compiled
+from specdec_fast.compiled import (
+    COMPILE_ENV,
+    CompiledStep,
+    compile_by_default,
+    compile_choice,
+    graphs_compiled,
+)
 from specdec_fast.runner import kept_runner
 
 VOCAB = 96
@@ -151,3 +157,30 @@ def test_a_step_past_the_recompile_limit_runs_eagerly_and_keeps_its_graphs(monke
     out, seconds = step(torch.ones(6, 2), factor)
     assert torch.equal(out, torch.full((6, 2), 4.0))
     assert graphs_compiled() == before
+
+
+def test_the_calls_compile_choice_reaches_the_drafters_models(models, monkeypatch):
+    """`generate(compile=False)` with SPECDEC_COMPILE on: the draft model's runner runs eagerly
+    too (it used to follow the variable) and nothing compiles. `compile_choice` overrides the
+    variable within its block only, None leaves it, and the innermost choice wins."""
+    monkeypatch.setenv(COMPILE_ENV, "1")
+    target, _ = models
+    draft = tiny_llama(VOCAB, hidden_size=32, layers=1, seed=13)  # no runners kept yet
+    prompts = repetitive_prompts([6, 9], VOCAB, seed=4)
+    before = graphs_compiled()
+    out = generate(
+        target, prompts, drafter=DraftModelDrafter(draft, num_tokens=2), max_new_tokens=8,
+        compile=False,
+    )  # fmt: skip
+    assert [s.tolist() for s in out.sequences] == hf_greedy(target, prompts, 8)
+    assert graphs_compiled() == before and out.stats.compiled == {}
+    assert kept_runner(draft, compile=False) is not None
+    assert kept_runner(draft, compile=True) is None
+    with compile_choice(False):
+        assert not compile_by_default()
+        with compile_choice(None):
+            assert not compile_by_default()
+        with compile_choice(True):
+            assert compile_by_default()
+        assert not compile_by_default()
+    assert compile_by_default()

@@ -45,6 +45,7 @@ import torch
 
 from specdec_fast.arguments import build_sampling
 from specdec_fast.batch import Batch
+from specdec_fast.compiled import compile_choice
 from specdec_fast.drafters.base import (
     PAD_PARENT,
     Drafter,
@@ -285,7 +286,7 @@ class Scheduler:
             the widest tree of any route. Default: `max_position_embeddings` plus that tree.
         prefill_chunk: prompt tokens per row fed between two decode steps (or beside one).
         eos_token_id: stop ids of requests that give none (default: the model's).
-        use_cuda_graphs, compile: as for `generate`.
+        use_cuda_graphs, compile: as for `generate` (drafters' own models follow `compile`).
         overlap_prefill: feed newcomers' prompts on a thread of their own while the batch
             decodes (their rows join when a chunk is in; outputs are the same). It needs a CPU
             model and routes that read no hidden states (`ModelRunner.feeds_beside_steps`), and
@@ -354,6 +355,7 @@ class Scheduler:
         self.runner = ModelRunner.for_model(
             model, max_cache_len, use_cuda_graphs=use_cuda_graphs, compile=compile
         )
+        self._compile = compile  # drafters attach under it (`compile_choice`)
         self.runner.capture_hidden(
             sorted({layer for d in routes.values() if d is not None for layer in d.hidden_layers})
         )
@@ -635,7 +637,8 @@ class Scheduler:
             if lane.rows:
                 lane.drafter.join(state)
             else:
-                lane.drafter.attach(self.model, self.max_cache_len)
+                with compile_choice(self._compile):
+                    lane.drafter.attach(self.model, self.max_cache_len)
                 lane.begun = True
                 lane.drafter.begin(state)
         except Exception as error:  # noqa: BLE001 - a failing drafter falls back to plain
