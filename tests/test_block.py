@@ -13,10 +13,9 @@ import torch
 from safetensors.torch import save_file
 from test_generate import hf_greedy
 from test_generate_sampling import P_MIN, chi_square_p, exact_pair_probs, sample_pairs
-from tiny_models import repetitive_prompts, tiny_llama
+from tiny_models import AttachedUnder, repetitive_prompts, tiny_llama
 
 from specdec_fast import AdaptiveDrafter, BlockDrafter, CostModel, PardDraft, bundled, generate
-from specdec_fast.compiled import compile_choice
 from specdec_fast.drafters.block import load_block_model, load_pard
 from specdec_fast.guardrails import GuardedDrafter, GuardrailPolicy, RouteGuard
 from specdec_fast.heads.block import DFlashHead, default_target_layers, load_dflash_head
@@ -30,7 +29,6 @@ from specdec_fast.train.block import (
 from specdec_fast.train.cli import build_parser
 from specdec_fast.train.heads import target_pass
 from specdec_fast.train.lm import LOG_NAME, TrainSettings
-from specdec_fast.wrapping import WrappedDrafter
 
 # Random drafters guess right often enough on a small vocabulary for acceptance to be exercised.
 VOCAB = 32
@@ -175,14 +173,6 @@ def test_sampling_follows_the_target(sampling_target, flavour, tree, setting):
     assert stats.accepted_tokens > 0
 
 
-class AttachedCompiled(WrappedDrafter):
-    """The inner drafter attaches under a compile choice of on, whatever the call's."""
-
-    def attach(self, target, max_cache_len: int) -> None:
-        with compile_choice(True):
-            self.inner.attach(target, max_cache_len)
-
-
 @pytest.mark.slow
 def test_compiled_dflash_steps_match_eager_and_compile_once(target, ragged, references):
     """Attached under a compile choice of on (the target eager: compiling it would take the
@@ -195,7 +185,7 @@ def test_compiled_dflash_steps_match_eager_and_compile_once(target, ragged, refe
 
     def run(prompts, seed, compiled):
         drafter = BlockDrafter(dflash_head(target, seed, num_layers=1), max_nodes=10)
-        drafter = AttachedCompiled(drafter) if compiled else drafter
+        drafter = AttachedUnder(drafter, compile=True) if compiled else drafter
         return generate(target, prompts, drafter=drafter, max_new_tokens=32, compile=False)
 
     eager = [run(prompts, seed, False).stats for prompts, seed in calls]

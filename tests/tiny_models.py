@@ -13,7 +13,9 @@ from transformers import (
     Qwen2ForCausalLM,
 )
 
+from specdec_fast.compiled import compile_choice
 from specdec_fast.drafters.base import Drafter, pack_trees
+from specdec_fast.wrapping import WrappedDrafter
 
 
 def tiny_llama(
@@ -130,6 +132,19 @@ class OracleChain(Drafter):
             ahead = self.continuation_of(tokens)[: self.max_nodes - 1]
             trees.append((ahead, list(range(len(ahead)))))
         return pack_trees([t[-1] for t in state.tokens], trees, state.device)
+
+
+class AttachedUnder(WrappedDrafter):
+    """The inner drafter attaches under its own compile choice, whatever the call's: a test can
+    compile the drafter's steps and not the target's, or the other way round."""
+
+    def __init__(self, inner: Drafter, compile: bool):
+        super().__init__(inner)
+        self.compile = compile
+
+    def attach(self, target, max_cache_len: int) -> None:
+        with compile_choice(self.compile):
+            self.inner.attach(target, max_cache_len)
 
 
 def write_gguf(path, model, tokenizer, chat_template: str | None = None) -> None:
