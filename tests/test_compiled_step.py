@@ -137,11 +137,16 @@ def scaled(x: torch.Tensor, factor: torch.Tensor) -> torch.Tensor:
     return x * factor + 1
 
 
-def test_a_step_past_the_recompile_limit_runs_eagerly_and_keeps_its_graphs(monkeypatch):
+def test_a_step_past_the_recompile_limit_runs_eagerly_and_keeps_its_graphs():
     """Each dtype needs a graph of its own: with a limit of two the third dtype warns and runs
     eagerly (the right result, every later call too, without compiling), while the first two
     stay compiled. One graph serves every size of a dimension (dynamic from the first call)."""
-    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 2)
+    # config.patch, not monkeypatch: undoing a setattr breaks the config module's aliases.
+    with torch._dynamo.config.patch(recompile_limit=2):
+        _recompile_limit_of_two()
+
+
+def _recompile_limit_of_two():
     step = CompiledStep(scaled, "the test step")
     factor = torch.tensor(3.0)
     first = [step(torch.ones(3, 5), factor), step(torch.ones(4, 7), factor)]
