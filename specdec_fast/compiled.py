@@ -108,8 +108,8 @@ class CompiledStep:
 
     def __call__(self, *args) -> tuple[Any, float | None]:
         """`(step(*args), seconds)`; `seconds` is None unless this call compiled a graph."""
-        shapes = _tensor_shapes(args)
-        if shapes in self._eager_shapes:
+        # The shapes tuple costs a few us a step: built only once a shape has run eagerly.
+        if self._eager_shapes and _tensor_shapes(args) in self._eager_shapes:
             return self.step(*args), None
         if self._compiled is None:
             self._compiled = compile_own_copy(self.step)
@@ -122,6 +122,7 @@ class CompiledStep:
         try:
             out = self._compiled(*args)
         except torch._dynamo.exc.FailOnRecompileLimitHit:
+            shapes = _tensor_shapes(args)
             warnings.warn(
                 f"specdec-fast: {self.what} met torch.compile's recompile limit; shape "
                 f"{next((shape for shape in shapes if shape is not None), ())} runs eagerly",

@@ -26,23 +26,7 @@ HAS_CUDA = torch.cuda.is_available()
 DEVICE = torch.device("cuda" if HAS_CUDA else "cpu")
 
 
-# The longest files (minutes each): run first, so that the workers (pytest-xdist, a file at a
-# time) do not end with one of them running alone.
-LONG_FILES = (
-    "test_gpu_suite.py",
-    "test_compiled_step.py",
-    "test_continuous_batching.py",
-    "test_block.py",
-)
-
-
-def _long_first(item) -> int:
-    name = item.path.name
-    return LONG_FILES.index(name) if name in LONG_FILES else len(LONG_FILES)
-
-
 def pytest_collection_modifyitems(config, items):
-    items.sort(key=_long_first)  # stable: the order within a file is kept
     if HAS_CUDA:
         return
     skip_gpu = pytest.mark.skip(reason="needs a CUDA device")

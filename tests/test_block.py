@@ -10,10 +10,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from drafter_wrappers import AttachedUnder
 from safetensors.torch import save_file
 from test_generate import hf_greedy
 from test_generate_sampling import P_MIN, chi_square_p, exact_pair_probs, sample_pairs
-from tiny_models import AttachedUnder, repetitive_prompts, tiny_llama
+from tiny_models import repetitive_prompts, tiny_llama
 
 from specdec_fast import AdaptiveDrafter, BlockDrafter, CostModel, PardDraft, bundled, generate
 from specdec_fast.drafters.block import load_block_model, load_pard

@@ -11,7 +11,8 @@ import gc
 
 import pytest
 import torch
-from tiny_models import AttachedUnder, repetitive_prompts, tiny_llama
+from drafter_wrappers import AttachedUnder
+from tiny_models import repetitive_prompts, tiny_llama
 
 from specdec_fast import DraftModelDrafter, NGramDrafter, generate
 from specdec_fast.compiled import (

@@ -5,7 +5,8 @@ value screen they skip."""
 
 import pytest
 import torch
-from tiny_models import OracleChain, repetitive_prompts, tiny_llama
+from drafter_wrappers import OracleChain
+from tiny_models import repetitive_prompts, tiny_llama
 
 from specdec_fast import DrafterError, bundled, generate
 from specdec_fast.drafters.base import Proposal

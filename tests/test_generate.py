@@ -7,7 +7,8 @@ near-ties (< 1e-5) on these prompts, so argmax decisions are stable across atten
 
 import pytest
 import torch
-from tiny_models import OracleChain, repetitive_prompts, tiny_llama, tiny_mistral
+from drafter_wrappers import OracleChain
+from tiny_models import repetitive_prompts, tiny_llama, tiny_mistral
 
 from specdec_fast import DraftModelDrafter, NGramDrafter, SuffixDrafter, generate
 from specdec_fast.drafters.base import Drafter, Proposal, pack_trees

@@ -4,7 +4,8 @@ import json
 
 import pytest
 import torch
-from tiny_models import OracleChain, repetitive_prompts, tiny_llama
+from drafter_wrappers import OracleChain
+from tiny_models import repetitive_prompts, tiny_llama
 
 from specdec_fast import DraftModelDrafter, NGramDrafter, SpecStats, generate
 

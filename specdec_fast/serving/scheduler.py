@@ -355,7 +355,10 @@ class Scheduler:
         self.runner = ModelRunner.for_model(
             model, max_cache_len, use_cuda_graphs=use_cuda_graphs, compile=compile
         )
-        self._compile = compile  # drafters attach under it (`compile_choice`)
+        # The caller's raw choice, not `self.runner.compile` (the resolved one): drafters attach
+        # under it (`compile_choice`), and None must leave `SPECDEC_COMPILE` in charge of their
+        # own models.
+        self._compile = compile
         self.runner.capture_hidden(
             sorted({layer for d in routes.values() if d is not None for layer in d.hidden_layers})
         )
