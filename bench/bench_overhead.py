@@ -2,7 +2,8 @@
 
 For each model (the bundled tiny-code target, and a Llama with random weights shaped like
 SmolLM2-135M: 30 layers, hidden 576, 9 query / 3 KV heads, MLP 1536, vocab 49152, tied embeddings)
-and each configuration (plain decoding and the n-gram drafter, at batch 1 and 8):
+and each configuration (plain decoding and the n-gram drafter, at batch 1 and 8; on the bundled
+pair also its DFlash block drafter, whose drafter share is its head's forward):
 
 1. **Step breakdown** (ms per step): wall time, model forward (`ModelRunner.verify`), sampler
    (`verify`), compaction, drafter (`propose` + `update`) and the engine (the rest), from timers
@@ -39,7 +40,7 @@ from bench_generate import random_prompts
 from common import RESULTS_DIR, bench_device, environment, write_results
 from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
 
-from specdec_fast import DraftModelDrafter, NGramDrafter, bundled, generate
+from specdec_fast import BlockDrafter, DraftModelDrafter, NGramDrafter, bundled, generate
 from specdec_fast.cache import SpecKVCache
 from specdec_fast.runner import ModelRunner, kept_runner
 
@@ -50,6 +51,9 @@ NGRAM_NODES = 8
 # bands, `runner.MKL_SLOW_ROWS`), so the deeper tree is the one to run at batch 1.
 NGRAM_VS_LOOKUP = ((NGRAM_NODES, None), (16, 15))
 DRAFT_CHAIN = 4
+# The bundled DFlash head's budget in the step breakdown of the bundled pair: its best batch-1
+# budget on the CPU (bench/results/e2e_tiny-cpu.md).
+BLOCK_NODES = 8
 
 
 @dataclass
@@ -398,6 +402,15 @@ def main() -> None:
         for setup in setups:
             configs = [("plain", lambda: None)]
             configs.append((f"ngram N={NGRAM_NODES}", lambda: NGramDrafter(max_nodes=NGRAM_NODES)))
+            if setup.name == "tiny-code" and "tiny-code-dflash" in bundled.available():
+                configs.append(
+                    (
+                        f"dflash N={BLOCK_NODES}",
+                        lambda target=setup.model: BlockDrafter.from_pretrained(
+                            "tiny-code-dflash", target, max_nodes=BLOCK_NODES
+                        ),
+                    )
+                )
             for batch in batches:
                 for config, make in configs:
                     record = breakdown(setup, config, make, batch, threads, tokens)
