@@ -40,8 +40,9 @@ from bench_generate import random_prompts
 from common import RESULTS_DIR, bench_device, environment, write_results
 from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
 
-from specdec_fast import BlockDrafter, DraftModelDrafter, NGramDrafter, bundled, generate
+from specdec_fast import DraftModelDrafter, NGramDrafter, bundled, generate
 from specdec_fast.cache import SpecKVCache
+from specdec_fast.drafters.registry import DrafterSpec
 from specdec_fast.runner import ModelRunner, kept_runner
 
 HF_PROMPT_LOOKUP_TOKENS = 10
@@ -51,9 +52,9 @@ NGRAM_NODES = 8
 # bands, `runner.MKL_SLOW_ROWS`), so the deeper tree is the one to run at batch 1.
 NGRAM_VS_LOOKUP = ((NGRAM_NODES, None), (16, 15))
 DRAFT_CHAIN = 4
-# The bundled DFlash head's budget in the step breakdown of the bundled pair: its best batch-1
-# budget on the CPU (bench/results/e2e_tiny-cpu.md).
-BLOCK_NODES = 8
+# The bundled DFlash head in the step breakdown of the bundled pair, at its best batch-1 budget on
+# the CPU (bench/results/e2e_tiny-cpu.md).
+BLOCK_SPEC = DrafterSpec.parse("block:tiny-code-dflash:8")
 
 
 @dataclass
@@ -402,15 +403,9 @@ def main() -> None:
         for setup in setups:
             configs = [("plain", lambda: None)]
             configs.append((f"ngram N={NGRAM_NODES}", lambda: NGramDrafter(max_nodes=NGRAM_NODES)))
-            if setup.name == "tiny-code" and "tiny-code-dflash" in bundled.available():
-                configs.append(
-                    (
-                        f"dflash N={BLOCK_NODES}",
-                        lambda target=setup.model: BlockDrafter.from_pretrained(
-                            "tiny-code-dflash", target, max_nodes=BLOCK_NODES
-                        ),
-                    )
-                )
+            if setup.name == "tiny-code" and BLOCK_SPEC.path in bundled.available():
+                # The registry's factory loads the head once; each call builds a drafter.
+                configs.append((f"dflash N={BLOCK_SPEC.size}", BLOCK_SPEC.factory(setup.model)))
             for batch in batches:
                 for config, make in configs:
                     record = breakdown(setup, config, make, batch, threads, tokens)
