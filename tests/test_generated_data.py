@@ -161,3 +161,13 @@ def test_the_command_line_takes_generated_data():
     assert (args.data, args.sequences, args.prompt_len) == ("generated", 10, 5)
     with pytest.raises(ValueError, match="data: expected one of"):
         HeadOptions("eagle", data="web")
+
+
+def test_the_description_counts_passes_over_the_generated_pool():
+    """A run longer than one pass over the generated stream says so: the README's token count is
+    what was trained, not how much data there is."""
+    options = BlockOptions("dflash", data="generated", sequences=10, prompt_len=6)
+    settings = TrainSettings(steps=15, batch_size=2, seq_len=8, lr=1e-3)
+    text = generated.data_description(options, settings, 15 * 2 * 8)
+    assert text.startswith("240 tokens trained (3 passes) over 80 tokens of the target's own")
+    assert "2 tokens after each of 10 6-token code prompts" in text

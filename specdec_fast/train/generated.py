@@ -103,8 +103,10 @@ def data_description(options: DataOptions, settings, tokens: int) -> str:
             "are from the held-out ones, up to a signature and its docstring's first line",
             "windows": "windows of the corpus' training split",
         }[options.prompts]
+        pool = options.sequences * settings.seq_len
         return (
-            f"{tokens:,} tokens of the target's own greedy continuations: "
+            f"{tokens:,} tokens trained ({tokens / pool:.3g} passes) over {pool:,} tokens of the "
+            f"target's own greedy continuations: "
             f"{settings.seq_len - options.prompt_len} tokens after each of {options.sequences:,} "
             f"{options.prompt_len}-token {prompts} (the corpus is the Python standard library "
             f"without its held-out modules), labelled by the target itself"
