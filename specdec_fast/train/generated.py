@@ -98,17 +98,18 @@ def generated_data(options: DataOptions, settings) -> GeneratedData:
 def data_description(options: DataOptions, settings, tokens: int) -> str:
     """What a README says of a run's data."""
     if options.data == "generated":
+        data = generated_data(options, settings)
         prompts = {
             "code": "code prompts cut from the training split's modules as the shipped prompts "
             "are from the held-out ones, up to a signature and its docstring's first line",
             "windows": "windows of the corpus' training split",
-        }[options.prompts]
-        pool = options.sequences * settings.seq_len
+        }[data.prompts]
+        pool = data.count * (data.prompt_len + data.new_tokens)
         return (
             f"{tokens:,} tokens trained ({tokens / pool:.3g} passes) over {pool:,} tokens of the "
             f"target's own greedy continuations: "
-            f"{settings.seq_len - options.prompt_len} tokens after each of {options.sequences:,} "
-            f"{options.prompt_len}-token {prompts} (the corpus is the Python standard library "
+            f"{data.new_tokens} tokens after each of {data.count:,} "
+            f"{data.prompt_len}-token {prompts} (the corpus is the Python standard library "
             f"without its held-out modules), labelled by the target itself"
         )
     return (
