@@ -9,14 +9,20 @@ Peers, all greedy on the same prompts and the same number of new tokens:
 HF peers run one prompt at a time; ours runs at the requested batch size (1 for a fair comparison
 with HF's assisted modes). Every peer gets one untimed warm-up. Each record says whether its output
 equals HF's greedy output token for token.
+
+`interleave` times every peer over several rounds, in turns (each round in an order rotated by
+one), as speed is measured on a shared machine: a record's tokens/s is the median of its rounds,
+and a speed-up is the median of the per-round ratios (a peer against the reference of the same
+round), so that a slow spell of the machine hits both sides of a ratio.
 """
 
 from __future__ import annotations
 
 import copy
+import statistics
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 import torch
 
@@ -37,6 +43,13 @@ class E2ERecord:
     identical: bool | None = None
     speedup_vs_plain: float | None = None
     speedup_vs_hf: float | None = None
+    # Tokens/s of each timed round (`interleave`), and whether every round emitted the same.
+    round_tokens_per_s: list[float] = field(default_factory=list)
+    repeatable: bool = True
+
+    def __post_init__(self):
+        if not self.round_tokens_per_s:
+            self.round_tokens_per_s = [self.tokens_per_s]
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -54,17 +67,20 @@ def run_ours(
     make_drafter: Callable[[], Drafter | None],
     max_new_tokens: int,
     batch: int,
+    warm_up: bool = True,
 ) -> tuple[E2ERecord, list[list[int]]]:
-    """Our engine over `prompts` in batches of `batch`, after an untimed run of the first batch:
-    compiled steps meet their shapes (tree sizes, batch, lengths) there, not in the timed part."""
-    with torch.no_grad():
-        generate(
-            target,
-            [list(p) for p in prompts[:batch]],
-            drafter=make_drafter(),
-            max_new_tokens=max_new_tokens,
-            eos_token_id=[],
-        )
+    """Our engine over `prompts` in batches of `batch`, after an untimed run of the first batch
+    (unless `warm_up` is False): compiled steps meet their shapes (tree sizes, batch, lengths)
+    there, not in the timed part."""
+    if warm_up:
+        with torch.no_grad():
+            generate(
+                target,
+                [list(p) for p in prompts[:batch]],
+                drafter=make_drafter(),
+                max_new_tokens=max_new_tokens,
+                eos_token_id=[],
+            )
     outputs: list[list[int]] = []
     new_tokens, steps, accepted, drafted = 0, 0, 0, 0
     offered: list[int] = []
@@ -111,9 +127,15 @@ def run_ours(
 
 
 def run_hf(
-    peer: str, target, prompts: Sequence[Sequence[int]], max_new_tokens: int, **generate_kwargs
+    peer: str,
+    target,
+    prompts: Sequence[Sequence[int]],
+    max_new_tokens: int,
+    warm_up: bool = True,
+    **generate_kwargs,
 ) -> tuple[E2ERecord, list[list[int]]]:
-    """HF `generate` one prompt at a time (greedy, no EOS stop), after one untimed warm-up."""
+    """HF `generate` one prompt at a time (greedy, no EOS stop), after one untimed warm-up
+    (unless `warm_up` is False)."""
     base = copy.deepcopy(target.generation_config)
     # No EOS stop, so every peer generates the same number of tokens (ours: eos_token_id=[]).
     base.eos_token_id = None
@@ -136,7 +158,8 @@ def run_hf(
             )
         return out[0].tolist()
 
-    one(prompts[0], 4)
+    if warm_up:
+        one(prompts[0], 4)
     _sync(target.device)
     start = time.perf_counter()
     outputs = [one(p, max_new_tokens) for p in prompts]
@@ -146,18 +169,70 @@ def run_hf(
     return E2ERecord(peer, 1, new_tokens, seconds, new_tokens / seconds), outputs
 
 
+Peer = Callable[[bool], tuple[E2ERecord, list[list[int]]]]
+
+
+def interleave(
+    peers: dict[str, Peer], rounds: int, report: Callable[[str], None] = print
+) -> tuple[list[E2ERecord], dict[str, list[list[int]]]]:
+    """Every peer `rounds` times, in turns: round r runs the peers in their order rotated by r.
+    A peer is called with `warm_up=True` the first time only. Returns one record per peer (in
+    the peers' order) with the median round's tokens/s and seconds and every round's tokens/s,
+    and each peer's outputs (`repeatable` is False when a round emitted other tokens)."""
+    if rounds < 1:
+        raise ValueError(f"rounds must be >= 1, got {rounds}")
+    names = list(peers)
+    runs: dict[str, list[E2ERecord]] = {name: [] for name in names}
+    outputs: dict[str, list[list[int]]] = {}
+    repeatable = dict.fromkeys(names, True)
+    for index in range(rounds):
+        shift = index % len(names)
+        for name in names[shift:] + names[:shift]:
+            record, out = peers[name](not runs[name])
+            runs[name].append(record)
+            if name not in outputs:
+                outputs[name] = out
+            elif out != outputs[name]:
+                repeatable[name] = False
+            report(f"round {index + 1}/{rounds} {name}: {record.tokens_per_s:.1f} tokens/s")
+    records = []
+    for name in names:
+        timed = runs[name]
+        middle = sorted(timed, key=lambda r: r.tokens_per_s)[(len(timed) - 1) // 2]
+        records.append(
+            replace(
+                middle,
+                seconds=statistics.median(r.seconds for r in timed),
+                tokens_per_s=statistics.median(r.tokens_per_s for r in timed),
+                round_tokens_per_s=[r.tokens_per_s for r in timed],
+                repeatable=repeatable[name],
+            )
+        )
+    return records, outputs
+
+
+def paired_ratio(record: E2ERecord, reference: E2ERecord) -> float:
+    """`record`'s speed against `reference`'s: the median of the per-round ratios when both ran
+    the same rounds (`interleave`), else the ratio of their tokens/s."""
+    ours, theirs = record.round_tokens_per_s, reference.round_tokens_per_s
+    if len(ours) == len(theirs) > 1:
+        return statistics.median(a / b for a, b in zip(ours, theirs, strict=True))
+    return record.tokens_per_s / reference.tokens_per_s
+
+
 def compare(records: list[E2ERecord], outputs: dict[str, list[list[int]]]) -> None:
-    """Fill in speed-ups (against `ours plain` and `HF generate`) and output identity with HF."""
+    """Fill in speed-ups (against `ours plain` and `HF generate`, `paired_ratio`) and output
+    identity with HF (every round's, for a record of several)."""
     by_peer = {r.peer: r for r in records}
     plain, hf = by_peer.get("ours plain"), by_peer.get("HF generate")
     reference = outputs.get("HF generate") or outputs.get("ours plain")
     for record in records:
         if plain is not None:
-            record.speedup_vs_plain = record.tokens_per_s / plain.tokens_per_s
+            record.speedup_vs_plain = paired_ratio(record, plain)
         if hf is not None:
-            record.speedup_vs_hf = record.tokens_per_s / hf.tokens_per_s
+            record.speedup_vs_hf = paired_ratio(record, hf)
         if reference is not None:
-            record.identical = outputs[record.peer] == reference
+            record.identical = outputs[record.peer] == reference and record.repeatable
 
 
 def _fmt(value, spec: str) -> str:
@@ -166,13 +241,15 @@ def _fmt(value, spec: str) -> str:
 
 def format_table(records: Sequence[E2ERecord]) -> str:
     lines = [
-        "| peer | batch | tokens/s | vs ours plain | vs HF generate | acceptance | tokens/step "
-        "| identical to HF greedy |",
-        "|---|---|---|---|---|---|---|---|",
+        "| peer | batch | tokens/s | tokens/s min-max | vs ours plain | vs HF generate "
+        "| acceptance | tokens/step | identical to HF greedy |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in records:
+        spread = f"{min(r.round_tokens_per_s):.1f}-{max(r.round_tokens_per_s):.1f}"
         lines.append(
-            f"| {r.peer} | {r.batch} | {r.tokens_per_s:.1f} | {_fmt(r.speedup_vs_plain, '.2f')}x "
+            f"| {r.peer} | {r.batch} | {r.tokens_per_s:.1f} | {spread} "
+            f"| {_fmt(r.speedup_vs_plain, '.2f')}x "
             f"| {_fmt(r.speedup_vs_hf, '.2f')}x | {_fmt(r.acceptance, '.1%')} "
             f"| {_fmt(r.tokens_per_step, '.2f')} | {_fmt(r.identical, '')} |"
         )

@@ -1,6 +1,7 @@
 """The end-to-end benchmarks run on the CPU at small sizes (random models), so CI keeps them
 working (the GPU suite: test_gpu_suite.py)."""
 
+import pytest
 import torch
 from bench_smoke import import_bench
 
@@ -63,3 +64,84 @@ def test_tiny_acceptance_plot_and_block_comparison(monkeypatch, tmp_path):
     assert path.stat().st_size > 1000
     assert bench.plot_acceptance(records, grid, 32, tmp_path / "none.png") is None
     assert bench.block_vs_eagle(records, grid, 32) == []
+
+
+def test_interleave_runs_peers_in_turns_and_keeps_medians(monkeypatch):
+    """Rounds run every peer once, in an order rotated by one each round; only a peer's first
+    call warms up; a record keeps the median round's figures and every round's tokens/s, and is
+    not repeatable when a round emitted other tokens."""
+    e2e = import_bench(monkeypatch, "e2e")
+    calls = []
+    speeds = {"a": iter([10.0, 30.0, 20.0]), "b": iter([5.0, 4.0, 6.0]), "c": iter([1.0] * 3)}
+    emitted = {"a": iter([[[1]]] * 3), "b": iter([[[1]]] * 3), "c": iter([[[1]], [[2]], [[1]]])}
+
+    def peer(name):
+        def run(warm_up):
+            calls.append((name, warm_up))
+            speed = next(speeds[name])
+            return e2e.E2ERecord(name, 1, 100, 100 / speed, speed), next(emitted[name])
+
+        return run
+
+    records, outputs = e2e.interleave({n: peer(n) for n in "abc"}, 3, lambda line: None)
+    assert [name for name, _ in calls] == list("abcbcacab")
+    assert [warm for _, warm in calls] == [True] * 3 + [False] * 6
+    a, b, c = records
+    assert (a.peer, a.tokens_per_s, a.seconds, a.round_tokens_per_s) == (
+        "a",
+        20.0,
+        5.0,
+        [10, 30, 20],
+    )
+    assert (b.tokens_per_s, b.round_tokens_per_s) == (5.0, [5.0, 4.0, 6.0])
+    assert a.repeatable and b.repeatable and not c.repeatable
+    assert outputs == {"a": [[1]], "b": [[1]], "c": [[1]]}
+    e2e.compare(records, outputs | {"ours plain": [[1]]})
+    assert a.identical and b.identical and not c.identical
+    with pytest.raises(ValueError, match="rounds must be >= 1"):
+        e2e.interleave({"a": peer("a")}, 0)
+
+
+def test_speedups_are_medians_of_paired_round_ratios(monkeypatch):
+    """A slow round slows both sides of its ratio: the median of per-round ratios, not the ratio
+    of medians (which would read 1.5x here, against 2x in every round)."""
+    e2e = import_bench(monkeypatch, "e2e")
+
+    def record(peer, rounds):
+        return e2e.E2ERecord(peer, 1, 10, 1.0, 0.0, round_tokens_per_s=rounds)
+
+    fast, plain = record("fast", [20.0, 40.0, 60.0]), record("ours plain", [10.0, 20.0, 30.0])
+    fast.tokens_per_s, plain.tokens_per_s = 60.0, 20.0  # medians of other rounds' order
+    assert e2e.paired_ratio(fast, plain) == 2.0
+    single = e2e.E2ERecord("one", 1, 10, 1.0, 30.0)
+    assert single.round_tokens_per_s == [30.0]
+    assert e2e.paired_ratio(single, plain) == 1.5
+
+
+def test_tiny_ranks_the_fastest_block_drafter_against_the_others(monkeypatch):
+    bench = import_bench(monkeypatch, "bench_e2e_tiny")
+    record = import_bench(monkeypatch, "e2e").E2ERecord
+    grid = {
+        "ours plain": bench.Cell(lambda: None, None, 1),
+        "ngram N=8": bench.Cell(lambda: None, "ngram", 8),
+        "eagle N=16": bench.Cell(lambda: None, "eagle", 16),
+        "block:pard N=16": bench.Cell(lambda: None, "block", 16),
+        "block:dflash N=8": bench.Cell(lambda: None, "block", 8),
+    }
+    speeds = {
+        "ours plain": [100.0, 90.0],
+        "ngram N=8": [80.0, 90.0],
+        "eagle N=16": [50.0, 50.0],
+        "block:pard N=16": [88.0, 72.0],
+        "block:dflash N=8": [60.0, 60.0],
+        "HF generate": [200.0, 200.0],
+    }
+    records = [
+        record(peer, 1, 10, 1.0, sum(tps) / 2, round_tokens_per_s=tps)
+        for peer, tps in speeds.items()
+    ]
+    assert bench.block_vs_other_drafters(records, grid) == [
+        "- block:pard N=16: 80.0 tokens/s, 0.95x the fastest other drafter, ngram N=8 (85.0)",
+        "- block:pard N=16: 0.84x ours plain (95.0); ngram N=8: 0.90x",
+    ]
+    assert bench.block_vs_other_drafters(records[:3], grid) == []
