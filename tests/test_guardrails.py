@@ -1,6 +1,8 @@
 """Guardrails: the YAML policy loader, online trip / cool-down / re-probe on a route, and the
 fallback to plain decoding on drafter errors (outputs must stay identical to plain decoding)."""
 
+import math
+
 import pytest
 import torch
 from tiny_models import repetitive_prompts, tiny_llama
@@ -133,8 +135,16 @@ def run(target, prompts, drafter, new_tokens=NEW_TOKENS):
 
 
 def test_route_trips_mid_request_falls_back_and_recovers_after_cooldown(target, prompts, plain):
+    # The acceptance bound alone: with the default TPOT bound, the route compares the wall-clock
+    # latency of its speculative steps with its own plain ones, and a loaded machine (CI's
+    # parallel workers) could trip it again after the re-probe. The TPOT bound is tested on
+    # recorded latencies below.
     policy = GuardrailPolicy(
-        min_acceptance_rate=0.5, window_steps=8, min_window_steps=8, cooldown_steps=30
+        min_acceptance_rate=0.5,
+        max_tpot_p95_regression=math.inf,
+        window_steps=8,
+        min_window_steps=8,
+        cooldown_steps=30,
     )
     guardrails = Guardrails(routes={"code": policy})
     oracle = CollapsingOracle(plain)
