@@ -177,8 +177,9 @@ def interleave(
 ) -> tuple[list[E2ERecord], dict[str, list[list[int]]]]:
     """Every peer `rounds` times, in turns: round r runs the peers in their order rotated by r.
     A peer is called with `warm_up=True` the first time only. Returns one record per peer (in
-    the peers' order) with the median round's tokens/s and seconds and every round's tokens/s,
-    and each peer's outputs (`repeatable` is False when a round emitted other tokens)."""
+    the peers' order): its first round's counts (greedy rounds decode the same steps) with the
+    median tokens/s and seconds and every round's tokens/s, and each peer's outputs
+    (`repeatable` is False when a round emitted other tokens)."""
     if rounds < 1:
         raise ValueError(f"rounds must be >= 1, got {rounds}")
     names = list(peers)
@@ -198,10 +199,9 @@ def interleave(
     records = []
     for name in names:
         timed = runs[name]
-        middle = sorted(timed, key=lambda r: r.tokens_per_s)[(len(timed) - 1) // 2]
         records.append(
             replace(
-                middle,
+                timed[0],
                 seconds=statistics.median(r.seconds for r in timed),
                 tokens_per_s=statistics.median(r.tokens_per_s for r in timed),
                 round_tokens_per_s=[r.tokens_per_s for r in timed],
