@@ -465,10 +465,18 @@ def sampled_block_chain(
 
 
 def best_first_tree(
-    log_probs: torch.Tensor, roots: torch.Tensor, max_nodes: int
+    log_probs: torch.Tensor, roots: torch.Tensor, max_nodes: int, depth_scale: float = 1.0
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The DDTree-style tree of `max_nodes` nodes, root included: the `max_nodes - 1` token
     paths with the highest product of per-position marginals, `q_1(x_1) q_2(x_2) ... q_d(x_d)`.
+
+    `depth_scale` s calibrates that product for drafters whose deeper marginals are
+    underconfident: a path scores `q_1(x_1) (q_2(x_2) ... q_d(x_d)) ** s`. With s = 1 (the
+    default) it is DDTree's product. A block drafter's marginal at depth d >= 2 averages over
+    the tokens before it, so it is flatter than the odds that the token follows once those
+    tokens are right; s < 1 moves nodes from the long tail of depth 1 to the likely paths
+    below it (`specdec_fast.train.calibrate` fits s for a checkpoint). Any s > 0 keeps the
+    ordering below.
 
     Node d's candidates are the K = min(max_nodes - 1, V) most likely tokens of q_d. Best-first
     over rank paths: popping a node pushes its first child (rank 0 one level deeper) and its next
@@ -486,13 +494,23 @@ def best_first_tree(
     """
     if max_nodes < 2:
         raise ValueError(f"max_nodes must be >= 2 (the root and a draft node), got {max_nodes}")
+    check_depth_scale(depth_scale)
     _check_block("log_probs", log_probs, 1)
     width = min(max_nodes - 1, log_probs.shape[2])
     # Finite scores: -inf stays for empty frontier slots only.
     top = log_probs.float().nan_to_num(nan=-1e30).clamp(min=-1e30).topk(width, dim=-1)
+    values = top.values
+    if depth_scale != 1.0:
+        values = torch.cat([values[:, :1], values[:, 1:] * depth_scale], dim=1)
     if host_resident(log_probs):
-        return _best_first_on_host(top.values, top.indices, roots, max_nodes)
-    return _best_first_on_device(top.values, top.indices, roots, max_nodes)
+        return _best_first_on_host(values, top.indices, roots, max_nodes)
+    return _best_first_on_device(values, top.indices, roots, max_nodes)
+
+
+def check_depth_scale(depth_scale: float) -> None:
+    """Raise ValueError unless `depth_scale` is a finite number > 0."""
+    if not (isinstance(depth_scale, int | float) and 0 < depth_scale < float("inf")):
+        raise ValueError(f"depth_scale must be a finite number > 0, got {depth_scale!r}")
 
 
 def _best_first_on_host(

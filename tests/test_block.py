@@ -363,6 +363,32 @@ def test_pard_save_and_load_round_trip(target, tmp_path):
     assert load_pard(tmp_path, target).block_size == 8
 
 
+@pytest.mark.parametrize("flavour", list(MODELS))
+def test_the_depth_scale_comes_from_the_checkpoint_and_stays_exact(
+    target, ragged, references, flavour, tmp_path
+):
+    model = MODELS[flavour](target)
+    assert model.depth_scale == 1.0 and BlockDrafter(model).depth_scale == 1.0
+    model.save_pretrained(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, "ddtree_depth_scale": 0.2}))
+    loaded = load_block_model(tmp_path, target)
+    assert loaded.depth_scale == 0.2
+    drafter = BlockDrafter(loaded, max_nodes=10)
+    assert drafter.depth_scale == 0.2 and "depth_scale=0.2" in repr(drafter)
+    assert BlockDrafter(loaded, depth_scale=0.5).depth_scale == 0.5
+    out = generate(target, ragged[:3], drafter=drafter, max_new_tokens=32)
+    assert [s.tolist() for s in out.sequences] == references[:3]
+    if flavour == "pard":  # the scale survives PARD's own save
+        loaded.save_pretrained(tmp_path / "again")
+        assert load_block_model(tmp_path / "again", target).depth_scale == 0.2
+    with pytest.raises(ValueError, match="depth_scale must be a finite number > 0"):
+        BlockDrafter(loaded, depth_scale=0.0)
+    (tmp_path / "config.json").write_text(json.dumps({**config, "ddtree_depth_scale": -1}))
+    with pytest.raises(ValueError, match=r"config\.json: depth_scale must be a finite number"):
+        load_block_model(tmp_path, target)
+
+
 MISFITS = {
     "wide": ({"hidden_size": 64}, "hidden_size is 64, the target's is 48"),
     "vocab": ({"vocab_size": VOCAB + 4}, "vocab_size is 36, the target's is 32"),

@@ -38,15 +38,19 @@ def paths_of(tokens, parents):
     return [path for path in paths[1:] if path is not None]
 
 
-def brute_force(log_probs, count):
-    """The `count` best token paths by summed log-probability over every rank path of up to D
-    tokens, each position's candidates its `count` most likely tokens (plain Python)."""
+def brute_force(log_probs, count, depth_scale=1.0):
+    """The `count` best token paths by summed log-probability (positions after the first
+    weighted by `depth_scale`) over every rank path of up to D tokens, each position's
+    candidates its `count` most likely tokens (plain Python)."""
     depth = log_probs.shape[0]
     ranked = [log_probs[d].topk(min(count, log_probs.shape[1])) for d in range(depth)]
     scored = []
     for length in range(1, depth + 1):
         for ranks in itertools.product(range(len(ranked[0].values)), repeat=length):
-            score = sum(float(ranked[d].values[r]) for d, r in enumerate(ranks))
+            score = sum(
+                float(ranked[d].values[r]) * (1.0 if d == 0 else depth_scale)
+                for d, r in enumerate(ranks)
+            )
             tokens = tuple(int(ranked[d].indices[r]) for d, r in enumerate(ranks))
             scored.append((score, tokens))
     scored.sort(key=lambda item: -item[0])
@@ -90,6 +94,37 @@ def test_best_first_tree_pads_when_candidates_run_out_and_handles_ties():
     for row in range(2):
         assert all(0 <= p < i for i, p in enumerate(parents[row, 1:].tolist(), start=1))
     assert parents[1].tolist()[:4] == [-1, 0, 1, 2]  # the one likely path first
+
+
+@pytest.mark.parametrize("depth_scale", [0.1, 0.5, 2.0])
+def test_the_depth_scale_keeps_the_best_scaled_paths_on_host_and_device(depth_scale):
+    generator = torch.Generator().manual_seed(7)
+    log_probs = torch.log_softmax(torch.randn(2, 3, 5, generator=generator) * 2, -1)
+    roots = torch.tensor([1, 3])
+    tokens, parents = best_first_tree(log_probs, roots, 9, depth_scale)
+    for row in range(2):
+        paths = paths_of(tokens[row].tolist(), parents[row].tolist())
+        assert set(paths) == set(brute_force(log_probs[row], 8, depth_scale))
+    top = log_probs.topk(5, dim=-1)  # K = min(9 - 1, V)
+    scaled = torch.cat([top.values[:, :1], top.values[:, 1:] * depth_scale], dim=1)
+    device = _best_first_on_device(scaled, top.indices, roots, 9)
+    assert torch.equal(device[0], tokens) and torch.equal(device[1], parents)
+
+
+def test_a_small_depth_scale_moves_nodes_below_the_likely_token():
+    # q_1 = (0.5, 0.3, 0.2), q_2's best 0.4: the plain product keeps depth 1's runner-up (0.3
+    # against 0.5 * 0.4); with s = 0.1 the path below the top token scores 0.5 * 0.4 ** 0.1.
+    log_probs = torch.log(torch.tensor([[[0.5, 0.3, 0.2], [0.4, 0.35, 0.25]]]))
+    plain = best_first_tree(log_probs, torch.tensor([9]), 3)
+    assert plain[0][0].tolist() == [9, 0, 1] and plain[1][0].tolist() == [-1, 0, 0]
+    scaled = best_first_tree(log_probs, torch.tensor([9]), 3, 0.1)
+    assert scaled[0][0].tolist() == [9, 0, 0] and scaled[1][0].tolist() == [-1, 0, 1]
+
+
+@pytest.mark.parametrize("bad", [0, -0.5, float("nan"), float("inf"), "0.5"])
+def test_the_depth_scale_must_be_a_positive_finite_number(bad):
+    with pytest.raises(ValueError, match="depth_scale must be a finite number > 0"):
+        best_first_tree(torch.zeros(1, 2, 3), torch.tensor([0]), 4, bad)
 
 
 @pytest.mark.parametrize("seed", range(6))

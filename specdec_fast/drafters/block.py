@@ -27,6 +27,11 @@ whose `config.json` names the mask token as `pard_token` (or `ptd_token_id`), wi
 `spd_type: "pard"`; read here from safetensors only. The number of tokens per block is a
 run-time choice there; `block_size` in the config, when present, is the one it was trained
 for (default 8, PARD's published `para_num`).
+
+Either layout may carry our own `ddtree_depth_scale` (top level of `config.json`): the
+best-first tree's calibration fitted for that checkpoint (`specdec_fast.trees.best_first_tree`,
+`specdec_fast.train.calibrate`); other readers ignore it, and without it the scale is 1 (the
+plain product of marginals).
 """
 
 from __future__ import annotations
@@ -53,7 +58,12 @@ from specdec_fast.kernels.tree_attention import run_tree_attention
 from specdec_fast.loading import quiet_transformers
 from specdec_fast.runner import ModelRunner
 from specdec_fast.transfer import to_device
-from specdec_fast.trees import best_first_tree, block_chain, sampled_block_chain
+from specdec_fast.trees import (
+    best_first_tree,
+    block_chain,
+    check_depth_scale,
+    sampled_block_chain,
+)
 
 from .base import Drafter, DraftState, Proposal, StepOutcome
 from .draft_model import check_compatible, open_draft_runner, prefill_draft
@@ -62,6 +72,7 @@ from .features import gather_rows
 TREE_MODES = ("ddtree", "chain")
 PARD_TOKEN_FIELDS = ("pard_token", "ptd_token_id")
 PARD_TYPE = "pard"
+DEPTH_SCALE_FIELD = "ddtree_depth_scale"
 DEFAULT_PARD_BLOCK = 8
 # Random stream of the sampled chains' draws (verify uses 0 and 1, draft models 2).
 STREAM_BLOCK = 3
@@ -73,11 +84,13 @@ _COMPILED_STEPS: dict[tuple[str, tuple[str, str, str]], CompiledStep] = {}
 @dataclass
 class PardDraft:
     """A PARD-style draft model: an HF causal LM with the target's vocabulary that fills
-    `block_size - 1` masks (token `mask_token_id`) after its context in one forward."""
+    `block_size - 1` masks (token `mask_token_id`) after its context in one forward;
+    `depth_scale` is its best-first trees' calibration (1: none)."""
 
     model: PreTrainedModel
     mask_token_id: int
     block_size: int = DEFAULT_PARD_BLOCK
+    depth_scale: float = 1.0
 
     def __post_init__(self):
         vocab = self.model.config.get_text_config(decoder=True).vocab_size
@@ -89,16 +102,18 @@ class PardDraft:
             raise ValueError(
                 f"block_size must be >= 2 (the root and a mask), got {self.block_size}"
             )
+        check_depth_scale(self.depth_scale)
 
     def save_pretrained(self, folder: str | os.PathLike) -> None:
         """Write the public layout: the model's HF folder (safetensors), after recording
-        `pard_token`, `spd_type` and `block_size` in the model's config."""
+        `pard_token`, `spd_type`, `block_size` and `ddtree_depth_scale` in the model's config."""
         config = self.model.config
         config.pard_token, config.spd_type, config.block_size = (
             self.mask_token_id,
             PARD_TYPE,
             self.block_size,
         )
+        setattr(config, DEPTH_SCALE_FIELD, self.depth_scale)
         self.model.save_pretrained(folder, safe_serialization=True)
 
 
@@ -129,7 +144,15 @@ def load_pard(name_or_path: str | os.PathLike, target) -> PardDraft:
         check_compatible(model, target)
     except ValueError as error:
         raise ValueError(f"{what}: {error}") from None
-    return PardDraft(model, int(mask_token_id), int(fields.get("block_size", DEFAULT_PARD_BLOCK)))
+    try:
+        return PardDraft(
+            model,
+            int(mask_token_id),
+            int(fields.get("block_size", DEFAULT_PARD_BLOCK)),
+            fields.get(DEPTH_SCALE_FIELD, 1.0),
+        )
+    except ValueError as error:
+        raise ValueError(f"{what}: config.json: {error}") from None
 
 
 def load_block_model(name_or_path: str | os.PathLike, target) -> DFlashHead | PardDraft:
@@ -364,12 +387,20 @@ class BlockDrafter(Drafter):
             chain drafts N - 1 tokens, at most the block's positions (b - 1 for DFlash, b for
             PARD); a tree reaches at most that deep.
         tree: "ddtree" (best-first tree by product of marginals) or "chain".
+        depth_scale: the best-first tree's calibration (`specdec_fast.trees.best_first_tree`);
+            None takes the checkpoint's (`ddtree_depth_scale`, 1 when it has none).
     """
 
     # Valid trees by construction (tests/test_drafter_checks.py): values go unchecked.
     proposals_valid = True
 
-    def __init__(self, model: DFlashHead | PardDraft, max_nodes: int = 16, tree: str = "ddtree"):
+    def __init__(
+        self,
+        model: DFlashHead | PardDraft,
+        max_nodes: int = 16,
+        tree: str = "ddtree",
+        depth_scale: float | None = None,
+    ):
         if isinstance(model, DFlashHead):
             self.flavour: _FeatureBlock | _StandaloneBlock = _FeatureBlock(model)
         elif isinstance(model, PardDraft):
@@ -386,14 +417,17 @@ class BlockDrafter(Drafter):
                 f"max_nodes={max_nodes}: a chain of {max_nodes - 1} tokens is longer than the "
                 f"block's {positions} positions"
             )
+        if depth_scale is None:
+            depth_scale = model.depth_scale
+        check_depth_scale(depth_scale)
         super().__init__(max_nodes, min(positions, max_nodes - 1))
-        self.model, self.tree = model, tree
+        self.model, self.tree, self.depth_scale = model, tree, depth_scale
         self.hidden_layers = self.flavour.hidden_layers
 
     @classmethod
     def from_pretrained(cls, name_or_path: str | os.PathLike, target, **kwargs) -> BlockDrafter:
         """Load a DFlash head or a PARD draft model (told apart by its config) for `target`;
-        `kwargs` are `max_nodes` and `tree`."""
+        `kwargs` are `max_nodes`, `tree` and `depth_scale`."""
         return cls(load_block_model(name_or_path, target), **kwargs)
 
     @property
@@ -403,7 +437,7 @@ class BlockDrafter(Drafter):
     def __repr__(self) -> str:
         return (
             f"BlockDrafter({self.flavour_name}, b={self.model.block_size}, "
-            f"max_nodes={self.max_nodes}, tree={self.tree})"
+            f"max_nodes={self.max_nodes}, tree={self.tree}, depth_scale={self.depth_scale:g})"
         )
 
     def attach(self, target, max_cache_len: int) -> None:
@@ -418,7 +452,9 @@ class BlockDrafter(Drafter):
         logits = self.flavour.block_logits(state)[:, : self.max_depth]
         if self.tree == "ddtree":
             log_probs = torch.log_softmax(logits, dim=-1)
-            return Proposal(*best_first_tree(log_probs, state.roots, self.max_nodes))
+            return Proposal(
+                *best_first_tree(log_probs, state.roots, self.max_nodes, self.depth_scale)
+            )
         if state.greedy:
             return Proposal(*block_chain(logits, state.roots, self.max_depth))
         root_positions = to_device([len(row) - 1 for row in state.tokens], state.device)

@@ -25,6 +25,8 @@ safetensors only (`model.safetensors` or a sharded `model.safetensors.index.json
 `layers.{i}.input_layernorm.weight`, `post_attention_layernorm.weight`,
 `self_attn.{q,k,v,o}_proj.weight` (and biases with `attention_bias`), `self_attn.{q,k}_norm.weight`,
 `mlp.{gate,up,down}_proj.weight`. No embeddings and no LM head: those are the target's.
+Our own optional `ddtree_depth_scale` (top level) is the best-first tree's calibration fitted for
+the checkpoint (`specdec_fast.trees.best_first_tree`); without it the scale is 1.
 """
 
 from __future__ import annotations
@@ -43,6 +45,8 @@ from transformers.models.qwen3.modeling_qwen3 import (
     rotate_half,
 )
 
+from specdec_fast.trees import check_depth_scale
+
 from .checkpoint import (
     SAFETENSORS_NAME,
     check_fits,
@@ -59,7 +63,15 @@ DFLASH_FIELD = "dflash_config"
 # The published block size ("-b16" checkpoints), the reference's default.
 DEFAULT_BLOCK_SIZE = 16
 # Config fields that describe the checkpoint rather than the head's Qwen3 shape.
-NON_SHAPE_FIELDS = ("architectures", "auto_map", DFLASH_FIELD, "block_size", "num_target_layers")
+DEPTH_SCALE_FIELD = "ddtree_depth_scale"
+NON_SHAPE_FIELDS = (
+    "architectures",
+    "auto_map",
+    DFLASH_FIELD,
+    "block_size",
+    "num_target_layers",
+    DEPTH_SCALE_FIELD,
+)
 
 # attend(layer index, q [B, Hq, n, D], k [B, Hkv, n, D], v [B, Hkv, n, D]) -> [B, Hq, n, D]: the
 # attention of the block's n queries over the context and the block (written by the caller).
@@ -132,7 +144,8 @@ class DFlashHead(nn.Module):
 
     Args:
         config: a Qwen3Config with the head's sizes (`hidden_size` the target's) and its extra
-            fields: `block_size`, `mask_token_id`, `target_layer_ids`, `num_target_layers`.
+            fields: `block_size`, `mask_token_id`, `target_layer_ids`, `num_target_layers`,
+            and optionally `ddtree_depth_scale` (the best-first trees' calibration, default 1).
     """
 
     def __init__(self, config: Qwen3Config):
@@ -144,6 +157,7 @@ class DFlashHead(nn.Module):
             raise ValueError(
                 f"block_size must be >= 2 (the root and a mask), got {config.block_size}"
             )
+        check_depth_scale(config_depth_scale(config))
         windowed = [kind for kind in config.layer_types if kind != "full_attention"]
         if windowed:
             raise ValueError(
@@ -197,6 +211,11 @@ class DFlashHead(nn.Module):
     @property
     def mask_token_id(self) -> int:
         return self.config.mask_token_id
+
+    @property
+    def depth_scale(self) -> float:
+        """The best-first trees' calibration fitted for this head (1: none)."""
+        return config_depth_scale(self.config)
 
     @property
     def hidden_layers(self) -> tuple[int, ...]:
@@ -272,6 +291,12 @@ class DFlashHead(nn.Module):
         write_checkpoint(folder, config, self.state_dict(), SAFETENSORS_NAME)
 
 
+def config_depth_scale(config) -> float:
+    """A head config's `ddtree_depth_scale`, 1 when it has none."""
+    value = getattr(config, DEPTH_SCALE_FIELD, None)
+    return 1.0 if value is None else value
+
+
 def is_dflash_config(fields: dict) -> bool:
     architectures = fields.get("architectures") or []
     return DFLASH_FIELD in fields or any("dflash" in name.lower() for name in architectures)
@@ -310,10 +335,11 @@ def load_dflash_head(name_or_path: str | os.PathLike, target) -> DFlashHead:
             mask_token_id=int(mask_token_id),
             target_layer_ids=[int(layer) for layer in layers],
             num_target_layers=int(num_target_layers),
+            **{DEPTH_SCALE_FIELD: fields.get(DEPTH_SCALE_FIELD, 1.0)},
         )
+        head = DFlashHead(config)
     except (TypeError, ValueError, StrictDataclassError) as error:
         raise ValueError(f"{what}: config.json: {error}") from None
-    head = DFlashHead(config)
     load_strict(head, read_safetensors(folder), what)
     head.check_target(target)
     return head.to(device=target.device, dtype=target.dtype).eval()
