@@ -18,9 +18,10 @@ Losses are soft cross-entropies over the full vocabulary, weighted `exp(-(d - 1)
 at depth d (DFlash's decay, gamma 7 for b = 16). Anchors are a function of (seed, step), like the
 batches, so runs are seeded and resumable as the other head commands (`checkpoint.pt`,
 `train_log.jsonl`). Reported accuracy per depth is top-1 agreement with the target's greedy
-token. `--out` exports the drafter in its public layout (bf16) with a README giving the command,
-the held-out per-position agreement, the acceptance of a 16-node best-first tree on held-out code
-prompts, and the size.
+token. `--out` exports the drafter in its public layout (bf16), fits its best-first trees' depth
+scale (`train.calibrate`, unless `--calibration-prompts 0`), and writes a README giving the
+command, the held-out per-position agreement, the fit, the acceptance of a 16-node best-first tree
+on held-out code prompts, and the size.
 """
 
 from __future__ import annotations
@@ -34,12 +35,14 @@ from pathlib import Path
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from specdec_fast.drafters.block import BlockDrafter, PardDraft
+from specdec_fast.drafters.block import PardDraft
 from specdec_fast.heads.block import DFlashHead
 
+from .block_forward import dflash_block_outputs, pard_block_logits
+from .block_report import EVAL_NODES, engine_acceptance, eval_prompts, write_readme
+from .calibrate import add_calibration_arguments, calibrate_folder
 from .generated import (
     DataOptions,
     add_data_arguments,
@@ -64,8 +67,6 @@ FLAVOURS = ("dflash", "pard")
 DEFAULT_BLOCK_SIZES = {"dflash": 16, "pard": 8}
 # A fresh head learns at the head commands' rate; a pretrained draft model is fine-tuned.
 DEFAULT_LR = {"dflash": 2e-3, "pard": 5e-4}
-EVAL_NODES = 16
-EVAL_NEW_TOKENS = 64
 ANCHOR_SEED_STRIDE = 1_000_003
 
 
@@ -137,71 +138,6 @@ def anchors_at(step: int, seed: int, batch: int, count: int, low: int, high: int
 
 def depth_weights(depths: int, loss_decay: float) -> list[float]:
     return [math.exp(-d / loss_decay) for d in range(depths)]
-
-
-def dflash_block_outputs(head: DFlashHead, target, features: dict, rows, anchors) -> torch.Tensor:
-    """Head outputs `[B, A, b, h]` of the blocks anchored at `anchors` (int64 `[B, A]`) in token
-    rows `[B, L]`, each over the context entries before its anchor (see the module doc)."""
-    batch, length = rows.shape
-    size = head.block_size
-    device = rows.device
-    fused = head.fuse([features[layer] for layer in head.hidden_layers])
-    context = head.context(fused, torch.arange(length, device=device).expand(batch, -1))
-    count = anchors.shape[1]
-    offsets = torch.arange(size, device=device)
-    tokens = torch.full((batch, count, size), head.mask_token_id, device=device)
-    tokens[..., 0] = rows.gather(1, anchors)
-    positions = (anchors[..., None] + offsets).flatten(1)
-    with torch.no_grad():
-        embeds = target.get_input_embeddings()(tokens.flatten(1))
-    query_anchor = anchors.repeat_interleave(size, dim=1)  # [B, A b]
-    sees_context = torch.arange(length, device=device) < query_anchor[..., None]
-    block_of = torch.arange(count, device=device).repeat_interleave(size)
-    sees_block = (block_of[:, None] == block_of[None, :]).expand(batch, -1, -1)
-    mask = torch.cat([sees_context, sees_block], dim=2)[:, None]
-
-    def attend(layer: int, queries, keys, values):
-        context_keys, context_values = context[layer]
-        return F.scaled_dot_product_attention(
-            queries,
-            torch.cat([context_keys, keys], dim=2),
-            torch.cat([context_values, values], dim=2),
-            attn_mask=mask,
-            enable_gqa=True,
-        )
-
-    return head(embeds.to(fused.dtype), positions, attend).unflatten(1, (count, size))
-
-
-def pard_block_logits(draft: nn.Module, mask_token_id: int, block_size: int, rows, anchors):
-    """(logits `[B, L, V]` at the window's tokens, logits `[B, A, b - 1, V]` at the masks of the
-    blocks anchored at `anchors` (int64 `[B, A]`)) of a PARD model (see the module doc)."""
-    batch, length = rows.shape
-    count, masks = anchors.shape[1], block_size - 1
-    device = rows.device
-    offsets = torch.arange(1, block_size, device=device)
-    tokens = torch.cat([rows, rows.new_full((batch, count * masks), mask_token_id)], dim=1)
-    mask_positions = (anchors[..., None] + offsets).flatten(1)
-    positions = torch.cat(
-        [torch.arange(length, device=device).expand(batch, -1), mask_positions], 1
-    )
-    causal = torch.ones(length, length, dtype=torch.bool, device=device).tril()
-    real_rows = torch.cat(
-        [
-            causal.expand(batch, -1, -1),
-            torch.zeros(batch, length, count * masks, dtype=torch.bool, device=device),
-        ],
-        dim=2,
-    )
-    anchor_of = anchors.repeat_interleave(masks, dim=1)  # [B, A (b - 1)]
-    sees_real = torch.arange(length, device=device) <= anchor_of[..., None]
-    block_of = torch.arange(count, device=device).repeat_interleave(masks)
-    order = offsets.repeat(count)
-    own_earlier = (block_of[:, None] == block_of[None, :]) & (order[None, :] <= order[:, None])
-    mask_rows = torch.cat([sees_real, own_earlier.expand(batch, -1, -1)], dim=2)
-    mask = torch.cat([real_rows, mask_rows], dim=1)[:, None]
-    logits = draft(input_ids=tokens, position_ids=positions, attention_mask=mask).logits
-    return logits[:, :length], logits[:, length:].unflatten(1, (count, masks))
 
 
 def _depth_loss(logits, teacher, weight: float) -> tuple[torch.Tensor, int, int]:
@@ -323,64 +259,6 @@ def export_block(
         weights.chmod(0o644)
 
 
-def eval_prompts(target_name: str, count: int) -> list[list[int]]:
-    """The first `count` held-out code prompts, encoded for the target (BOS first)."""
-    from specdec_fast.loading import load_tokenizer
-    from specdec_fast.prompts import load_code_prompts
-
-    tokenizer = load_tokenizer(target_name)
-    return [
-        [tokenizer.bos_token_id, *tokenizer.encode(r["prompt"], add_special_tokens=False)]
-        for r in load_code_prompts(count)
-    ]
-
-
-def engine_acceptance(out_dir: str | Path, target, prompts: list[list[int]]) -> dict:
-    """Greedy acceptance of an exported drafter (a 16-node best-first tree) on `prompts`, and
-    whether its output equals plain decoding."""
-    from specdec_fast.engine import generate
-
-    drafter = BlockDrafter.from_pretrained(out_dir, target, max_nodes=EVAL_NODES)
-    with torch.no_grad():
-        out = generate(
-            target, prompts, drafter=drafter, max_new_tokens=EVAL_NEW_TOKENS, eos_token_id=[]
-        )
-        plain = generate(
-            target, prompts, drafter=None, max_new_tokens=EVAL_NEW_TOKENS, eos_token_id=[]
-        )
-    stats = out.stats
-    return {
-        "identical": [s.tolist() for s in out.sequences] == [s.tolist() for s in plain.sequences],
-        "nodes": EVAL_NODES,
-        "prompts": len(prompts),
-        "new_tokens": EVAL_NEW_TOKENS,
-        "mean_accepted_per_step": round(stats.mean_accepted_per_step, 4),
-        "per_position_acceptance": [round(a, 4) for a in stats.per_position_acceptance],
-    }
-
-
-def write_readme(out_dir: Path, info: dict) -> None:
-    agreement = ", ".join(
-        f"depth {d + 1}: {value:.1%}" for d, value in enumerate(info["heldout_top1"])
-    )
-    engine = info["engine"]
-    positions = ", ".join(f"{value:.2f}" for value in engine["per_position_acceptance"])
-    (out_dir / "README.md").write_text(
-        f"# {out_dir.name}\n\n"
-        f"{info['description']}, self-distilled from the bundled target `{info['target']}` "
-        f"({info['parameters']:,} parameters, {info['bytes'] / 1e6:.1f} MB in bf16).\n\n"
-        f"Trained with:\n\n```\n{info['command']}\n```\n\n"
-        f"Data: {info['data']}.\n\n"
-        f"Held-out top-1 agreement with the target's greedy token per block depth "
-        f"({info['heldout_windows']} windows of held-out modules): {agreement}.\n\n"
-        f"Greedy speculation with a {engine['nodes']}-node best-first tree on "
-        f"{engine['prompts']} held-out code prompts x {engine['new_tokens']} tokens: "
-        f"{engine['mean_accepted_per_step']:.2f} tokens per step (bonus included); "
-        f"acceptance by position: {positions}; output identical to plain decoding: "
-        f"{'yes' if engine['identical'] else 'NO'}.\n"
-    )
-
-
 DESCRIPTIONS = {
     "dflash": "A DFlash-style block drafter ({num_layers} layers over target layers {layers}, "
     "blocks of {block_size})",
@@ -414,6 +292,18 @@ def _run_block(args) -> int:
     agreement = heldout_block_top1(options, module, target, rows)
     out_dir = Path(args.out)
     export_block(options, module, target_dir, out_dir)
+    calibration = None
+    if args.calibration_prompts > 0:
+        calibration = calibrate_folder(
+            out_dir,
+            target,
+            target_dir,
+            prompts=args.calibration_prompts,
+            new_tokens=args.calibration_tokens,
+            used=options.sequences,
+            seed=settings.seed,
+            max_nodes=EVAL_NODES,
+        ).to_dict()
     prompts = eval_prompts(args.target, args.eval_prompts)
     layers = list(module.target_layers) if options.flavour == "dflash" else []
     info = {
@@ -429,6 +319,7 @@ def _run_block(args) -> int:
         "data": data_description(options, settings, tokens),
         "heldout_top1": agreement,
         "heldout_windows": len(rows),
+        "calibration": calibration,
         "engine": engine_acceptance(out_dir, target, prompts),
         "parameters": sum(p.numel() for p in module.parameters()),
         "bytes": sum(p.stat().st_size for p in out_dir.glob("*.safetensors")),
@@ -475,4 +366,5 @@ def register_block_command(sub) -> None:
     add_data_arguments(parser)
     parser.add_argument("--eval-windows", type=int, default=8, help="held-out windows")
     parser.add_argument("--eval-prompts", type=int, default=4, help="held-out code prompts")
+    add_calibration_arguments(parser, prompt_seed=False)
     parser.set_defaults(run=_run_block)

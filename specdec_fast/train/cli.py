@@ -1,5 +1,5 @@
 """`python -m specdec_fast.train COMMAND`: tokenizer, lm, eval, the head commands, block,
-unlikelihood, prompts.
+calibrate-block, unlikelihood, prompts.
 
 Each command is a registrar that adds its subparser and sets `run`; further commands (drafter
 heads) append their registrar to `REGISTRARS`.
@@ -116,6 +116,12 @@ def register_block(sub) -> None:
     register_block_command(sub)
 
 
+def register_calibrate(sub) -> None:
+    from .calibrate import register_calibrate_command
+
+    register_calibrate_command(sub)
+
+
 def register_unlikelihood(sub) -> None:
     from .unlikelihood import register_unlikelihood_command
 
@@ -134,6 +140,7 @@ REGISTRARS: list[Callable] = [
     register_eval,
     register_heads,
     register_block,
+    register_calibrate,
     register_unlikelihood,
     register_prompts,
 ]

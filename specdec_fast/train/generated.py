@@ -177,6 +177,20 @@ def generation_prompts(stream: np.ndarray, data: GeneratedData, tokenizer=None) 
     return np.stack([stream[s : s + data.prompt_len] for s in starts]).astype(np.int64)
 
 
+def heldback_prompts(tokenizer, prompt_len: int, count: int, used: int, seed: int = 0):
+    """int64 `[count, prompt_len]`: the last `count` code prompts of the training split in the
+    order `generation_prompts` draws them from `seed`, which a run on its first `used` never
+    saw; raises ValueError when the split has fewer than `used + count`."""
+    rng = np.random.default_rng([seed, PROMPT_SEED_OFFSET])
+    rows = training_prompts(corpus.read_texts("train"), tokenizer, prompt_len, None)
+    if len(rows) < used + count:
+        raise ValueError(
+            f"the training split has {len(rows)} code prompts of at least {prompt_len} tokens: "
+            f"{count} held back from the {used} a run trains on need {used + count}"
+        )
+    return rows.numpy()[rng.permutation(len(rows))[len(rows) - count :]]
+
+
 def weights_digest(model_dir: str | Path) -> str:
     """A short hash of a model folder's safetensors files (the generated data's cache key)."""
     files = sorted(Path(model_dir).glob("*.safetensors"))

@@ -424,16 +424,20 @@ DESCRIPTIONS = {
 }
 
 
-def training_target(name: str, data_dir: str) -> tuple[str, nn.Module, np.ndarray]:
-    """(folder, fp32 model on the GPU when there is one, the training split's token stream) of
-    a training command's model (`--target`, a folder or bundled name) and `--data-dir`."""
+def fp32_target(name: str) -> tuple[str, nn.Module]:
+    """(folder, fp32 model on the GPU when there is one) of a training command's model
+    (`--target`, a folder or bundled name)."""
     from specdec_fast.loading import load_model, resolve_path
 
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return resolve_path(name), load_model(name, device, torch.float32)
+
+
+def training_target(name: str, data_dir: str) -> tuple[str, nn.Module, np.ndarray]:
+    """`fp32_target` and the training split's token stream (cached in `--data-dir`)."""
     from .data import token_stream
 
-    target_dir = resolve_path(name)
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    target = load_model(name, device, torch.float32)
+    target_dir, target = fp32_target(name)
     return target_dir, target, token_stream("train", target_dir, data_dir)
 
 

@@ -1,0 +1,265 @@
+"""Calibrating a block drafter's best-first trees: fitting the depth scale (`calibrate-block`).
+
+`specdec_fast.trees.best_first_tree` scores a path by `q_1(x_1) (q_2(x_2) ... q_d(x_d)) ** s`.
+A block drafter's marginal at depth d >= 2 averages over the tokens before it, and a drafter
+self-distilled on the target's soft distributions is flatter still than the odds that its top
+tokens are the target's greedy ones; with s = 1 a 16-node tree spends most of its nodes on the
+long tail of depth 1. This module fits s for a checkpoint, for greedy verification:
+
+- data: the target's greedy continuations of code prompts of the training split held back from
+  training (`generated.heldback_prompts`: the last ones in the order a `--data generated` run
+  draws them; none of them is a shipped held-out prompt, on which acceptance is reported);
+- at every position of a continuation, the drafter's block is drafted as the engine drafts it
+  when a step's root lands there (teacher-forced: the context is the continuation before it);
+- for each s of a grid, the tree of `max_nodes` nodes is built, and its accepted length is the
+  longest path of it that the continuation follows: what a greedy step accepts there;
+- s is the grid value with the most tokens per step (accepted length + 1) on average, the
+  larger s on ties (s = 1 unless another value does better).
+
+    python -m specdec_fast.train calibrate-block --drafter specdec_fast/bundled/tiny-code-dflash
+
+writes `ddtree_depth_scale` into the drafter's `config.json` (read by `BlockDrafter`), and, for a
+folder of ours, the fit into `training_info.json` with the engine's acceptance re-measured.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from specdec_fast.drafters.block import DEPTH_SCALE_FIELD, PardDraft, load_block_model
+from specdec_fast.heads.block import DFlashHead
+from specdec_fast.progress import Progress
+from specdec_fast.trees import best_first_tree
+
+from .block_forward import dflash_block_outputs, pard_block_logits
+from .block_report import engine_acceptance, eval_prompts, write_readme
+from .generated import GeneratedData, greedy_sequences, heldback_prompts
+from .heads import fp32_target, target_pass
+from .options import command_line
+from .progress import LOG_EVERY_S
+from .tokenizer import load_tokenizer
+
+# Candidate scales, largest first (ties keep the larger).
+DEPTH_SCALES = (1.0, 0.7, 0.5, 0.35, 0.25, 0.18, 0.12, 0.08, 0.05)
+CALIBRATION_NODES = 16
+CALIBRATION_PROMPTS = 64
+CALIBRATION_NEW_TOKENS = 64
+# Rows drafted per batch (each row drafts a block at each of its positions).
+ROWS_PER_BATCH = 4
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """A fitted depth scale and what it rests on: `tokens_per_step` per scale of the grid (the
+    bonus token included), over `anchors` drafted blocks of `sequences` continuations."""
+
+    depth_scale: float
+    max_nodes: int
+    sequences: int
+    anchors: int
+    tokens_per_step: dict[float, float]
+
+    def to_dict(self) -> dict:
+        fields = asdict(self)
+        fields["tokens_per_step"] = {f"{s:g}": v for s, v in self.tokens_per_step.items()}
+        return fields
+
+
+def block_log_probs(
+    model: DFlashHead | PardDraft, target, rows: torch.Tensor, anchors: torch.Tensor
+) -> torch.Tensor:
+    """float32 log q `[B, A, D, V]` of the blocks rooted at `anchors` (int64 `[B, A]`) of token
+    rows `[B, L]`: depth d at index d - 1, D = b - 1 (DFlash) or b (PARD)."""
+    with torch.no_grad():
+        if isinstance(model, DFlashHead):
+            features, _ = target_pass(target, rows, model.hidden_layers)
+            outputs = dflash_block_outputs(model, target, features, rows, anchors)
+            logits = target.get_output_embeddings()(outputs[:, :, 1:])
+        else:
+            real, masks = pard_block_logits(
+                model.model, model.mask_token_id, model.block_size, rows, anchors
+            )
+            index = anchors[..., None].expand(-1, -1, real.shape[-1])
+            logits = torch.cat([real.gather(1, index)[:, :, None], masks], dim=2)
+    return torch.log_softmax(logits.float(), dim=-1)
+
+
+def accepted_lengths(tokens: torch.Tensor, parents: torch.Tensor, labels: torch.Tensor):
+    """int64 `[M]`: per tree (`tokens`/`parents` `[M, N]` as `best_first_tree` returns them),
+    the depth of the longest path from the root whose tokens are `labels` `[M, D]`."""
+    tokens, parents, labels = tokens.numpy(), parents.numpy(), labels.numpy()
+    count = len(tokens)
+    node = np.zeros(count, dtype=np.int64)
+    length = np.zeros(count, dtype=np.int64)
+    alive = np.ones(count, dtype=bool)
+    for depth in range(labels.shape[1]):
+        match = (parents == node[:, None]) & (tokens == labels[:, depth : depth + 1])
+        match[:, 0] = False
+        found = match.any(axis=1) & alive
+        node = np.where(found, match.argmax(axis=1), node)
+        length += found
+        alive = found
+    return length
+
+
+def fit_depth_scale(
+    model: DFlashHead | PardDraft,
+    target,
+    sequences: torch.Tensor,
+    prompt_len: int,
+    max_nodes: int = CALIBRATION_NODES,
+    scales: tuple[float, ...] = DEPTH_SCALES,
+) -> Calibration:
+    """The depth scale of `scales` whose `max_nodes`-node trees accept the most tokens per step
+    over the greedy continuations in `sequences` (int64 `[S, L]`, a `prompt_len`-token prompt
+    first; see the module doc)."""
+    positions = model.block_size - 1 if isinstance(model, DFlashHead) else model.block_size
+    depth = min(positions, max_nodes - 1)
+    first, last = prompt_len, sequences.shape[1] - 1 - depth
+    if last < first:
+        raise ValueError(
+            f"sequences of {sequences.shape[1]} tokens after a {prompt_len}-token prompt leave "
+            f"no room for a block of {depth} drafted tokens"
+        )
+    accepted = {scale: 0 for scale in scales}
+    anchors_seen = 0
+    progress = Progress(
+        len(sequences),
+        desc="calibrate",
+        unit="seq",
+        min_interval_s=LOG_EVERY_S,
+        log_every_s=LOG_EVERY_S,
+    )
+    for start in range(0, len(sequences), ROWS_PER_BATCH):
+        rows = sequences[start : start + ROWS_PER_BATCH].to(target.device)
+        anchors = torch.arange(first, last + 1, device=rows.device).expand(len(rows), -1)
+        log_probs = block_log_probs(model, target, rows, anchors)[:, :, :depth].flatten(0, 1)
+        offsets = anchors[..., None] + torch.arange(1, depth + 1, device=rows.device)
+        labels = rows.gather(1, offsets.flatten(1)).view(-1, depth).cpu()
+        log_probs, roots = log_probs.cpu(), rows.gather(1, anchors).flatten().cpu()
+        for scale in scales:
+            tokens, parents = best_first_tree(log_probs, roots, max_nodes, scale)
+            accepted[scale] += int(accepted_lengths(tokens, parents, labels).sum())
+        anchors_seen += len(labels)
+        progress.update(len(rows))
+    progress.close()
+    per_step = {scale: round(1 + accepted[scale] / anchors_seen, 4) for scale in scales}
+    best = max(scales, key=lambda scale: (per_step[scale], scale))
+    return Calibration(best, max_nodes, len(sequences), anchors_seen, per_step)
+
+
+def write_depth_scale(folder: str | Path, calibration: Calibration) -> None:
+    """Record the fitted scale in `folder/config.json` (`ddtree_depth_scale`)."""
+    path = Path(folder) / "config.json"
+    config = json.loads(path.read_text())
+    config[DEPTH_SCALE_FIELD] = calibration.depth_scale
+    path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+
+
+def calibration_sequences(target, target_dir, prompts: int, new_tokens: int, used: int, seed: int):
+    """int64 `[prompts, prompt_len + new_tokens]`: the target's greedy continuations of the code
+    prompts held back from a run on `used` of them (`generated.heldback_prompts`)."""
+    rows = heldback_prompts(
+        load_tokenizer(target_dir), GeneratedData.prompt_len, prompts, used, seed
+    )
+    return torch.from_numpy(greedy_sequences(target, rows, new_tokens)).long()
+
+
+def calibrate_folder(
+    folder: str | Path,
+    target,
+    target_dir,
+    *,
+    prompts: int = CALIBRATION_PROMPTS,
+    new_tokens: int = CALIBRATION_NEW_TOKENS,
+    used: int = GeneratedData.count,
+    seed: int = 0,
+    max_nodes: int = CALIBRATION_NODES,
+) -> Calibration:
+    """Fit the depth scale of the drafter saved in `folder` on `prompts` held-back prompts (see
+    `calibration_sequences`), record it in its config and report it on stderr."""
+    if prompts < 1 or new_tokens < 1:
+        raise ValueError(
+            f"calibration needs at least one prompt and one new token, got {prompts} prompts "
+            f"of {new_tokens} new tokens"
+        )
+    model = load_block_model(folder, target)
+    sequences = calibration_sequences(target, target_dir, prompts, new_tokens, used, seed)
+    calibration = fit_depth_scale(model, target, sequences, GeneratedData.prompt_len, max_nodes)
+    write_depth_scale(folder, calibration)
+    print(json.dumps({"calibration": calibration.to_dict()}), file=sys.stderr, flush=True)
+    return calibration
+
+
+def add_calibration_arguments(parser, prompt_seed: bool = True) -> None:
+    """The fit's options; `prompt_seed` adds `--calibration-seed` (a training command orders
+    the prompts by its own `--seed`)."""
+    parser.add_argument(
+        "--calibration-prompts",
+        type=int,
+        default=CALIBRATION_PROMPTS,
+        help="held-back training prompts the tree's depth scale is fitted on (0: no fit)",
+    )
+    parser.add_argument(
+        "--calibration-tokens",
+        type=int,
+        default=CALIBRATION_NEW_TOKENS,
+        help="greedy tokens generated after each",
+    )
+    if not prompt_seed:
+        return
+    parser.add_argument(
+        "--calibration-seed",
+        type=int,
+        default=0,
+        help="the prompt order's seed (the training run's --seed)",
+    )
+
+
+def _run_calibrate(args) -> int:
+    target_dir, target = fp32_target(args.target)
+    folder = Path(args.drafter)
+    calibration = calibrate_folder(
+        folder,
+        target,
+        target_dir,
+        prompts=args.calibration_prompts,
+        new_tokens=args.calibration_tokens,
+        used=args.used,
+        seed=args.calibration_seed,
+        max_nodes=args.nodes,
+    )
+    info_path = folder / "training_info.json"
+    if info_path.is_file():
+        info = json.loads(info_path.read_text())
+        info["calibration"] = {**calibration.to_dict(), "command": command_line()}
+        prompts = eval_prompts(info["target"], info["engine"]["prompts"])
+        info["engine"] = engine_acceptance(folder, target, prompts)
+        info_path.write_text(json.dumps(info, indent=2, sort_keys=True) + "\n")
+        write_readme(folder, info)
+        print(json.dumps({"engine": info["engine"]}), flush=True)
+    return 0
+
+
+def register_calibrate_command(sub) -> None:
+    """Add the `calibrate-block` command to the training CLI."""
+    parser = sub.add_parser(
+        "calibrate-block", help="fit a block drafter's best-first tree depth scale"
+    )
+    parser.add_argument("--drafter", required=True, help="the drafter's folder (rewritten)")
+    parser.add_argument("--target", default="tiny-code", help="folder or bundled name")
+    parser.add_argument("--nodes", type=int, default=CALIBRATION_NODES, help="tree budget N")
+    parser.add_argument(
+        "--used",
+        type=int,
+        default=GeneratedData.count,
+        help="code prompts the drafter trained on (--sequences), not calibrated on",
+    )
+    add_calibration_arguments(parser)
+    parser.set_defaults(run=_run_calibrate)

@@ -1,0 +1,121 @@
+"""Fitting a block drafter's best-first tree depth scale (`specdec_fast.train.calibrate`): the
+drafted blocks are the engine's, the accepted lengths are greedy verification's, the fit picks
+the grid's best, and the command records it where `BlockDrafter` reads it."""
+
+import json
+import shutil
+
+import pytest
+import torch
+from test_block import BLOCK, MODELS, VOCAB, RecordingDrafter
+from tiny_models import repetitive_prompts, tiny_llama
+
+from specdec_fast import BlockDrafter, bundled, generate
+from specdec_fast.drafters.block import load_block_model
+from specdec_fast.train.calibrate import (
+    DEPTH_SCALES,
+    accepted_lengths,
+    block_log_probs,
+    fit_depth_scale,
+)
+from specdec_fast.train.cli import build_parser
+from specdec_fast.trees import PAD_NODE, best_first_tree
+
+
+@pytest.fixture(scope="module")
+def target():
+    return tiny_llama(vocab_size=VOCAB, layers=4)
+
+
+def test_accepted_lengths_follow_the_labelled_path():
+    # Root 9; depth 1: 4 (node 1), 5 (node 2); depth 2 below 5: 6 (node 3); node 4 is padding.
+    tokens = torch.tensor([[9, 4, 5, 6, 6]] * 4)
+    parents = torch.tensor([[-1, 0, 0, 2, PAD_NODE]] * 4)
+    labels = torch.tensor([[5, 6, 1], [4, 6, 1], [7, 6, 1], [5, 7, 1]])
+    assert accepted_lengths(tokens, parents, labels).tolist() == [2, 1, 0, 1]
+
+
+def test_a_drafter_sure_of_the_labels_accepts_its_tree_depth():
+    labels = torch.tensor([[3, 1, 4, 1, 5], [2, 7, 1, 8, 2]])
+    log_probs = torch.full((2, 5, 10), -20.0).scatter(2, labels[..., None], 0.0)
+    for nodes, expected in ((2, 1), (4, 3), (16, 5)):
+        tokens, parents = best_first_tree(log_probs, torch.zeros(2, dtype=torch.long), nodes)
+        assert accepted_lengths(tokens, parents, labels).tolist() == [expected] * 2
+
+
+@pytest.mark.parametrize("flavour", list(MODELS))
+def test_the_blocks_are_what_the_engine_drafts(target, flavour):
+    """Teacher-forced over the finished sequence, each block equals the engine's at the step
+    whose root sat there."""
+    model = MODELS[flavour](target)
+    drafter = RecordingDrafter(model, max_nodes=8)
+    prompts = repetitive_prompts([11], VOCAB, seed=9)
+    out = generate(target, prompts, drafter=drafter, max_new_tokens=24)
+    rows = out.sequences[0][None].long()
+    assert out.stats.accepted_tokens > 0
+    for tokens, logits in drafter.steps:
+        anchors = torch.tensor([[len(tokens) - 1]])
+        got = block_log_probs(model, target, rows, anchors)[0, 0]
+        torch.testing.assert_close(got, torch.log_softmax(logits, -1), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("flavour", list(MODELS))
+def test_the_fit_takes_the_scale_whose_trees_accept_most(target, flavour):
+    model = MODELS[flavour](target)
+    prompt_len, new_tokens = 10, 22
+    prompts = repetitive_prompts([prompt_len] * 3, VOCAB, seed=5)
+    out = generate(target, prompts, drafter=None, max_new_tokens=new_tokens)
+    sequences = torch.stack(out.sequences).long()
+    fit = fit_depth_scale(model, target, sequences, prompt_len, max_nodes=10)
+    depth = min(BLOCK - 1 if flavour == "dflash" else BLOCK, 9)
+    assert fit.anchors == 3 * (prompt_len + new_tokens - 1 - depth - prompt_len + 1)
+    assert set(fit.tokens_per_step) == set(DEPTH_SCALES)
+    best = max(fit.tokens_per_step.values())
+    assert fit.tokens_per_step[fit.depth_scale] == best
+    assert all(fit.depth_scale >= s for s, v in fit.tokens_per_step.items() if v == best)
+    # A 2-node tree is the top-1 token at depth 1 whatever the scale: its tokens per step are
+    # 1 + the top-1 hit rate, counted here straight from the blocks.
+    two = fit_depth_scale(model, target, sequences, prompt_len, max_nodes=2)
+    anchors = torch.arange(prompt_len, prompt_len + new_tokens - 1 - 1 + 1).expand(3, -1)
+    top1 = block_log_probs(model, target, sequences, anchors)[:, :, 0].argmax(-1)
+    hits = (top1 == sequences.gather(1, anchors + 1)).float().mean().item()
+    assert set(two.tokens_per_step.values()) == {round(1 + hits, 4)}
+    assert two.depth_scale == 1.0  # ties keep the largest scale
+    with pytest.raises(ValueError, match="leave no room for a block"):
+        fit_depth_scale(model, target, sequences[:, : prompt_len + 2], prompt_len)
+
+
+def run_command(argv: list[str]) -> int:
+    """The command as `main` runs it, without `main`'s process-wide torch settings."""
+    args = build_parser().parse_args(argv)
+    return args.run(args)
+
+
+@pytest.mark.slow
+def test_the_command_records_the_scale_and_remeasures_the_engine(tmp_path, monkeypatch):
+    if "tiny-code-pard" not in bundled.available() or "tiny-code" not in bundled.available():
+        pytest.skip("the bundled pair is not installed")
+    folder = tmp_path / "pard"
+    shutil.copytree(bundled.path("tiny-code-pard"), folder)
+    info = json.loads((folder / "training_info.json").read_text())
+    info["engine"]["prompts"] = 1
+    (folder / "training_info.json").write_text(json.dumps(info))
+    argv = ["calibrate-block", "--drafter", str(folder), "--nodes", "4"]
+    argv += ["--calibration-prompts", "2", "--calibration-tokens", "16"]
+    monkeypatch.setattr("sys.argv", ["specdec_fast.train", *argv])
+    assert run_command(argv) == 0
+    info = json.loads((folder / "training_info.json").read_text())
+    fit = info["calibration"]
+    assert fit["max_nodes"] == 4 and fit["sequences"] == 2
+    assert "calibrate-block --drafter" in fit["command"]
+    config = json.loads((folder / "config.json").read_text())
+    assert config["ddtree_depth_scale"] == fit["depth_scale"]
+    assert info["engine"]["prompts"] == 1 and info["engine"]["identical"]
+    assert f"depth scale {fit['depth_scale']:g}" in (folder / "README.md").read_text()
+    from specdec_fast.loading import load_model
+
+    target = load_model("tiny-code", torch.device("cpu"))
+    assert load_block_model(folder, target).depth_scale == fit["depth_scale"]
+    assert BlockDrafter.from_pretrained(folder, target).depth_scale == fit["depth_scale"]
+    with pytest.raises(ValueError, match="at least one prompt"):
+        run_command([*argv[:5], "--calibration-prompts", "0"])
