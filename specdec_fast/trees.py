@@ -509,7 +509,8 @@ def best_first_tree(
 
 def check_depth_scale(depth_scale: float) -> None:
     """Raise ValueError unless `depth_scale` is a finite number > 0."""
-    if not (isinstance(depth_scale, int | float) and 0 < depth_scale < float("inf")):
+    number = isinstance(depth_scale, int | float) and not isinstance(depth_scale, bool)
+    if not (number and 0 < depth_scale < float("inf")):
         raise ValueError(f"depth_scale must be a finite number > 0, got {depth_scale!r}")
 
 

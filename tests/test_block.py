@@ -384,6 +384,8 @@ def test_the_depth_scale_comes_from_the_checkpoint_and_stays_exact(
         assert load_block_model(tmp_path / "again", target).depth_scale == 0.2
     with pytest.raises(ValueError, match="depth_scale must be a finite number > 0"):
         BlockDrafter(loaded, depth_scale=0.0)
+    (tmp_path / "config.json").write_text(json.dumps({**config, "ddtree_depth_scale": None}))
+    assert load_block_model(tmp_path, target).depth_scale == 1.0
     (tmp_path / "config.json").write_text(json.dumps({**config, "ddtree_depth_scale": -1}))
     with pytest.raises(ValueError, match=r"config\.json: depth_scale must be a finite number"):
         load_block_model(tmp_path, target)

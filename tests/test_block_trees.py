@@ -121,7 +121,7 @@ def test_a_small_depth_scale_moves_nodes_below_the_likely_token():
     assert scaled[0][0].tolist() == [9, 0, 0] and scaled[1][0].tolist() == [-1, 0, 1]
 
 
-@pytest.mark.parametrize("bad", [0, -0.5, float("nan"), float("inf"), "0.5"])
+@pytest.mark.parametrize("bad", [0, -0.5, float("nan"), float("inf"), "0.5", True, None])
 def test_the_depth_scale_must_be_a_positive_finite_number(bad):
     with pytest.raises(ValueError, match="depth_scale must be a finite number > 0"):
         best_first_tree(torch.zeros(1, 2, 3), torch.tensor([0]), 4, bad)

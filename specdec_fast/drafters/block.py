@@ -46,7 +46,12 @@ from transformers import PreTrainedModel
 
 from specdec_fast.cache import SpecKVCache
 from specdec_fast.compiled import CompiledStep, compile_by_default, record_compile
-from specdec_fast.heads.block import DFlashHead, is_dflash_config, load_dflash_head
+from specdec_fast.heads.block import (
+    DEPTH_SCALE_FIELD,
+    DFlashHead,
+    is_dflash_config,
+    load_dflash_head,
+)
 from specdec_fast.heads.checkpoint import (
     SAFETENSORS_INDEX,
     SAFETENSORS_NAME,
@@ -72,7 +77,6 @@ from .features import gather_rows
 TREE_MODES = ("ddtree", "chain")
 PARD_TOKEN_FIELDS = ("pard_token", "ptd_token_id")
 PARD_TYPE = "pard"
-DEPTH_SCALE_FIELD = "ddtree_depth_scale"
 DEFAULT_PARD_BLOCK = 8
 # Random stream of the sampled chains' draws (verify uses 0 and 1, draft models 2).
 STREAM_BLOCK = 3
@@ -144,12 +148,13 @@ def load_pard(name_or_path: str | os.PathLike, target) -> PardDraft:
         check_compatible(model, target)
     except ValueError as error:
         raise ValueError(f"{what}: {error}") from None
+    depth_scale = fields.get(DEPTH_SCALE_FIELD)
     try:
         return PardDraft(
             model,
             int(mask_token_id),
             int(fields.get("block_size", DEFAULT_PARD_BLOCK)),
-            fields.get(DEPTH_SCALE_FIELD, 1.0),
+            1.0 if depth_scale is None else depth_scale,
         )
     except ValueError as error:
         raise ValueError(f"{what}: config.json: {error}") from None

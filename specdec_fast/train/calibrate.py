@@ -32,8 +32,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from specdec_fast.drafters.block import DEPTH_SCALE_FIELD, PardDraft, load_block_model
-from specdec_fast.heads.block import DFlashHead
+from specdec_fast.drafters.block import PardDraft, load_block_model
+from specdec_fast.heads.block import DEPTH_SCALE_FIELD, DFlashHead
 from specdec_fast.progress import Progress
 from specdec_fast.trees import best_first_tree
 
