@@ -81,8 +81,23 @@ def test_the_fit_takes_the_scale_whose_trees_accept_most(target, flavour):
     hits = (top1 == sequences.gather(1, anchors + 1)).float().mean().item()
     assert set(two.tokens_per_step.values()) == {round(1 + hits, 4)}
     assert two.depth_scale == 1.0  # ties keep the largest scale
-    with pytest.raises(ValueError, match="leave no room for a block"):
+    # Rows of their own lengths and prompt lengths: the anchors after each prompt.
+    ragged = [sequences[0], sequences[1, :-5], sequences[2]]
+    uneven = fit_depth_scale(model, target, ragged, [prompt_len, prompt_len, 14], max_nodes=10)
+    assert uneven.anchors == fit.anchors - 5 - (14 - prompt_len)
+    same = fit_depth_scale(model, target, list(sequences), [prompt_len] * 3, max_nodes=10)
+    assert same == fit
+    with pytest.raises(ValueError, match="leaves no room for a block"):
         fit_depth_scale(model, target, sequences[:, : prompt_len + 2], prompt_len)
+
+
+def bundled_copy(name: str, tmp_path):
+    """A writable copy of a bundled drafter's folder (skips without the bundled pair)."""
+    if name not in bundled.available() or "tiny-code" not in bundled.available():
+        pytest.skip("the bundled pair is not installed")
+    folder = tmp_path / name
+    shutil.copytree(bundled.path(name), folder)
+    return folder
 
 
 def run_command(argv: list[str]) -> int:
@@ -93,10 +108,7 @@ def run_command(argv: list[str]) -> int:
 
 @pytest.mark.slow
 def test_the_command_records_the_scale_and_remeasures_the_engine(tmp_path, monkeypatch):
-    if "tiny-code-pard" not in bundled.available() or "tiny-code" not in bundled.available():
-        pytest.skip("the bundled pair is not installed")
-    folder = tmp_path / "pard"
-    shutil.copytree(bundled.path("tiny-code-pard"), folder)
+    folder = bundled_copy("tiny-code-pard", tmp_path)
     info = json.loads((folder / "training_info.json").read_text())
     info["engine"]["prompts"] = 1
     (folder / "training_info.json").write_text(json.dumps(info))
@@ -119,3 +131,20 @@ def test_the_command_records_the_scale_and_remeasures_the_engine(tmp_path, monke
     assert BlockDrafter.from_pretrained(folder, target).depth_scale == fit["depth_scale"]
     with pytest.raises(ValueError, match="at least one prompt"):
         run_command([*argv[:5], "--calibration-prompts", "0"])
+
+
+@pytest.mark.slow
+def test_the_command_fits_on_a_prompt_file_and_dry_runs(tmp_path, capsys):
+    folder = bundled_copy("tiny-code-dflash", tmp_path)
+    before = {p.name: p.read_bytes() for p in folder.iterdir()}
+    prompts = tmp_path / "mine.jsonl"
+    lines = [{"prompt": "def add(a, b):\n    return"}, {"prompt": "import os\n\n\ndef main():\n"}]
+    prompts.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    argv = ["calibrate-block", "--drafter", str(folder), "--prompts", str(prompts), "--dry-run"]
+    argv += ["--calibration-tokens", "12", "--nodes", "6"]
+    assert run_command(argv) == 0
+    assert {p.name: p.read_bytes() for p in folder.iterdir()} == before  # nothing written
+    report = json.loads(capsys.readouterr().err.strip().splitlines()[-1])["calibration"]
+    assert report["source"] == "prompts of mine.jsonl" and report["sequences"] == 2
+    assert report["max_nodes"] == 6 and report["depth_scale"] in DEPTH_SCALES
+    assert report["anchors"] == 2 * (12 - 5)  # after each prompt, room for 5 drafted tokens

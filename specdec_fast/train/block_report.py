@@ -76,13 +76,16 @@ def calibration_line(calibration: dict | None) -> str:
     """The README's paragraph on the tree's fitted depth scale (empty without a fit)."""
     if not calibration:
         return ""
-    fits = ", ".join(f"{s}: {v:.2f}" for s, v in calibration["tokens_per_step"].items())
+    fits = ", ".join(
+        f"{s}: {v:.2f}"
+        for s, v in sorted(calibration["tokens_per_step"].items(), key=lambda sv: -float(sv[0]))
+    )
     command = calibration.get("command")
     how = f", with:\n\n```\n{command}\n```\n\n" if command else " by the command above, "
     return (
         f"Best-first tree depth scale {calibration['depth_scale']:g} (`ddtree_depth_scale`), "
         f"fitted{how}on the target's greedy continuations of "
-        f"{calibration['sequences']} training-split code prompts held back from training: "
+        f"{calibration['sequences']} {calibration['source']}: "
         f"tokens per step of a {calibration['max_nodes']}-node tree at each scale over "
         f"{calibration['anchors']:,} drafted blocks: {fits}.\n\n"
     )

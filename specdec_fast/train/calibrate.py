@@ -20,12 +20,17 @@ long tail of depth 1. This module fits s for a checkpoint, for greedy verificati
 
 writes `ddtree_depth_scale` into the drafter's `config.json` (read by `BlockDrafter`), and, for a
 folder of ours, the fit into `training_info.json` with the engine's acceptance re-measured.
+`--prompts FILE.jsonl` fits on the first `--calibration-prompts` prompts of a file in the bench's
+format instead (a target of your own, whose training prompts are not the bundled corpus'), and
+`--dry-run` reports the fit without writing.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -57,13 +62,15 @@ ROWS_PER_BATCH = 4
 @dataclass(frozen=True)
 class Calibration:
     """A fitted depth scale and what it rests on: `tokens_per_step` per scale of the grid (the
-    bonus token included), over `anchors` drafted blocks of `sequences` continuations."""
+    bonus token included), over `anchors` drafted blocks of `sequences` continuations of the
+    prompts `source` describes."""
 
     depth_scale: float
     max_nodes: int
     sequences: int
     anchors: int
     tokens_per_step: dict[float, float]
+    source: str = ""
 
     def to_dict(self) -> dict:
         fields = asdict(self)
@@ -111,47 +118,57 @@ def accepted_lengths(tokens: torch.Tensor, parents: torch.Tensor, labels: torch.
 def fit_depth_scale(
     model: DFlashHead | PardDraft,
     target,
-    sequences: torch.Tensor,
-    prompt_len: int,
+    sequences: Sequence[torch.Tensor],
+    prompt_lens: int | Sequence[int],
     max_nodes: int = CALIBRATION_NODES,
     scales: tuple[float, ...] = DEPTH_SCALES,
 ) -> Calibration:
     """The depth scale of `scales` whose `max_nodes`-node trees accept the most tokens per step
-    over the greedy continuations in `sequences` (int64 `[S, L]`, a `prompt_len`-token prompt
-    first; see the module doc)."""
+    over greedy continuations (see the module doc): `sequences` are int64 token rows (a `[S, L]`
+    tensor or 1-D rows of any lengths), each a prompt of `prompt_lens` tokens (one count for
+    all, or one per row) and the target's greedy continuation of it."""
     positions = model.block_size - 1 if isinstance(model, DFlashHead) else model.block_size
     depth = min(positions, max_nodes - 1)
-    first, last = prompt_len, sequences.shape[1] - 1 - depth
-    if last < first:
-        raise ValueError(
-            f"sequences of {sequences.shape[1]} tokens after a {prompt_len}-token prompt leave "
-            f"no room for a block of {depth} drafted tokens"
-        )
+    if isinstance(prompt_lens, int):
+        prompt_lens = [prompt_lens] * len(sequences)
+    rows = list(zip(sequences, prompt_lens, strict=True))
+    for row, prompt_len in rows:
+        if len(row) - 1 - depth < prompt_len:
+            raise ValueError(
+                f"a sequence of {len(row)} tokens after a {prompt_len}-token prompt leaves no "
+                f"room for a block of {depth} drafted tokens"
+            )
     accepted = {scale: 0 for scale in scales}
     anchors_seen = 0
     progress = Progress(
-        len(sequences),
+        len(rows),
         desc="calibrate",
         unit="seq",
         min_interval_s=LOG_EVERY_S,
         log_every_s=LOG_EVERY_S,
     )
-    for start in range(0, len(sequences), ROWS_PER_BATCH):
-        rows = sequences[start : start + ROWS_PER_BATCH].to(target.device)
-        anchors = torch.arange(first, last + 1, device=rows.device).expand(len(rows), -1)
-        log_probs = block_log_probs(model, target, rows, anchors)[:, :, :depth].flatten(0, 1)
-        offsets = anchors[..., None] + torch.arange(1, depth + 1, device=rows.device)
-        labels = rows.gather(1, offsets.flatten(1)).view(-1, depth).cpu()
-        log_probs, roots = log_probs.cpu(), rows.gather(1, anchors).flatten().cpu()
-        for scale in scales:
-            tokens, parents = best_first_tree(log_probs, roots, max_nodes, scale)
-            accepted[scale] += int(accepted_lengths(tokens, parents, labels).sum())
-        anchors_seen += len(labels)
-        progress.update(len(rows))
+    # Rows of one (length, prompt length) draft together.
+    shapes: dict[tuple[int, int], list[torch.Tensor]] = {}
+    for row, prompt_len in rows:
+        shapes.setdefault((len(row), prompt_len), []).append(row)
+    for (length, prompt_len), group in shapes.items():
+        for start in range(0, len(group), ROWS_PER_BATCH):
+            batch = torch.stack(group[start : start + ROWS_PER_BATCH]).long().to(target.device)
+            anchors = torch.arange(prompt_len, length - depth, device=batch.device)
+            anchors = anchors.expand(len(batch), -1)
+            log_probs = block_log_probs(model, target, batch, anchors)[:, :, :depth]
+            offsets = anchors[..., None] + torch.arange(1, depth + 1, device=batch.device)
+            labels = batch.gather(1, offsets.flatten(1)).view(-1, depth).cpu()
+            log_probs, roots = log_probs.flatten(0, 1).cpu(), batch.gather(1, anchors).flatten()
+            for scale in scales:
+                tokens, parents = best_first_tree(log_probs, roots.cpu(), max_nodes, scale)
+                accepted[scale] += int(accepted_lengths(tokens, parents, labels).sum())
+            anchors_seen += len(labels)
+            progress.update(len(batch))
     progress.close()
     per_step = {scale: round(1 + accepted[scale] / anchors_seen, 4) for scale in scales}
     best = max(scales, key=lambda scale: (per_step[scale], scale))
-    return Calibration(best, max_nodes, len(sequences), anchors_seen, per_step)
+    return Calibration(best, max_nodes, len(rows), anchors_seen, per_step)
 
 
 def write_depth_scale(folder: str | Path, calibration: Calibration) -> None:
@@ -171,6 +188,21 @@ def calibration_sequences(target, target_dir, prompts: int, new_tokens: int, use
     return torch.from_numpy(greedy_sequences(target, rows, new_tokens)).long()
 
 
+def file_sequences(target, target_dir, path: str | Path, count: int, new_tokens: int):
+    """(the target's greedy continuations of the first `count` prompts of a JSONL prompt file,
+    their prompt lengths): the prompts as `specdec-fast bench` reads and encodes them."""
+    from specdec_fast.engine import generate
+    from specdec_fast.harness.prompts import load_prompts
+    from specdec_fast.loading import load_tokenizer as load_model_tokenizer
+    from specdec_fast.text import encode_prompt
+
+    tokenizer = load_model_tokenizer(str(target_dir))
+    ids = [encode_prompt(tokenizer, r.prompt, r.messages) for r in load_prompts(path)[:count]]
+    with torch.no_grad():
+        out = generate(target, ids, drafter=None, max_new_tokens=new_tokens, eos_token_id=[])
+    return [row.long() for row in out.sequences], [len(row) for row in ids]
+
+
 def calibrate_folder(
     folder: str | Path,
     target,
@@ -181,18 +213,31 @@ def calibrate_folder(
     used: int = GeneratedData.count,
     seed: int = 0,
     max_nodes: int = CALIBRATION_NODES,
+    prompt_file: str | Path | None = None,
+    write: bool = True,
 ) -> Calibration:
-    """Fit the depth scale of the drafter saved in `folder` on `prompts` held-back prompts (see
-    `calibration_sequences`), record it in its config and report it on stderr."""
+    """Fit the depth scale of the drafter saved in `folder` on `prompts` prompts: held back
+    from training (`calibration_sequences`), or the first ones of `prompt_file` (JSONL, the
+    bench's format); record it in its config unless `write` is False, and report it on stderr."""
     if prompts < 1 or new_tokens < 1:
         raise ValueError(
             f"calibration needs at least one prompt and one new token, got {prompts} prompts "
             f"of {new_tokens} new tokens"
         )
     model = load_block_model(folder, target)
-    sequences = calibration_sequences(target, target_dir, prompts, new_tokens, used, seed)
-    calibration = fit_depth_scale(model, target, sequences, GeneratedData.prompt_len, max_nodes)
-    write_depth_scale(folder, calibration)
+    if prompt_file is None:
+        sequences = calibration_sequences(target, target_dir, prompts, new_tokens, used, seed)
+        prompt_lens: int | list[int] = GeneratedData.prompt_len
+        source = "training-split code prompts held back from training"
+    else:
+        sequences, prompt_lens = file_sequences(
+            target, target_dir, prompt_file, prompts, new_tokens
+        )
+        source = f"prompts of {Path(prompt_file).name}"
+    calibration = fit_depth_scale(model, target, sequences, prompt_lens, max_nodes)
+    calibration = dataclasses.replace(calibration, source=source)
+    if write:
+        write_depth_scale(folder, calibration)
     print(json.dumps({"calibration": calibration.to_dict()}), file=sys.stderr, flush=True)
     return calibration
 
@@ -234,9 +279,11 @@ def _run_calibrate(args) -> int:
         used=args.used,
         seed=args.calibration_seed,
         max_nodes=args.nodes,
+        prompt_file=args.prompts,
+        write=not args.dry_run,
     )
     info_path = folder / "training_info.json"
-    if info_path.is_file():
+    if info_path.is_file() and not args.dry_run:
         info = json.loads(info_path.read_text())
         info["calibration"] = {**calibration.to_dict(), "command": command_line()}
         prompts = eval_prompts(info["target"], info["engine"]["prompts"])
@@ -253,6 +300,14 @@ def register_calibrate_command(sub) -> None:
         "calibrate-block", help="fit a block drafter's best-first tree depth scale"
     )
     parser.add_argument("--drafter", required=True, help="the drafter's folder (rewritten)")
+    parser.add_argument(
+        "--prompts",
+        help="a JSONL prompt file (`prompt` or chat `messages` per line, as for `specdec-fast "
+        "bench`) to fit on instead of held-back training prompts: for a target of your own",
+    )
+    parser.add_argument(
+        "--dry-run", action="store_true", help="report the fit without writing anything"
+    )
     parser.add_argument("--target", default="tiny-code", help="folder or bundled name")
     parser.add_argument("--nodes", type=int, default=CALIBRATION_NODES, help="tree budget N")
     parser.add_argument(
