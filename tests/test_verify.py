@@ -575,27 +575,32 @@ def test_draft_probs_tolerance_admits_16_bit_rounding():
         verify(**inputs, temperature=0.8, seed=1)
 
 
+@pytest.mark.parametrize("temperature", (0.9, 0.0))
 @pytest.mark.parametrize("backend", ("torch", "triton", "fused"))
-def test_padded_nodes_are_never_checked_or_read(monkeypatch, backend):
+def test_padded_nodes_are_never_checked_or_read(monkeypatch, backend, temperature):
     monkeypatch.setenv("SPECDEC_BACKEND", backend)
     inputs = valid_inputs(chain=True)
     inputs["parents"][1] = torch.tensor([-1, 0, -2, -2, -2])
     inputs["logits"][1, 2:] = float("nan")
     inputs["draft_tokens"][1, 2:] = -7
     inputs["draft_probs"] = torch.softmax(torch.randn(inputs["logits"].shape), dim=-1)
-    result = verify(**inputs, temperature=0.9, seed=2)
+    result = verify(**inputs, temperature=temperature, seed=2)
     assert int(result.num_accepted[1]) <= 1
     assert result.accepted_nodes[1, 2:].eq(-1).all()
 
 
+@pytest.mark.parametrize("temperature", (0.7, 0.0))
 @pytest.mark.parametrize("backend", ("torch", "triton", "fused"))
-def test_without_validation_an_unusable_row_gives_minus_one_never_a_token(monkeypatch, backend):
+def test_without_validation_an_unusable_row_gives_minus_one_never_a_token(
+    monkeypatch, backend, temperature
+):
+    """Sampled and greedy (the fused backend's host walk): a NaN at a real node, a root of -inf."""
     monkeypatch.setenv("SPECDEC_BACKEND", backend)
     inputs = valid_inputs(batch=4)
     inputs["logits"][2, int((inputs["parents"][2] != -2).nonzero()[-1])] = float("nan")
     inputs["logits"][3, 0] = float("-inf")
-    expected = verify(**{k: v[:2] for k, v in inputs.items()}, temperature=0.7, seed=3)
-    result = verify(**inputs, temperature=0.7, seed=3, validate=False)
+    expected = verify(**{k: v[:2] for k, v in inputs.items()}, temperature=temperature, seed=3)
+    result = verify(**inputs, temperature=temperature, seed=3, validate=False)
     assert result.next_tokens[2:].tolist() == [-1, -1]
     assert result.num_accepted[2:].tolist() == [0, 0]
     assert result.accepted_nodes[2:, 1:].eq(-1).all()

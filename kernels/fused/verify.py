@@ -5,11 +5,15 @@ reference walks the tree one level per iteration, this finds the accepted path i
 of batched ops: a node is taken when its token equals its parent's draw (the first such sibling in
 node order) and so is every ancestor, which pointer jumping checks in ceil(log2 N) gathers. An
 all-greedy call never computes a softmax or a random number: one pass for the argmax and one for
-the validity of each row.
+the validity of each row, then (the tensors being host memory) a walk down each row's first
+matching children in numpy, a few array operations per accepted node where the batched form takes
+about forty tensor operations whatever the tree (most of a greedy step's verification cost at
+batch 1 on the CPU).
 """
 
 import math
 
+import numpy as np
 import torch
 
 from ..reference.verify import (
@@ -104,13 +108,54 @@ def _chain_rule(scaled, noise, draft_tokens, draft_probs, seed, sequence, draws)
     return u * q_child < p_child, torch.where(empty, draws, residual_token)
 
 
+def _argmax(raw: torch.Tensor) -> torch.Tensor:
+    """int64 argmax over the last dimension (the first of tied maxima, as torch's): numpy's for
+    host tensors, about ten times faster than torch's at a step's shapes ([1, 8, 4096]: 5 us
+    against 55)."""
+    if raw.device.type != "cpu":
+        return raw.argmax(dim=-1)
+    return torch.from_numpy(raw.numpy().argmax(axis=-1).astype(np.int64))
+
+
 def _greedy_roots(logits: torch.Tensor) -> VerifyResult:
     """Greedy plain decoding (one node, nothing drafted): the argmax, or -1 for unusable rows."""
     raw = logits[:, 0].float()
-    next_tokens = torch.where(torch.isfinite(raw.amax(dim=-1)), raw.argmax(dim=-1), -1)
+    next_tokens = torch.where(torch.isfinite(raw.amax(dim=-1)), _argmax(raw), -1)
     accepted_nodes = torch.zeros(logits.shape[:2], dtype=torch.int32, device=logits.device)
     num_accepted = torch.zeros(logits.shape[:1], dtype=torch.int32, device=logits.device)
     return VerifyResult(accepted_nodes, num_accepted, next_tokens)
+
+
+def _greedy_on_host(
+    raw: torch.Tensor, draft_tokens: torch.Tensor, parents: torch.Tensor
+) -> VerifyResult:
+    """`verify` when every row is greedy, for host tensors: from the root, follow the first child
+    (node order) whose token is the current node's argmax; a row with a non-finite maximum at a
+    real node is unusable (-1, nothing accepted), as in `verify_fused`."""
+    batch, num_nodes, _ = raw.shape
+    values, parent = raw.numpy(), parents.numpy().astype(np.int64)
+    draws = values.argmax(axis=-1)
+    # max propagates NaN, and is +inf with any +inf, -inf only when the whole row is -inf.
+    unusable = (~np.isfinite(values.max(axis=-1)) & (parent != -2)).any(axis=1)
+    # matches[b, n]: node n is a real non-root node whose token is its parent's draw.
+    parent_draws = draws[np.arange(batch)[:, None], parent.clip(min=0)]
+    matches = (parent >= 0) & (draft_tokens.numpy() == parent_draws)
+    accepted = np.full((batch, num_nodes), -1, dtype=np.int32)
+    accepted[:, 0] = 0
+    counts = np.zeros(batch, dtype=np.int32)
+    next_tokens = np.full(batch, -1, dtype=np.int64)
+    for b in np.flatnonzero(~unusable):
+        node, depth = 0, 0
+        while True:
+            children = np.flatnonzero(matches[b] & (parent[b] == node))
+            if children.size == 0:
+                break
+            node, depth = int(children[0]), depth + 1
+            accepted[b, depth] = node
+        counts[b], next_tokens[b] = depth, draws[b, node]
+    return VerifyResult(
+        torch.from_numpy(accepted), torch.from_numpy(counts), torch.from_numpy(next_tokens)
+    )
 
 
 def verify_fused(
@@ -127,8 +172,13 @@ def verify_fused(
     the sampling parameters, an int or int `[B]` seed (never None here)."""
     batch, num_nodes, _ = logits.shape
     device = logits.device
-    if num_nodes == 1 and not isinstance(temperature, torch.Tensor) and not temperature:
+    all_greedy = (
+        not bool(temperature.any()) if isinstance(temperature, torch.Tensor) else not temperature
+    )
+    if all_greedy and num_nodes == 1:
         return _greedy_roots(logits)
+    if all_greedy and device.type == "cpu":
+        return _greedy_on_host(logits.float(), draft_tokens, parents)
 
     def per_sequence(value, default, dtype):
         value = default if value is None else value
