@@ -16,6 +16,8 @@ measured in the same run.
 
 import argparse
 import json
+import os
+import platform
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -189,6 +191,24 @@ def _package_version(name: str) -> str:
         return "not installed"
 
 
+def cpu_model() -> str:
+    """The host CPU's model name (Linux's /proc/cpuinfo, else `platform.processor()`): CPU figures
+    from two machines differ by more than any change measured on one."""
+    fields: dict[str, str] = {}
+    try:
+        with open("/proc/cpuinfo") as info:
+            for line in info:
+                key, _, value = line.partition(":")
+                fields.setdefault(key.strip(), value.strip())
+    except OSError:
+        pass
+    if "model name" not in fields:
+        return platform.processor() or "unknown"
+    if "cpu family" not in fields or "model" not in fields:
+        return fields["model name"]
+    return f"{fields['model name']} (family {fields['cpu family']}, model {fields['model']})"
+
+
 def environment(device: torch.device) -> dict:
     """What the numbers were measured on: GPU, versions, date, measured bandwidth."""
     info = {
@@ -205,6 +225,8 @@ def environment(device: torch.device) -> dict:
         "triton": _package_version("triton"),
         "transformers": _package_version("transformers"),
         "flash_attn": _package_version("flash-attn"),
+        "cpu": cpu_model(),
+        "cpu_count": os.cpu_count(),
     }
     if copy_bandwidth.cache_info().currsize:
         info["copy_bandwidth_GBps"] = round(copy_bandwidth(str(device)) / 1e9, 1)

@@ -358,8 +358,11 @@ class _StandaloneBlock:
             to_device(parents, device),
             to_device(q_lens, device, torch.int32),
         ).logits
-        index = to_device(roots, device)[:, None] + torch.arange(size, device=device)
-        block = logits.gather(1, index[..., None].expand(-1, -1, logits.shape[-1]))
+        if min(roots) == max(roots):
+            block = logits[:, roots[0] : roots[0] + size]  # a view: every row's block lines up
+        else:
+            index = to_device(roots, device)[:, None] + torch.arange(size, device=device)
+            block = logits.gather(1, index[..., None].expand(-1, -1, logits.shape[-1]))
         # The root is committed with the tokens before it; the masks' K/V are dropped.
         lengths = [len(row) for row in state.tokens]
         self.runner.cache.commit_lengths(to_device(lengths, device, torch.int32), max(lengths))
