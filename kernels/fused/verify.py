@@ -5,8 +5,8 @@ reference walks the tree one level per iteration, this finds the accepted path i
 of batched ops: a node is taken when its token equals its parent's draw (the first such sibling in
 node order) and so is every ancestor, which pointer jumping checks in ceil(log2 N) gathers. An
 all-greedy call never computes a softmax or a random number: one pass for the argmax and one for
-the validity of each row, then (the tensors being host memory) a walk down each row's first
-matching children in numpy, a few array operations per accepted node where the batched form takes
+the validity of each row, then (the tensors being host memory) a walk down the rows' first
+matching children in numpy, a few array operations per level accepted where the batched form takes
 about forty tensor operations whatever the tree (most of a greedy step's verification cost at
 batch 1 on the CPU).
 """
@@ -130,29 +130,31 @@ def _greedy_on_host(
     raw: torch.Tensor, draft_tokens: torch.Tensor, parents: torch.Tensor
 ) -> VerifyResult:
     """`verify` when every row is greedy, for host tensors: from the root, follow the first child
-    (node order) whose token is the current node's argmax; a row with a non-finite maximum at a
-    real node is unusable (-1, nothing accepted), as in `verify_fused`."""
+    (node order) whose token is the current node's argmax, one level for all rows at a time; a
+    row with a non-finite maximum at a real node is unusable (-1, nothing accepted), as in
+    `verify_fused`."""
     batch, num_nodes, _ = raw.shape
-    values, parent = raw.numpy(), parents.numpy().astype(np.int64)
+    values, parent, tokens = raw.numpy(), parents.numpy(), draft_tokens.numpy()
     draws = values.argmax(axis=-1)
     # max propagates NaN, and is +inf with any +inf, -inf only when the whole row is -inf.
     unusable = (~np.isfinite(values.max(axis=-1)) & (parent != -2)).any(axis=1)
+    rows = np.arange(batch)
     # matches[b, n]: node n is a real non-root node whose token is its parent's draw.
-    parent_draws = draws[np.arange(batch)[:, None], parent.clip(min=0)]
-    matches = (parent >= 0) & (draft_tokens.numpy() == parent_draws)
+    matches = (parent >= 0) & (tokens == draws[rows[:, None], parent.clip(min=0)])
+    node = np.zeros(batch, dtype=np.int64)
+    counts = np.zeros(batch, dtype=np.int32)
     accepted = np.full((batch, num_nodes), -1, dtype=np.int32)
     accepted[:, 0] = 0
-    counts = np.zeros(batch, dtype=np.int32)
-    next_tokens = np.full(batch, -1, dtype=np.int64)
-    for b in np.flatnonzero(~unusable):
-        node, depth = 0, 0
-        while True:
-            children = np.flatnonzero(matches[b] & (parent[b] == node))
-            if children.size == 0:
-                break
-            node, depth = int(children[0]), depth + 1
-            accepted[b, depth] = node
-        counts[b], next_tokens[b] = depth, draws[b, node]
+    alive = ~unusable
+    for depth in range(1, num_nodes):
+        step = matches & (parent == node[:, None])
+        alive &= step.any(axis=1)
+        if not alive.any():
+            break
+        node = np.where(alive, step.argmax(axis=1), node)
+        accepted[:, depth] = np.where(alive, node, -1)
+        counts += alive
+    next_tokens = np.where(unusable, -1, draws[rows, node]).astype(np.int64)
     return VerifyResult(
         torch.from_numpy(accepted), torch.from_numpy(counts), torch.from_numpy(next_tokens)
     )
