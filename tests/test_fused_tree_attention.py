@@ -9,7 +9,10 @@ import torch
 
 from specdec_fast.kernels import pack_tree_mask
 from specdec_fast.kernels.fused.tree_attention import tree_attention_fused
-from specdec_fast.kernels.reference.tree_attention import tree_attention_reference
+from specdec_fast.kernels.reference.tree_attention import (
+    key_visibility,
+    tree_attention_reference,
+)
 from specdec_fast.tree_mask import ancestor_mask
 
 fused_module = importlib.import_module("specdec_fast.kernels.fused.tree_attention")
@@ -90,3 +93,55 @@ def test_ragged_batches_row_by_row_and_masked(batch, num_new):
         length + num_new for length in cache_lens.tolist()
     ][: len(plan.rows or ())]
     check(q, k_cache, v_cache, cache_lens, None)  # causal (decode when num_new is 1)
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+@pytest.mark.parametrize("num_new", [1, 7, 33])
+@pytest.mark.parametrize("lengths", ["shared", "ragged"])
+@pytest.mark.parametrize("padded", [False, True])
+@pytest.mark.parametrize("mask", ["tree", "causal"])
+@pytest.mark.parametrize("window", [None, 5])
+def test_host_plan_matches_the_reference_visibility(batch, num_new, lengths, padded, mask, window):
+    """The plan's visibility, built in numpy (one-length slices or the general arrays), is the
+    reference's `key_visibility` over the span it reads, for every row, slot and query; the
+    capacity cuts the span of a full row."""
+    generator = torch.Generator().manual_seed(batch * 1000 + num_new * 10 + padded)
+    capacity = 50
+    if lengths == "shared":
+        cache_lens = torch.full((batch,), capacity - num_new - 3, dtype=torch.int32)
+    else:
+        cache_lens = torch.randint(0, capacity - num_new, (batch,), generator=generator)
+        cache_lens = cache_lens.to(torch.int32)
+        cache_lens[0] = capacity - num_new  # a full row: its span reaches the capacity
+    parents = torch.full((batch, num_new), -1)
+    for node in range(1, num_new):
+        parents[:, node] = torch.randint(0, node, (batch,), generator=generator)
+    ancestors = ancestor_mask(parents)
+    tree_mask = pack_tree_mask(ancestors) if mask == "tree" else None
+    q_lens = None
+    if padded:
+        q_lens = torch.randint(0, num_new + 1, (batch,), generator=generator).to(torch.int32)
+    depths = ancestors.sum(-1).to(torch.int32) - 1 if mask == "tree" else None
+    q_depths = depths if window is not None else None
+    plan = fused_module._make_plan(
+        cache_lens,
+        cache_lens.tolist(),
+        tree_mask,
+        q_lens,
+        num_new,
+        capacity,
+        window,
+        q_depths,
+    )
+    want = key_visibility(cache_lens, tree_mask, q_lens, num_new, capacity, window, q_depths)
+    rows = plan.rows or [plan] * batch
+    for b, row in enumerate(rows):
+        if row.visible is None:  # a decode step at one length: every slot of the span
+            got = torch.ones(num_new, row.span, dtype=torch.bool)
+        else:
+            visible = row.visible[:, 0]
+            got = visible[b if visible.shape[0] > 1 else 0]
+            if row.empty is not None:  # rows that see nothing are let see everything
+                got = got & ~row.empty[b if row.empty.shape[0] > 1 else 0, 0]
+        assert torch.equal(got, want[b, :, : row.span]), f"row {b}"
+        assert not want[b, :, row.span :].any()

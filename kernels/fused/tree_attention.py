@@ -14,53 +14,88 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
-from ..reference.tree_attention import unpack_tree_mask
+
+def _host(tensor: torch.Tensor | None) -> np.ndarray | None:
+    """A small metadata tensor as an int64 numpy array on the host."""
+    return None if tensor is None else tensor.detach().cpu().numpy().astype(np.int64, copy=False)
+
+
+def _unpack_on_host(tree_mask: np.ndarray, num_new: int) -> np.ndarray:
+    """`unpack_tree_mask` in numpy: bool `[B, N, N]` from packed int32 words `[B, N, W]`."""
+    node = np.arange(num_new)
+    return ((tree_mask[:, :, node // 32] >> (node % 32)) & 1).astype(bool)
+
+
+def _one_length(
+    length: int, tree_bits: np.ndarray | None, live: np.ndarray | None, num_new: int, span: int
+) -> np.ndarray:
+    """`_visibility` when every row has one length and no window (a batch-1 step, an aligned
+    batch): the prefix, then the mask's columns, written as slices."""
+    among = np.tri(num_new, dtype=bool)[None] if tree_bits is None else tree_bits
+    visible = np.zeros((among.shape[0], num_new, span), dtype=bool)
+    visible[:, :, :length] = True
+    width = max(0, min(num_new, span - length))
+    if live is not None:  # one row
+        width = min(width, int(live[0]))
+    visible[:, :, length : length + width] = among[:, :, :width]
+    if live is not None:
+        visible[:, int(live[0]) :] = False
+    return visible
 
 
 def _visibility(
-    cache_lens: torch.Tensor,
     lens: list[int],
-    tree_mask: torch.Tensor | None,
-    q_lens: torch.Tensor | None,
+    tree_bits: np.ndarray | None,
+    live: np.ndarray | None,
     num_new: int,
     span: int,
     window: int | None,
-    q_depths: torch.Tensor | None,
-) -> torch.Tensor | None:
+    depths: np.ndarray | None,
+) -> np.ndarray | None:
     """Bool `[B, N, span]` (or `[1, N, span]` when every row agrees): new token i of sequence b
-    sees slot j; None when every row sees every slot (a decode step at one shared length)."""
+    sees slot j; None when every row sees every slot (a decode step at one shared length).
+
+    In numpy on host copies of the metadata (`_host`): `lens` the rows' lengths, `tree_bits`
+    the unpacked tree mask (None: causal), `live` the q_lens (None: all live), `depths` the
+    q_depths. A dozen array ops over a few thousand booleans, which torch's per-op dispatch
+    made ~5x dearer than the work (~150 us a plan, 15% of the bundled PARD model's step)."""
     shared_length = min(lens) == max(lens)
-    if shared_length and q_lens is None and window is None and tree_mask is None and num_new == 1:
+    if shared_length and live is None and window is None and tree_bits is None and num_new == 1:
         return None
-    device = cache_lens.device
-    slot = torch.arange(span, device=device)
-    row = torch.arange(num_new, device=device)[:, None]
-    base = cache_lens[:1] if shared_length and q_lens is None else cache_lens
-    # Index of slot j among the new tokens of its row (negative in the prefix).
-    new_index = slot - base.long()[:, None, None]
+    row_lens = lens[:1] if shared_length and live is None else lens
+    if len(row_lens) == 1 and window is None:
+        return _one_length(row_lens[0], tree_bits, live, num_new, span)
+    slot = np.arange(span)
+    row = np.arange(num_new)[:, None]
+    base = np.asarray(row_lens, dtype=np.int64)
+    # Index of slot j among the new tokens of its row (negative in the prefix): [B', 1, span].
+    new_index = slot - base[:, None, None]
     in_prefix = new_index < 0
     is_new = (new_index >= 0) & (new_index < num_new)
-    if q_lens is not None:
-        is_new &= new_index < q_lens.long()[:, None, None]
-    if tree_mask is None:
+    if live is not None:
+        is_new &= new_index < live[:, None, None]
+    clamped = np.clip(new_index, 0, num_new - 1)
+    if tree_bits is None:
         among_new = new_index <= row
     else:
-        among_new = unpack_tree_mask(tree_mask, num_new).gather(
-            2, new_index.clamp(0, num_new - 1).expand(tree_mask.shape[0], num_new, span)
+        among_new = np.take_along_axis(
+            tree_bits, np.broadcast_to(clamped, (tree_bits.shape[0], num_new, span)), axis=2
         )
     visible = in_prefix | (is_new & among_new)
     if window is not None:
-        depths = row.T.expand(base.shape[0], num_new) if q_depths is None else q_depths.long()
-        key_index = new_index[:, 0].clamp(0, num_new - 1).expand(depths.shape[0], span)
-        key_depth = depths.gather(1, key_index)[:, None, :]
-        key_position = torch.where(in_prefix, slot, base.long()[:, None, None] + key_depth)
-        row_position = base.long()[:, None, None] + depths[:, :, None]
+        if depths is None:
+            depths = np.broadcast_to(row.T, (base.shape[0], num_new))
+        key_index = np.broadcast_to(clamped[:, 0], (depths.shape[0], span))
+        key_depth = np.take_along_axis(depths, key_index, axis=1)[:, None, :]
+        key_position = np.where(in_prefix, slot, base[:, None, None] + key_depth)
+        row_position = base[:, None, None] + depths[:, :, None]
         visible &= key_position > row_position - window
-    if q_lens is not None:
-        visible &= row < q_lens.long()[:, None, None]
+    if live is not None:
+        visible &= row < live[:, None, None]
     return visible
 
 
@@ -89,16 +124,20 @@ class _Plan:
     rows: tuple[_Plan, ...] | None = None
 
 
-def _mask_plan(span: int, visible: torch.Tensor | None) -> _Plan:
+def _mask_plan(span: int, visible: np.ndarray | None, device: torch.device) -> _Plan:
     if visible is None:
         return _Plan(span, None, None, None)
-    unread = ~visible.any(dim=1)[:, None, :, None]
-    empty = ~visible.any(dim=-1, keepdim=True)[:, None]
+    unread = ~visible.any(axis=1)[:, None, :, None]
+    empty = ~visible.any(axis=-1, keepdims=True)[:, None]
+
+    def tensor(array: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(np.ascontiguousarray(array)).to(device)
+
     return _Plan(
         span,
-        (visible[:, None] | empty),
-        unread if bool(unread.any()) else None,
-        empty if bool(empty.any()) else None,
+        tensor(visible[:, None] | empty),
+        tensor(unread) if unread.any() else None,
+        tensor(empty) if empty.any() else None,
     )
 
 
@@ -133,23 +172,25 @@ def _same_key(key: tuple, lens, tree_mask, q_lens, q_depths, scalars) -> bool:
 def _make_plan(cache_lens, lens, tree_mask, q_lens, num_new, capacity, window, q_depths):
     span = min(max(lens) + num_new, capacity)
     ragged = min(lens) != max(lens)
+    device = cache_lens.device
+    tree_bits = None if tree_mask is None else _unpack_on_host(_host(tree_mask), num_new)
+    live, depths = _host(q_lens), _host(q_depths)
     if not ragged or q_lens is not None or len(lens) > PER_ROW_MAX_BATCH:
-        visible = _visibility(cache_lens, lens, tree_mask, q_lens, num_new, span, window, q_depths)
-        return _mask_plan(span, visible)
+        visible = _visibility(lens, tree_bits, live, num_new, span, window, depths)
+        return _mask_plan(span, visible, device)
     rows = []
     for b, length in enumerate(lens):
         row_span = min(length + num_new, capacity)
         visible = _visibility(
-            cache_lens[b : b + 1],
             [length],
-            None if tree_mask is None else tree_mask[b : b + 1],
+            None if tree_bits is None else tree_bits[b : b + 1],
             None,
             num_new,
             row_span,
             window,
-            None if q_depths is None else q_depths[b : b + 1],
+            None if depths is None else depths[b : b + 1],
         )
-        rows.append(_mask_plan(row_span, visible))
+        rows.append(_mask_plan(row_span, visible, device))
     return _Plan(span, None, None, None, tuple(rows))
 
 
