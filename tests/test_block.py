@@ -4,6 +4,7 @@ from-scratch recomputation (the training forward), sampling through `generate` a
 exact target, the public checkpoint layouts and the errors of a bad fit, and the training
 command (loss, resume, export)."""
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -530,6 +531,32 @@ def test_exported_drafters_load_and_are_exact(target, stream, pard_init, tmp_pat
     prompts = repetitive_prompts([12, 5], VOCAB, seed=2)
     out = generate(target, prompts, drafter=drafter, max_new_tokens=10)
     assert [s.tolist() for s in out.sequences] == hf_greedy(target, prompts, 10)
+
+
+def test_dflash_heads_train_with_their_own_kv_heads(target, stream, pard_init, tmp_path):
+    """`num_kv_heads` gives the DFlash head KV heads of its own (4 over the target's 2): the
+    exported head says so, loads, and drafts exactly; a count that does not divide the
+    attention heads, or below 1, is refused before training."""
+    run = dataclasses.replace(options("dflash", pard_init), num_kv_heads=4)
+    module, _ = train_block(run, settings(2), target, stream, tmp_path / "run")
+    assert module.config.num_key_value_heads == 4
+    assert module.layers[0].self_attn.k_proj.out_features == 4 * module.config.head_dim
+    export_block(run, module, bundled.path("tiny-code"), tmp_path / "out")
+    config = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert config["num_key_value_heads"] == 4
+    drafter = BlockDrafter.from_pretrained(tmp_path / "out", target, max_nodes=8)
+    prompts = repetitive_prompts([12, 5], VOCAB, seed=2)
+    out = generate(target, prompts, drafter=drafter, max_new_tokens=10)
+    assert [s.tolist() for s in out.sequences] == hf_greedy(target, prompts, 10)
+    bad = dataclasses.replace(run, num_kv_heads=3)
+    with pytest.raises(ValueError, match="does not divide the target's 4 attention heads"):
+        train_block(bad, settings(2), target, stream, tmp_path / "bad")
+    with pytest.raises(ValueError, match="num_kv_heads must be >= 1"):
+        dataclasses.replace(run, num_kv_heads=0)
+    args = build_parser().parse_args(
+        ["block", "--flavour", "dflash", "--run-dir", "r", "--steps", "3", "--num-kv-heads", "4"]
+    )
+    assert args.num_kv_heads == 4
 
 
 def test_the_command_line_and_its_defaults():

@@ -74,7 +74,9 @@ ANCHOR_SEED_STRIDE = 1_000_003
 class BlockOptions(DataOptions):
     """What to train. block_size: tokens per block b (None: the flavour's default);
     num_layers, target_layers: the DFlash head's layers and the target layers it reads (None:
-    the reference's default); init: the PARD model to start from; anchors: blocks per window;
+    the reference's default); num_kv_heads: the DFlash head's KV heads (None: the target's; more
+    heads widen what a layer's attention carries from the context into the masks); init: the
+    PARD model to start from; anchors: blocks per window;
     loss_decay: gamma of the per-depth weights; mask_token_id: None for the target's pad token;
     data: "corpus" (windows of the training split) or "generated" (the target's greedy
     continuations of `sequences` prompts of `prompt_len` tokens, `specdec_fast.train.generated`;
@@ -83,6 +85,7 @@ class BlockOptions(DataOptions):
     flavour: str
     block_size: int | None = None
     num_layers: int = 2
+    num_kv_heads: int | None = None
     target_layers: list[int] | None = None
     init: str = "tiny-code-draft"
     anchors: int = 32
@@ -99,6 +102,8 @@ class BlockOptions(DataOptions):
             raise ValueError(f"block_size must be >= 2, got {self.block_size}")
         if self.anchors < 1:
             raise ValueError(f"anchors must be >= 1, got {self.anchors}")
+        if self.num_kv_heads is not None and self.num_kv_heads < 1:
+            raise ValueError(f"num_kv_heads must be >= 1, got {self.num_kv_heads}")
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -112,8 +117,22 @@ def build_block_model(options: BlockOptions, target) -> nn.Module:
     if mask is None:
         raise ValueError("mask_token_id: the target has no pad token to use as the mask; give one")
     if options.flavour == "dflash":
+        overrides = {}
+        if options.num_kv_heads is not None:
+            heads = config.num_attention_heads
+            if heads % options.num_kv_heads:
+                raise ValueError(
+                    f"num_kv_heads: {options.num_kv_heads} does not divide the target's "
+                    f"{heads} attention heads"
+                )
+            overrides["num_key_value_heads"] = options.num_kv_heads
         module = DFlashHead.for_target(
-            target, options.num_layers, options.block_size, mask, options.target_layers
+            target,
+            options.num_layers,
+            options.block_size,
+            mask,
+            options.target_layers,
+            **overrides,
         )
         # The head's outputs feed the target's LM head: start its final norm as the target's.
         with torch.no_grad():
@@ -271,6 +290,7 @@ def _run_block(args) -> int:
         flavour=args.flavour,
         block_size=args.block_size,
         num_layers=args.num_layers,
+        num_kv_heads=args.num_kv_heads,
         target_layers=args.target_layers,
         init=args.init,
         anchors=args.anchors,
@@ -356,6 +376,9 @@ def register_block_command(sub) -> None:
         "--block-size", type=int, help=f"tokens per block (default {DEFAULT_BLOCK_SIZES})"
     )
     parser.add_argument("--num-layers", type=int, default=defaults.num_layers, help="dflash")
+    parser.add_argument(
+        "--num-kv-heads", type=int, help="dflash: the head's KV heads (default: the target's)"
+    )
     parser.add_argument(
         "--target-layers", type=_layer_list, help="dflash: comma-separated target layers"
     )
