@@ -8,7 +8,8 @@ Two flavours behind `BlockDrafter`:
   positions c .. c + b - 1 above the cached context, bidirectional within the block, and reads
   the b - 1 distributions of depths 1 .. b - 1 (block entries are written past the committed
   length and never committed). After verification the accepted path's features (root and
-  accepted nodes, positions c .. c + a) enter the context.
+  accepted nodes, positions c .. c + a) enter the context, written by the next step's forward
+  before its block: one forward per step.
 - standalone (PARD-style, `PardDraft`): a small causal LM on its own runner and cache, trained to
   fill b - 1 mask tokens after the context. Its cache holds the tokens up to the previous root;
   each step feeds, as one ragged chain, the tokens since then (the accepted drafts, whose cached
@@ -83,6 +84,9 @@ STREAM_BLOCK = 3
 # The DFlash steps' compiled code by (kind, head config, dtype, device): drafters built anew
 # around heads of one shape (a benchmark's cells, a server's routes) share the graphs.
 _COMPILED_STEPS: dict[tuple[str, tuple[str, str, str]], CompiledStep] = {}
+# Pending context entries per row a DFlash step takes at least (pads past a row's count): the
+# compiler keeps width 1 apart from the rest, and a one- or two-token prompt would compile anew.
+MIN_CONTEXT_WIDTH = 2
 
 
 @dataclass
@@ -173,13 +177,36 @@ def load_block_model(name_or_path: str | os.PathLike, target) -> DFlashHead | Pa
     )
 
 
-class _FeatureBlock:
-    """The DFlash flavour: the head's context cache and one block forward per step.
+@dataclass
+class _Context:
+    """Context entries not yet in the head's cache: target features `[B, n, H]` per target
+    layer, of which row r's first `counts[r]` are real (the rest pads a ragged batch)."""
 
-    The block forward and the context writes run through `torch.compile` when runners compile
-    (`SPECDEC_COMPILE`, default on), each on its own code per head shape (`_COMPILED_STEPS`):
-    batch size, cache capacity and context width are dynamic, so a handful of graphs serve every
-    call of every drafter over heads of that shape."""
+    features: list[torch.Tensor]
+    counts: list[int]
+
+    @property
+    def width(self) -> int:
+        return self.features[0].shape[1]
+
+    def rows(self, rows: list[int]) -> _Context:
+        index = to_device(rows, self.features[0].device)
+        return _Context([f[index] for f in self.features], [self.counts[r] for r in rows])
+
+
+class _FeatureBlock:
+    """The DFlash flavour: the head's context cache and one forward per step.
+
+    The context entries of the tokens a step verified are written by the next step's forward,
+    before its block, as the reference's draft forward takes the new target features with the
+    noise block: a step costs one forward (`_block_step`), not two. Newcomers to a running batch
+    (`join`) write theirs at once (`_context_step`), so that the batch's pending entries are not
+    padded to the newcomers' prompts.
+
+    Both run through `torch.compile` when runners compile (`SPECDEC_COMPILE`, default on), each
+    on its own code per head shape (`_COMPILED_STEPS`): batch size, cache capacity and context
+    width are dynamic, so a handful of graphs serve every call of every drafter over heads of
+    that shape."""
 
     def __init__(self, head: DFlashHead):
         self.head = head
@@ -187,13 +214,15 @@ class _FeatureBlock:
         self.hidden_layers = head.hidden_layers
         self._cache: SpecKVCache | None = None
         self._lengths: list[int] = []  # committed context entries per row (host mirror)
+        self._pending: _Context | None = None
 
     def attach(self, target, max_cache_len: int, depth: int) -> None:
         self.head.check_target(target)
         self.head.to(device=target.device, dtype=target.dtype).eval()
         self._embed = target.get_input_embeddings()
         self._lm_head = target.get_output_embeddings()
-        self._capacity = max_cache_len + max(self.head.block_size, depth + 1)
+        # Room for the context, a block past it and the pad entries a step writes past the block.
+        self._capacity = max_cache_len + self.head.block_size + depth + 1
         self._depth = depth
         self._compile = compile_by_default()
         head = self.head
@@ -218,6 +247,18 @@ class _FeatureBlock:
             record_compile(f"dflash {kind} B={args[0].shape[0]}", seconds)
         return out
 
+    def _prompt_context(self, state: DraftState) -> _Context:
+        """The context entries of every row's cached prompt tokens (all but its root)."""
+        counts = [len(row) - 1 for row in state.tokens]
+        features = [state.hidden[layer] for layer in self.hidden_layers]
+        width = features[0].shape[1]
+        if width < MIN_CONTEXT_WIDTH:
+            pad = MIN_CONTEXT_WIDTH - width
+            features = [
+                torch.cat([f, f.new_zeros(f.shape[0], pad, f.shape[2])], dim=1) for f in features
+            ]
+        return _Context(features, counts)
+
     def begin(self, state: DraftState) -> None:
         head, device = self.head, state.device
         self._cache = SpecKVCache(
@@ -228,57 +269,71 @@ class _FeatureBlock:
             device=device,
         )
         self._lengths = [0] * state.batch_size
-        cached = [len(row) - 1 for row in state.tokens]
-        if max(cached) > 0:
-            features = [state.hidden[layer] for layer in self.hidden_layers]
-            self._write_context(features, cached)
+        self._pending = self._prompt_context(state)
 
-    def _write_context(self, features: list[torch.Tensor], counts: list[int]) -> None:
-        """Commit `counts[r]` context entries per row from target features `[B, n, H]` each."""
-        cache = self._cache
-        cache.bound_lengths(max(self._lengths))
-        cache.ensure_room(features[0].shape[1])
-        self._run("context", self._context_step, *features)
-        cache.cache_lens.add_(to_device(counts, cache.kv.device, torch.int32))
+    def _commit(self, counts: list[int], on_device: torch.Tensor) -> None:
+        self._cache.cache_lens.add_(on_device)
         self._lengths = [
             length + count for length, count in zip(self._lengths, counts, strict=True)
         ]
 
-    def _context_step(self, *features: torch.Tensor) -> None:
+    def _context_slots(self, counts: torch.Tensor, width: int) -> torch.Tensor:
+        """int64 `[B, width]`: where the context entries go, `cache_lens + i`, except that a
+        row's pad entries (i >= its count) go past the block, which never reads them."""
+        offsets = torch.arange(width, device=counts.device)
+        slots = self._cache.cache_lens[:, None].long() + offsets
+        return torch.where(offsets < counts[:, None], slots, slots + self.head.block_size)
+
+    def _context_step(self, counts: torch.Tensor, *features: torch.Tensor) -> None:
         """Write the context entries of `[B, n, H]` features past the committed ones."""
         head, cache = self.head, self._cache
-        width = features[0].shape[1]
-        cache.prepare_write(width)
-        offsets = torch.arange(width, device=features[0].device)
-        positions = cache.cache_lens[:, None].long() + offsets
+        cache.write_slots = self._context_slots(counts, features[0].shape[1])
+        positions = cache.write_slots
         for layer, (keys, values) in zip(
             cache.layers, head.context(head.fuse(features), positions), strict=True
         ):
             layer.update(keys, values)
 
     def block_logits(self, state: DraftState) -> torch.Tensor:
-        cache = self._cache
+        cache, size = self._cache, self.head.block_size
+        pending = self._pending
+        if pending is None:  # nothing verified since the last block: pad entries only
+            shape = (state.batch_size, MIN_CONTEXT_WIDTH, self.head.config.hidden_size)
+            zeros = self.head.fc.weight.new_zeros(shape)
+            pending = _Context([zeros] * len(self.hidden_layers), [0] * state.batch_size)
         cache.bound_lengths(max(self._lengths))
-        cache.ensure_room(self.head.block_size)
-        return self._run("block", self._block_step, state.roots)
+        cache.ensure_room(pending.width + size)
+        counts = to_device(pending.counts, cache.kv.device, torch.int32)
+        logits = self._run("block", self._block_step, state.roots, counts, *pending.features)
+        self._commit(pending.counts, counts)
+        self._pending = None
+        return logits
 
-    def _block_step(self, roots: torch.Tensor) -> torch.Tensor:
-        """fp32 logits `[B, b - 1, V]` of the block `[root, MASK x (b - 1)]` above the committed
-        context, bidirectional within the block (written past the committed length)."""
+    def _block_step(self, roots: torch.Tensor, counts: torch.Tensor, *features) -> torch.Tensor:
+        """fp32 logits `[B, b - 1, V]` of the block `[root, MASK x (b - 1)]`, bidirectional
+        within the block, above the committed context and the `counts` pending entries of
+        `features` (written first, committed by the caller); the block is written past them and
+        never committed."""
         head, cache = self.head, self._cache
         size, batch = head.block_size, roots.shape[0]
+        context_slots = self._context_slots(counts, features[0].shape[1])
+        context = head.context(head.fuse(features), context_slots)
+        committed = cache.cache_lens + counts
+        positions = committed[:, None].long() + torch.arange(size, device=roots.device)
+        cache.write_slots = torch.cat([context_slots, positions], dim=1)
         masks = roots.new_full((batch, size - 1), head.mask_token_id)
         tokens = torch.cat([roots[:, None], masks], dim=1).long()
-        cache.prepare_write(size)
-        positions = cache.cache_lens[:, None].long() + torch.arange(size, device=roots.device)
         # Bidirectional within the block; the committed context is always visible.
         full = torch.ones(batch, size, size, dtype=torch.bool, device=roots.device)
         mask = pack_tree_mask(full)
 
         def attend(layer: int, queries, keys, values) -> torch.Tensor:
-            key_cache, value_cache = cache.layers[layer].update(keys, values)
+            context_keys, context_values = context[layer]
+            key_cache, value_cache = cache.layers[layer].update(
+                torch.cat([context_keys, keys], dim=2), torch.cat([context_values, values], dim=2)
+            )
             scale = queries.shape[-1] ** -0.5
-            args = (queries, key_cache, value_cache, cache.cache_lens, mask, None, scale)
+            args = (queries, key_cache, value_cache, committed, mask, None, scale)
             if torch.compiler.is_compiling():
                 return torch.ops.specdec_fast.tree_attention(*args, None, None, None)
             return run_tree_attention(*args, None, None, None)
@@ -289,15 +344,18 @@ class _FeatureBlock:
     def update(self, state: DraftState, outcome: StepOutcome) -> None:
         nodes = outcome.accepted_nodes[:, : self._depth + 1].long().clamp(min=0)
         features = [gather_rows(outcome.hidden[layer], nodes) for layer in self.hidden_layers]
-        self._write_context(features, [len(path) + 1 for path in outcome.accepted_paths])
+        self._pending = _Context(features, [len(path) + 1 for path in outcome.accepted_paths])
 
     def keep(self, rows: list[int]) -> None:
         self._cache.select(rows)
         self._lengths = [self._lengths[r] for r in rows]
+        if self._pending is not None:
+            self._pending = self._pending.rows(rows)
 
     def join(self, state: DraftState) -> None:
         """The newcomers' context entries go to the storage rows past the batch, through a view
-        of them (grown first if they do not fit), which the batch then admits."""
+        of them (grown first if they do not fit), which the batch then admits; their pending
+        entries are pads, so the batch's pending ones stay as they are."""
         cache, batch, count = self._cache, self._cache.kv.shape[2], state.batch_size
         if batch + count > cache.capacity:
             cache = cache.with_capacity(max(batch + count, 2 * batch))
@@ -307,18 +365,27 @@ class _FeatureBlock:
             # A view's rows keep their last occupants' lengths: start them empty.
             zeros = torch.zeros(count, dtype=torch.int32, device=state.device)
             self._cache.commit_lengths(zeros, 0)
-            cached = [len(row) - 1 for row in state.tokens]
-            if max(cached) > 0:
-                self._write_context([state.hidden[layer] for layer in self.hidden_layers], cached)
+            prompt = self._prompt_context(state)
+            if max(prompt.counts) > 0:
+                self._cache.ensure_room(prompt.width + self.head.block_size)
+                on_device = to_device(prompt.counts, state.device, torch.int32)
+                self._run("context", self._context_step, on_device, *prompt.features)
+                self._commit(prompt.counts, on_device)
             joined = self._lengths
         finally:
             self._cache = cache
             self._lengths = lengths
         cache.admit(batch, count, max(joined))
         self._lengths = lengths + joined
+        if self._pending is not None:
+            self._pending = _Context(
+                [torch.cat([f, f.new_zeros(count, *f.shape[1:])]) for f in self._pending.features],
+                self._pending.counts + [0] * count,
+            )
 
     def end(self) -> None:
         self._cache = None
+        self._pending = None
 
 
 class _StandaloneBlock:
