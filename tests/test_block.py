@@ -18,6 +18,7 @@ from test_generate_sampling import P_MIN, chi_square_p, exact_pair_probs, sample
 from tiny_models import repetitive_prompts, tiny_llama
 
 from specdec_fast import AdaptiveDrafter, BlockDrafter, CostModel, PardDraft, bundled, generate
+from specdec_fast.drafters.base import root_only
 from specdec_fast.drafters.block import load_block_model, load_pard
 from specdec_fast.guardrails import GuardedDrafter, GuardrailPolicy, RouteGuard
 from specdec_fast.heads.block import DFlashHead, default_target_layers, load_dflash_head
@@ -140,6 +141,34 @@ def test_block_distributions_match_the_training_forward(target, flavour):
         assert logits.shape == (positions, VOCAB)
         torch.testing.assert_close(
             logits, from_scratch(model, target, tokens), rtol=1e-4, atol=1e-4
+        )
+
+
+class SkippingDrafter(RecordingDrafter):
+    """Drafts no block every other step (a root-only proposal, as a wrapper falling back for a
+    step would) and still follows every step's accepted path."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.calls = 0
+
+    def propose(self, state):
+        self.calls += 1
+        return root_only(state) if self.calls % 2 == 0 else super().propose(state)
+
+
+def test_dflash_context_follows_steps_that_draft_no_block(target):
+    """The DFlash flavour writes a step's context entries with the next step's block; a step
+    that drafts no block has them written on their own, so the blocks after it still see every
+    verified token (the distributions equal the training forward's)."""
+    drafter = SkippingDrafter(dflash_head(target), max_nodes=8)
+    prompts = repetitive_prompts([11, 6], VOCAB, seed=9)
+    out = generate(target, prompts, drafter=drafter, max_new_tokens=24)
+    assert [s.tolist() for s in out.sequences] == hf_greedy(target, prompts, 24)
+    assert out.stats.accepted_tokens > 0 and len(drafter.steps) >= 3
+    for tokens, logits in drafter.steps:
+        torch.testing.assert_close(
+            logits, from_scratch(drafter.model, target, tokens), rtol=1e-4, atol=1e-4
         )
 
 

@@ -201,7 +201,8 @@ class _FeatureBlock:
     before its block, as the reference's draft forward takes the new target features with the
     noise block: a step costs one forward (`_block_step`), not two. Newcomers to a running batch
     (`join`) write theirs at once (`_context_step`), so that the batch's pending entries are not
-    padded to the newcomers' prompts.
+    padded to the newcomers' prompts, and so do a step's entries when the next one drafts no
+    block (an `update` without a `propose` in between).
 
     Both run through `torch.compile` when runners compile (`SPECDEC_COMPILE`, default on), each
     on its own code per head shape (`_COMPILED_STEPS`): batch size, cache capacity and context
@@ -341,7 +342,18 @@ class _FeatureBlock:
         outputs = head(self._embed(tokens), positions, attend)
         return self._lm_head(outputs[:, 1:]).float()
 
+    def _write(self, context: _Context) -> None:
+        """Write and commit `context`'s entries now, in a call of their own."""
+        cache = self._cache
+        cache.bound_lengths(max(self._lengths))
+        cache.ensure_room(context.width + self.head.block_size)
+        counts = to_device(context.counts, cache.kv.device, torch.int32)
+        self._run("context", self._context_step, counts, *context.features)
+        self._commit(context.counts, counts)
+
     def update(self, state: DraftState, outcome: StepOutcome) -> None:
+        if self._pending is not None:  # a step without a block (not the engine's order)
+            self._write(self._pending)
         nodes = outcome.accepted_nodes[:, : self._depth + 1].long().clamp(min=0)
         features = [gather_rows(outcome.hidden[layer], nodes) for layer in self.hidden_layers]
         self._pending = _Context(features, [len(path) + 1 for path in outcome.accepted_paths])
@@ -367,10 +379,7 @@ class _FeatureBlock:
             self._cache.commit_lengths(zeros, 0)
             prompt = self._prompt_context(state)
             if max(prompt.counts) > 0:
-                self._cache.ensure_room(prompt.width + self.head.block_size)
-                on_device = to_device(prompt.counts, state.device, torch.int32)
-                self._run("context", self._context_step, on_device, *prompt.features)
-                self._commit(prompt.counts, on_device)
+                self._write(prompt)
             joined = self._lengths
         finally:
             self._cache = cache
