@@ -193,6 +193,16 @@ class _Context:
         index = to_device(rows, self.features[0].device)
         return _Context([f[index] for f in self.features], [self.counts[r] for r in rows])
 
+    def widened(self) -> _Context:
+        """This context with pad entries past `MIN_CONTEXT_WIDTH` - width, if narrower."""
+        pad = MIN_CONTEXT_WIDTH - self.width
+        if pad <= 0:
+            return self
+        pads = [f.new_zeros(f.shape[0], pad, f.shape[2]) for f in self.features]
+        return _Context(
+            [torch.cat(pair, dim=1) for pair in zip(self.features, pads, strict=True)], self.counts
+        )
+
 
 class _FeatureBlock:
     """The DFlash flavour: the head's context cache and one forward per step.
@@ -251,14 +261,7 @@ class _FeatureBlock:
     def _prompt_context(self, state: DraftState) -> _Context:
         """The context entries of every row's cached prompt tokens (all but its root)."""
         counts = [len(row) - 1 for row in state.tokens]
-        features = [state.hidden[layer] for layer in self.hidden_layers]
-        width = features[0].shape[1]
-        if width < MIN_CONTEXT_WIDTH:
-            pad = MIN_CONTEXT_WIDTH - width
-            features = [
-                torch.cat([f, f.new_zeros(f.shape[0], pad, f.shape[2])], dim=1) for f in features
-            ]
-        return _Context(features, counts)
+        return _Context([state.hidden[layer] for layer in self.hidden_layers], counts).widened()
 
     def begin(self, state: DraftState) -> None:
         head, device = self.head, state.device
@@ -288,25 +291,30 @@ class _FeatureBlock:
     def _context_step(self, counts: torch.Tensor, *features: torch.Tensor) -> None:
         """Write the context entries of `[B, n, H]` features past the committed ones."""
         head, cache = self.head, self._cache
-        cache.write_slots = self._context_slots(counts, features[0].shape[1])
-        positions = cache.write_slots
+        slots = self._context_slots(counts, features[0].shape[1])
+        cache.write_slots = slots
         for layer, (keys, values) in zip(
-            cache.layers, head.context(head.fuse(features), positions), strict=True
+            cache.layers, head.context(head.fuse(features), slots), strict=True
         ):
             layer.update(keys, values)
 
-    def block_logits(self, state: DraftState) -> torch.Tensor:
-        cache, size = self._cache, self.head.block_size
-        pending = self._pending
-        if pending is None:  # nothing verified since the last block: pad entries only
-            shape = (state.batch_size, MIN_CONTEXT_WIDTH, self.head.config.hidden_size)
-            zeros = self.head.fc.weight.new_zeros(shape)
-            pending = _Context([zeros] * len(self.hidden_layers), [0] * state.batch_size)
+    def _take(self, context: _Context, kind: str, step, *args):
+        """`step(*args, counts, *features)` of `context` (compiled as `kind`), which writes its
+        entries; they are then committed."""
+        cache = self._cache
         cache.bound_lengths(max(self._lengths))
-        cache.ensure_room(pending.width + size)
-        counts = to_device(pending.counts, cache.kv.device, torch.int32)
-        logits = self._run("block", self._block_step, state.roots, counts, *pending.features)
-        self._commit(pending.counts, counts)
+        cache.ensure_room(context.width + self.head.block_size)
+        counts = to_device(context.counts, cache.kv.device, torch.int32)
+        out = self._run(kind, step, *args, counts, *context.features)
+        self._commit(context.counts, counts)
+        return out
+
+    def block_logits(self, state: DraftState) -> torch.Tensor:
+        pending, batch = self._pending, state.batch_size
+        if pending is None:  # nothing verified since the last block: pad entries only
+            none = self.head.fc.weight.new_zeros(batch, 0, self.head.config.hidden_size)
+            pending = _Context([none] * len(self.hidden_layers), [0] * batch).widened()
+        logits = self._take(pending, "block", self._block_step, state.roots)
         self._pending = None
         return logits
 
@@ -342,18 +350,9 @@ class _FeatureBlock:
         outputs = head(self._embed(tokens), positions, attend)
         return self._lm_head(outputs[:, 1:]).float()
 
-    def _write(self, context: _Context) -> None:
-        """Write and commit `context`'s entries now, in a call of their own."""
-        cache = self._cache
-        cache.bound_lengths(max(self._lengths))
-        cache.ensure_room(context.width + self.head.block_size)
-        counts = to_device(context.counts, cache.kv.device, torch.int32)
-        self._run("context", self._context_step, counts, *context.features)
-        self._commit(context.counts, counts)
-
     def update(self, state: DraftState, outcome: StepOutcome) -> None:
         if self._pending is not None:  # a step without a block (not the engine's order)
-            self._write(self._pending)
+            self._take(self._pending, "context", self._context_step)
         nodes = outcome.accepted_nodes[:, : self._depth + 1].long().clamp(min=0)
         features = [gather_rows(outcome.hidden[layer], nodes) for layer in self.hidden_layers]
         self._pending = _Context(features, [len(path) + 1 for path in outcome.accepted_paths])
@@ -379,7 +378,7 @@ class _FeatureBlock:
             self._cache.commit_lengths(zeros, 0)
             prompt = self._prompt_context(state)
             if max(prompt.counts) > 0:
-                self._write(prompt)
+                self._take(prompt, "context", self._context_step)
             joined = self._lengths
         finally:
             self._cache = cache
