@@ -413,7 +413,7 @@ class ModelRunner:
         ]
         self._capture_layers = tuple(modules)
         # Captured graphs record the hooks that ran at capture time.
-        self._graphs.clear()
+        self._drop_graphs()
 
     @property
     def feeds_beside_steps(self) -> bool:
@@ -672,7 +672,7 @@ class ModelRunner:
         batch = self.cache.kv.shape[2]
         if batch + len(prompts) > self.cache.capacity:
             self.cache = self.cache.with_capacity(max(batch + len(prompts), 2 * batch))
-            self._graphs.clear()
+            self._drop_graphs()
         cached = [len(p) - 1 for p in prompts]
         hidden = self.extend_rows(batch, [p[:-1] for p in prompts], [0] * len(prompts))
         self.admit_rows(batch, len(prompts), max(cached))
@@ -694,7 +694,7 @@ class ModelRunner:
         if self.cache is not None and self.cache.fits(batch, self.max_cache_len, dtype):
             self.cache.resize(batch)
             return
-        self._graphs.clear()
+        self._drop_graphs()
         self.cache = None  # free the old storage before allocating the new one
         self.cache = SpecKVCache(
             self.model.config, batch, self.max_cache_len, dtype=dtype, device=self.device
@@ -783,6 +783,13 @@ class ModelRunner:
         )
         hidden = {layer: self._captured[layer] for layer in self._capture_layers}
         return output.logits.float(), hidden
+
+    def _drop_graphs(self) -> None:
+        """Forget the captured graphs and their memory pool: a pool whose graphs are all gone
+        cannot take a new capture (the CUDA caching allocator asserts its use count), so the next
+        capture starts a fresh one."""
+        self._graphs.clear()
+        self._graph_pool = None
 
     def _replay(
         self, tokens: torch.Tensor, parents: torch.Tensor, q_lens: torch.Tensor | None

@@ -400,12 +400,13 @@ def test_cuda_graph_replay_matches_eager(dtype):
     generator = torch.Generator().manual_seed(9)
     input_ids, attention_mask = padded_prompts([5, 9, 2], "right", generator)
     parents = random_tree(3, 6, generator).cuda()
+    drafts = torch.randint(VOCAB, (3, 6), generator=generator).cuda()  # the same for both runs
     outputs = {}
     for use_graphs in (False, True):
         with ModelRunner(model, CAPACITY, use_cuda_graphs=use_graphs) as runner:
             runner.capture_hidden([-1])
             prefill = runner.prefill(input_ids.cuda(), attention_mask.cuda())
-            tokens = torch.randint(VOCAB, (3, 6), generator=generator).cuda()
+            tokens = drafts.clone()
             tokens[:, 0] = prefill.root_tokens
             steps = []
             for _ in range(3):  # the first call captures, the others replay
@@ -419,6 +420,29 @@ def test_cuda_graph_replay_matches_eager(dtype):
         for want, got in zip(eager, graphed, strict=True):
             # Same kernels either way; only library algorithm choices may differ under capture.
             torch.testing.assert_close(got, want, **GRAPH_TOLERANCE[dtype])
+
+
+@pytest.mark.gpu
+def test_cuda_graphs_captured_again_after_the_cache_grows():
+    """A larger batch reallocates the cache and drops the graphs captured on the old one; the
+    next capture needs a fresh memory pool (reusing the old one, whose graphs are all gone,
+    fails the CUDA caching allocator's use-count assert), and replays as the eager step does."""
+    model = tiny_model().to("cuda")
+    generator = torch.Generator().manual_seed(10)
+    small = padded_prompts([4], "right", generator)
+    large = padded_prompts([5, 9, 2], "right", generator)
+    parents = random_tree(3, 6, generator).cuda()
+    drafts = torch.randint(VOCAB, (3, 6), generator=generator).cuda()
+    outputs = {}
+    for use_graphs in (False, True):
+        with ModelRunner(model, CAPACITY, use_cuda_graphs=use_graphs) as runner:
+            root = runner.prefill(*(t.cuda() for t in small)).root_tokens
+            runner.verify(torch.cat([root[:, None], drafts[:1, 1:]], 1), parents[:1])
+            root = runner.prefill(*(t.cuda() for t in large)).root_tokens
+            tokens = torch.cat([root[:, None], drafts[:, 1:]], 1)
+            outputs[use_graphs] = [runner.verify(tokens, parents).logits.clone() for _ in "ab"]
+    for want, got in zip(outputs[False], outputs[True], strict=True):
+        torch.testing.assert_close(got, want, **GRAPH_TOLERANCE[torch.float32])
 
 
 def test_registered_with_hf_interfaces():
