@@ -41,6 +41,11 @@ class E2ERecord:
     tokens_per_step: float | None = None
     per_position: list[float] = field(default_factory=list)
     identical: bool | None = None
+    # The same against our plain decoding (the engine's own promise), and the earliest token
+    # index, over the prompts, at which the output departs from the reference's (None: it never
+    # does, or there is no reference).
+    identical_to_plain: bool | None = None
+    first_difference: int | None = None
     speedup_vs_plain: float | None = None
     speedup_vs_hf: float | None = None
     # Tokens/s of each timed round (`interleave`), and whether every round emitted the same.
@@ -220,19 +225,36 @@ def paired_ratio(record: E2ERecord, reference: E2ERecord) -> float:
     return record.tokens_per_s / reference.tokens_per_s
 
 
+def first_difference(output: list[list[int]], reference: list[list[int]]) -> int | None:
+    """The earliest token index, over the prompts, at which `output` departs from `reference`
+    (a shorter or longer output departs where the shorter one ends); None if they are equal."""
+    indices = []
+    for ours, theirs in zip(output, reference, strict=True):
+        if ours != theirs:
+            common = min(len(ours), len(theirs))
+            indices.append(next((i for i in range(common) if ours[i] != theirs[i]), common))
+    return min(indices, default=None)
+
+
 def compare(records: list[E2ERecord], outputs: dict[str, list[list[int]]]) -> None:
-    """Fill in speed-ups (against `ours plain` and `HF generate`, `paired_ratio`) and output
-    identity with HF (every round's, for a record of several)."""
+    """Fill in speed-ups (against `ours plain` and `HF generate`, `paired_ratio`), output
+    identity with HF (every round's, for a record of several) and with our plain decoding, and
+    where an output first departs from HF's (from ours plain's without HF)."""
     by_peer = {r.peer: r for r in records}
     plain, hf = by_peer.get("ours plain"), by_peer.get("HF generate")
     reference = outputs.get("HF generate") or outputs.get("ours plain")
     for record in records:
         if plain is not None:
             record.speedup_vs_plain = paired_ratio(record, plain)
+        if "ours plain" in outputs:
+            record.identical_to_plain = (
+                outputs[record.peer] == outputs["ours plain"] and record.repeatable
+            )
         if hf is not None:
             record.speedup_vs_hf = paired_ratio(record, hf)
         if reference is not None:
             record.identical = outputs[record.peer] == reference and record.repeatable
+            record.first_difference = first_difference(outputs[record.peer], reference)
 
 
 def _fmt(value, spec: str) -> str:
@@ -242,8 +264,9 @@ def _fmt(value, spec: str) -> str:
 def format_table(records: Sequence[E2ERecord]) -> str:
     lines = [
         "| peer | batch | tokens/s | tokens/s min-max | vs ours plain | vs HF generate "
-        "| acceptance | tokens/step | identical to HF greedy |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| acceptance | tokens/step | identical to HF greedy | first difference "
+        "| identical to ours plain |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in records:
         spread = f"{min(r.round_tokens_per_s):.1f}-{max(r.round_tokens_per_s):.1f}"
@@ -251,6 +274,7 @@ def format_table(records: Sequence[E2ERecord]) -> str:
             f"| {r.peer} | {r.batch} | {r.tokens_per_s:.1f} | {spread} "
             f"| {_fmt(r.speedup_vs_plain, '.2f')}x "
             f"| {_fmt(r.speedup_vs_hf, '.2f')}x | {_fmt(r.acceptance, '.1%')} "
-            f"| {_fmt(r.tokens_per_step, '.2f')} | {_fmt(r.identical, '')} |"
+            f"| {_fmt(r.tokens_per_step, '.2f')} | {_fmt(r.identical, '')} "
+            f"| {_fmt(r.first_difference, '')} | {_fmt(r.identical_to_plain, '')} |"
         )
     return "\n".join(lines)

@@ -98,8 +98,21 @@ def test_interleave_runs_peers_in_turns_and_keeps_medians(monkeypatch):
     assert outputs == {"a": [[1]], "b": [[1]], "c": [[1]]}
     e2e.compare(records, outputs | {"ours plain": [[1]]})
     assert a.identical and b.identical and not c.identical
+    assert a.identical_to_plain and not c.identical_to_plain
+    # c is repeatable in neither sense, yet its first round's tokens equal the reference's.
+    assert a.first_difference is None and c.first_difference is None
     with pytest.raises(ValueError, match="rounds must be >= 1"):
         e2e.interleave({"a": peer("a")}, 0)
+
+
+def test_first_difference_over_prompts(monkeypatch):
+    e2e = import_bench(monkeypatch, "e2e")
+    reference = [[1, 2, 3, 4], [5, 6, 7]]
+    assert e2e.first_difference(reference, reference) is None
+    assert e2e.first_difference([[1, 2, 9, 4], [5, 6, 7]], reference) == 2
+    assert e2e.first_difference([[1, 2, 9, 4], [5, 0, 7]], reference) == 1
+    assert e2e.first_difference([[1, 2, 3], [5, 6, 7]], reference) == 3  # stopped early
+    assert e2e.first_difference([[1, 2, 3, 4, 8], [5, 6, 7]], reference) == 4
 
 
 def test_speedups_are_medians_of_paired_round_ratios(monkeypatch):
