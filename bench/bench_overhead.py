@@ -21,6 +21,11 @@ pair also its DFlash block drafter, whose drafter share is its head's forward):
     python bench/bench_overhead.py --quick         # fewer repeats and tokens
     python bench/bench_overhead.py --tiny          # a 2-layer random model: the CI smoke run
 
+On a CUDA machine the same runs go to the GPU (thread counts do not apply; one pass), and the
+breakdown's timers synchronize the device around each timed call, so each part holds its own
+GPU time: a host-bound step shows where the host's time goes (bench/gpu_suite.py --part
+overhead).
+
 Results: a table on stdout and JSON in bench/results/overhead-<device>.json (or --json PATH).
 Compile times (each step shape compiles once per process) are reported, not timed.
 """
@@ -101,25 +106,24 @@ TINY_SHAPE = dict(
 )
 
 
-def models(tiny: bool, batch: int) -> list[Model]:
+def models(tiny: bool, batch: int, device: torch.device) -> list[Model]:
     if tiny:
-        return [
-            Model("tiny random", random_llama(TINY_SHAPE, 0, 256), random_prompts(batch, 40, 256))
-        ]
+        tiny_model = random_llama(TINY_SHAPE, 0, 256).to(device)
+        return [Model("tiny random", tiny_model, random_prompts(batch, 40, 256))]
     out = []
     if "tiny-code" in bundled.available():
         from specdec_fast.loading import load_model, load_tokenizer
         from specdec_fast.prompts import load_code_prompts
 
-        target = load_model("tiny-code", torch.device("cpu"))
+        target = load_model("tiny-code", device)
         tokenizer = load_tokenizer("tiny-code")
         prompts = [
             [tokenizer.bos_token_id, *tokenizer.encode(r["prompt"], add_special_tokens=False)]
             for r in load_code_prompts(batch)
         ]
-        draft = load_model("tiny-code-draft", torch.device("cpu"), target.dtype)
+        draft = load_model("tiny-code-draft", device, target.dtype)
         out.append(Model("tiny-code", target, prompts, draft))
-    smol = random_llama(SMOLLM2_SHAPE, 0, 49152)
+    smol = random_llama(SMOLLM2_SHAPE, 0, 49152).to(device)
     out.append(Model("SmolLM2-135M-shaped", smol, random_prompts(batch, 200, 49152)))
     return out
 
@@ -148,6 +152,7 @@ def hf(setup: Model, batch: int, tokens: int, **kwargs) -> Callable[[], list]:
     for row, prompt in enumerate(prompts):
         ids[row, width - len(prompt) :] = torch.tensor(prompt)
         mask[row, width - len(prompt) :] = 1
+    ids, mask = ids.to(setup.model.device), mask.to(setup.model.device)
     config = GenerationConfig(
         do_sample=False,
         max_new_tokens=tokens,
@@ -233,16 +238,24 @@ class Breakdown:
     compile_seconds: dict[str, float]
 
 
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 @contextmanager
-def timed(owner, name: str, bucket: dict[str, float]):
-    """Wrap `owner.name` so that its wall time accumulates into `bucket[name]`."""
+def timed(owner, name: str, bucket: dict[str, float], device: torch.device):
+    """Wrap `owner.name` so that its wall time accumulates into `bucket[name]` (on CUDA with the
+    device synchronized before and after, so the call's own GPU work counts to it)."""
     original = getattr(owner, name)
 
     def wrapper(*args, **kwargs):
+        _sync(device)
         start = time.perf_counter()
         try:
             return original(*args, **kwargs)
         finally:
+            _sync(device)
             bucket[name] = bucket.get(name, 0.0) + time.perf_counter() - start
 
     setattr(owner, name, wrapper)
@@ -255,6 +268,7 @@ def timed(owner, name: str, bucket: dict[str, float]):
 def breakdown(setup: Model, config: str, make, batch: int, threads: int, tokens: int) -> Breakdown:
     import specdec_fast.engine as engine
 
+    device = setup.model.device
     run = ours(setup, make, batch, tokens)
     run()  # warm: compiled steps exist
     drafter = make()
@@ -267,14 +281,15 @@ def breakdown(setup: Model, config: str, make, batch: int, threads: int, tokens:
             (engine, "run_verify"),
             (SpecKVCache, "compact"),
         ):
-            stack.enter_context(timed(owner, name, bucket))
+            stack.enter_context(timed(owner, name, bucket, device))
         if drafter is not None:
             for name in ("propose", "update", "begin"):
-                stack.enter_context(timed(drafter, name, bucket))
+                stack.enter_context(timed(drafter, name, bucket, device))
         start = time.perf_counter()
         out = generate(
             setup.model, prompts, drafter=drafter, max_new_tokens=tokens, eos_token_id=[]
         )
+        _sync(device)
         total = time.perf_counter() - start
     steps = out.stats.steps
     loop = total - bucket.get("prefill", 0.0) - bucket.get("begin", 0.0)
@@ -324,7 +339,7 @@ def operator_count(fn: Callable[[], object]) -> int:
 def operator_counts(setup: Model, num_nodes: int) -> dict[str, dict[str, int]]:
     """Per decode step (N = 1) and verify step (N = num_nodes), eager and compiled."""
     model = setup.model
-    prompt = torch.tensor([setup.prompts[0]])
+    prompt = torch.tensor([setup.prompts[0]], device=model.device)
     counts: dict[str, dict[str, int]] = {}
     for compiled in (False, True):
         runner = ModelRunner(model, prompt.shape[1] + 2 * num_nodes + 4, compile=compiled)
@@ -333,7 +348,7 @@ def operator_counts(setup: Model, num_nodes: int) -> dict[str, dict[str, int]]:
             for kind, width in (("decode", 1), ("verify", num_nodes)):
                 runner.prefill(prompt)
                 tokens = prompt[:, -width:].clone()
-                parents = torch.arange(-1, width - 1)[None]
+                parents = torch.arange(-1, width - 1, device=model.device)[None]
                 runner.verify(tokens, parents)  # compiles (untimed, uncounted)
                 runner.prefill(prompt)
                 counts.setdefault(kind, {})[label] = operator_count(
@@ -389,16 +404,17 @@ def main() -> None:
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
     device = bench_device()
-    if device.type != "cpu":
-        raise SystemExit("bench_overhead.py measures the CPU engine; bench_step.py the GPU one")
     repeats = args.repeats or (2 if args.tiny else 3 if args.quick else 5)
     tokens = 16 if args.tiny else 48 if args.quick else 96
     batches = (1, 8)
-    setups = models(args.tiny, max(batches))
+    setups = models(args.tiny, max(batches), device)
     if args.models:
         setups = [setup for setup in setups if setup.name in args.models.split(",")]
     comparisons, breakdowns, counts = [], [], {}
-    for threads in (int(t) for t in args.threads.split(",")):
+    thread_counts = [int(t) for t in args.threads.split(",")]
+    if device.type == "cuda":  # one pass: the host's thread count is not what a GPU run varies
+        thread_counts = thread_counts[:1]
+    for threads in thread_counts:
         torch.set_num_threads(threads)
         for setup in setups:
             configs = [("plain", lambda: None)]

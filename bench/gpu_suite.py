@@ -1,6 +1,6 @@
 """The one prepared GPU script (shared GPU.md): every device check, sized for the lease.
 
-Parts, in order (`--part NAME`, repeatable; all by default):
+Parts, in order (`--part NAME`, repeatable; all but the opt-in ones by default):
     tests           versions and the GPU, then the `gpu`-marked tests (compiled kernels against
                     their references, CUDA graphs)
     tree_attention  bench/bench_tree_attention.py (peers side by side; N = 64/65 and 32/33)
@@ -10,6 +10,8 @@ Parts, in order (`--part NAME`, repeatable; all by default):
                     steps under CUDA graphs; HF's compiled decode in the full plan)
     compiled_step   bench/bench_step.py --compile (our compiled steps under CUDA graphs)
     e2e             bench/bench_e2e_tiny.py (the bundled pair at N = 16, three rounds)
+    overhead        opt-in: bench/bench_overhead.py on the bundled pair (a step's time split into
+                    forward, sampler, compaction, drafter and engine; ours against HF's peers)
 `--quick` runs each part's quick plan (all parts predicted under 8 minutes); without it each part
 runs its full plan (each predicted under 4 minutes, so run them one `--part` at a time).
 
@@ -92,6 +94,9 @@ class Part:
     command: Callable[[Path, bool, bool], list[str]]
     plan: Callable[[bool], dict[str, float]]
     result_files: Callable[[Path], list[Path]] = field(default=lambda work: [])
+    # Whether a run without --part runs it; an opt-in part runs when named (a dry run plays
+    # every part).
+    default: bool = True
 
     def estimate(self, quick: bool) -> float:
         return sum(self.plan(quick).values())
@@ -194,6 +199,30 @@ def e2e_plan(quick: bool) -> dict[str, float]:
     return {"process": COSTS["process"], f"{peers} peers x {E2E_ROUNDS} rounds": peers * per_peer}
 
 
+OVERHEAD_BREAKDOWNS = 6  # plain, n-gram and DFlash, each at batch 1 and 8
+OVERHEAD_COMPARISONS = 5  # plain against HF generate at batch 1 and 8, n-gram x 2, draft chain
+OVERHEAD_COMPILES = 2  # the operator counts' compiled runner, decode and verify
+
+
+def overhead_plan(quick: bool) -> dict[str, float]:
+    """bench_overhead.py on the bundled pair: each breakdown's first run compiles and captures
+    like a tiny-pair peer; each comparison runs both sides 1 + repeats times."""
+    repeats, tokens = (3, 48) if quick else (5, 96)
+    runs = OVERHEAD_COMPARISONS * 2 * (1 + repeats)
+    return {
+        "process": COSTS["process"],
+        f"{OVERHEAD_BREAKDOWNS} breakdowns": OVERHEAD_BREAKDOWNS * COSTS["e2e_run"],
+        f"{runs} timed runs": runs * tokens * COSTS["e2e_token"],
+        f"{OVERHEAD_COMPILES} compiles": OVERHEAD_COMPILES * COSTS["e2e_run"],
+    }
+
+
+def overhead_command(work: Path, quick: bool, dry_run: bool) -> list[str]:
+    size = ["--tiny", "--threads", "1"] if dry_run else ["--models", "tiny-code", *_mode(quick)]
+    json_path = str(work / "overhead.json")
+    return [PYTHON, "bench/bench_overhead.py", *size, "--json", json_path]
+
+
 def _mode(quick: bool) -> list[str]:
     return ["--quick"] if quick else []
 
@@ -266,6 +295,9 @@ PARTS = {
             _json_files("bench_step_compiled.json"),
         ),
         Part("e2e", e2e_command, e2e_plan, _json_files("e2e.json")),
+        # Where a drafter's step goes on the GPU (the tree drafters ran 7-10x slower than plain
+        # decoding there, 2026-12-04): opt-in, as the quick plan has no room for it.
+        Part("overhead", overhead_command, overhead_plan, _json_files("overhead.json"), False),
     )
 }
 
@@ -356,8 +388,10 @@ def format_plan(estimates: dict[str, dict[str, float]], quick: bool) -> str:
     for name, items in estimates.items():
         itemized = ", ".join(f"{what} {seconds:.0f}" for what, seconds in items.items())
         total = sum(items.values())
-        lines.append(f"| {name} | {total:.0f} | {PART_LIMIT_S} | {itemized} |")
-    grand = sum(sum(items.values()) for items in estimates.values())
+        label = name if PARTS[name].default else f"{name} (opt-in)"
+        lines.append(f"| {label} | {total:.0f} | {PART_LIMIT_S} | {itemized} |")
+    # The total is that of a run without --part: the opt-in parts are left out.
+    grand = sum(sum(items.values()) for name, items in estimates.items() if PARTS[name].default)
     limit = QUICK_LIMIT_S if quick else "-"
     lines.append(f"| total ({'quick' if quick else 'full'}) | {grand:.0f} | {limit} | |")
     return "\n".join(lines)
@@ -384,7 +418,8 @@ def main(argv: list[str] | None = None) -> int:
     out_dir.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="gpu_suite-")) / f"gpu_suite-{stamp}"
     work.mkdir()
-    parts = [PARTS[name] for name in (args.part or PARTS)]
+    chosen = args.part or [name for name, part in PARTS.items() if part.default or args.dry_run]
+    parts = [PARTS[name] for name in chosen]
     info = versions()
     print(json.dumps(info, indent=1), flush=True)
     estimates = {part.name: part.plan(args.quick) for part in parts}
