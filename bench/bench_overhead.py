@@ -3,12 +3,13 @@
 For each model (the bundled tiny-code target, and a Llama with random weights shaped like
 SmolLM2-135M: 30 layers, hidden 576, 9 query / 3 KV heads, MLP 1536, vocab 49152, tied embeddings)
 and each configuration (plain decoding and the n-gram drafter, at batch 1 and 8; on the bundled
-pair also its DFlash block drafter, whose drafter share is its head's forward):
+pair also its DFlash block drafter, whose drafter share is its head's forward, and on a GPU
+its PARD and EAGLE-2 drafters):
 
-1. **Step breakdown** (ms per step): wall time, model forward (`ModelRunner.verify`), sampler
-   (`verify`), compaction, drafter (`propose` + `update`) and the engine (the rest), from timers
-   wrapped around those calls in a separate, untimed-against-peers run. The engine overhead is
-   the step minus its forward, as a share of the step.
+1. **Step breakdown** (ms per step): wall time, model forward (the target runner's `verify`),
+   sampler (`verify`), compaction, drafter (`propose` + `update`) and the engine (the rest), from
+   timers wrapped around those calls in a separate, untimed-against-peers run. The engine
+   overhead is the step minus its forward, as a share of the step.
 2. **Peers**: tokens/s of our engine against HF `generate` (default dynamic cache, greedy), HF
    prompt lookup (`prompt_lookup_num_tokens=10`) for the n-gram drafter, and HF assisted
    generation for the draft-model chain (bundled pair), in alternating repeats (medians), at each
@@ -60,6 +61,12 @@ DRAFT_CHAIN = 4
 # The bundled DFlash head in the step breakdown of the bundled pair, at its best batch-1 budget on
 # the CPU (bench/results/e2e_tiny-cpu.md).
 BLOCK_SPEC = DrafterSpec.parse("block:tiny-code-dflash:8")
+# On a GPU the breakdown also takes the other model-based tree drafters at the same budget: there
+# the tree drafters ran 7-10x slower than plain decoding (bench/NOTES.md, 2026-12-04), and the
+# breakdown is what says where each one's step goes.
+GPU_SPECS = tuple(
+    DrafterSpec.parse(spec) for spec in ("block:tiny-code-pard:8", "eagle:tiny-code-eagle:8")
+)
 
 
 @dataclass
@@ -258,11 +265,15 @@ def timed(owner, name: str, bucket: dict[str, float], device: torch.device):
             _sync(device)
             bucket[name] = bucket.get(name, 0.0) + time.perf_counter() - start
 
+    own = name in vars(owner)  # a module's or class's own function, not an instance's method
     setattr(owner, name, wrapper)
     try:
         yield
     finally:
-        setattr(owner, name, original)
+        if own:
+            setattr(owner, name, original)
+        else:
+            delattr(owner, name)
 
 
 def breakdown(setup: Model, config: str, make, batch: int, threads: int, tokens: int) -> Breakdown:
@@ -270,14 +281,17 @@ def breakdown(setup: Model, config: str, make, batch: int, threads: int, tokens:
 
     device = setup.model.device
     run = ours(setup, make, batch, tokens)
-    run()  # warm: compiled steps exist
+    run()  # warm: compiled steps exist, and the target's kept runner
+    # The target's own runner, not the class: a drafter with a model of its own (PARD) verifies
+    # through a runner too, and its forwards are the drafter's share.
+    runner = kept_runner(setup.model)
     drafter = make()
     bucket: dict[str, float] = {}
     prompts = setup.prompts[:batch]
     with ExitStack() as stack:
         for owner, name in (
-            (ModelRunner, "verify"),
-            (ModelRunner, "prefill"),
+            (runner, "verify"),
+            (runner, "prefill"),
             (engine, "run_verify"),
             (SpecKVCache, "compact"),
         ):
@@ -302,7 +316,6 @@ def breakdown(setup: Model, config: str, make, batch: int, threads: int, tokens:
     }
     parts["engine"] = parts["step"] - sum(v for k, v in parts.items() if k != "step")
     ms = {key: value / steps * 1e3 for key, value in parts.items()}
-    runner = kept_runner(setup.model)
     return Breakdown(
         setup.name,
         config,
@@ -422,6 +435,12 @@ def main() -> None:
             if setup.name == "tiny-code" and BLOCK_SPEC.path in bundled.available():
                 # The registry's factory loads the head once; each call builds a drafter.
                 configs.append((f"dflash N={BLOCK_SPEC.size}", BLOCK_SPEC.factory(setup.model)))
+            if setup.name == "tiny-code" and device.type == "cuda":
+                configs += [
+                    (spec.label(spec.size), spec.factory(setup.model))
+                    for spec in GPU_SPECS
+                    if spec.path in bundled.available()
+                ]
             for batch in batches:
                 for config, make in configs:
                     record = breakdown(setup, config, make, batch, threads, tokens)

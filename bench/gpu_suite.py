@@ -199,7 +199,7 @@ def e2e_plan(quick: bool) -> dict[str, float]:
     return {"process": COSTS["process"], f"{peers} peers x {E2E_ROUNDS} rounds": peers * per_peer}
 
 
-OVERHEAD_BREAKDOWNS = 6  # plain, n-gram and DFlash, each at batch 1 and 8
+OVERHEAD_BREAKDOWNS = 10  # plain, n-gram, DFlash, PARD and EAGLE-2, each at batch 1 and 8
 OVERHEAD_COMPARISONS = 5  # plain against HF generate at batch 1 and 8, n-gram x 2, draft chain
 OVERHEAD_COMPILES = 2  # the operator counts' compiled runner, decode and verify
 
