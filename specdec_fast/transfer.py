@@ -1,20 +1,29 @@
 """The engine's transfers between host and device, in one place.
 
 `to_host` is the blocking read: the engine calls it once per step (the emitted tokens), and
-nothing else in the step loop or the drafters reads device tensors (tests/test_transfers.py
-counts). `to_device` uploads host data (lists, numpy arrays) without making the host wait: on
-CUDA through pinned memory with a non-blocking copy, on the CPU as is. `host_resident` is the
-condition of the CPU shortcuts that read tensors because, there, reading costs no transfer.
+nothing else in the step loop reads device tensors; a drafter reads at most once more
+(`to_host`, or `to_host_array` for arrays), where host work costs less than the launches it
+replaces (tests/test_transfers.py counts). `to_device` uploads host data (lists, numpy arrays)
+without making the host wait: on CUDA through pinned memory with a non-blocking copy, on the
+CPU as is. `host_resident` is the condition of the CPU shortcuts that read tensors because,
+there, reading costs no transfer.
 """
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 
 def to_host(tensor: torch.Tensor) -> list:
     """`tensor`'s values as (nested) Python lists: a blocking device-to-host read."""
     return tensor.tolist()
+
+
+def to_host_array(tensor: torch.Tensor) -> np.ndarray:
+    """`tensor`'s values as a numpy array: a blocking device-to-host read, one copy (for host
+    work over more values than `to_host`'s lists carry cheaply)."""
+    return tensor.cpu().numpy()
 
 
 def to_device(data, device: torch.device, dtype: torch.dtype = torch.int64) -> torch.Tensor:

@@ -35,7 +35,7 @@ import numpy as np
 import torch
 
 from specdec_fast.kernels.reference.verify import gumbel, stream_key
-from specdec_fast.transfer import host_resident
+from specdec_fast.transfer import host_resident, to_device, to_host_array
 
 # Probability that the rank-r candidate is the right token, used only to shape the default trees
 # (a profile typical of trained Medusa/EAGLE heads: most mass on the top-1, a long thin tail).
@@ -487,10 +487,9 @@ def best_first_tree(
     the candidate pushed first. Rows whose candidates run out are padded (parent -2).
 
     log_probs: float `[B, D, V]`, log q_d at position d - 1 (-inf allowed); roots: int `[B]`.
-    Returns int64 `(tokens, parents)` `[B, max_nodes]`. On an accelerator, a fixed number of
-    batched tensor ops for a given (B, D, max_nodes): no host reads. On the CPU, where tensors
-    are host memory, the same pops run on a heap per row (`_best_first_on_host`): about 30 small
-    tensor ops per node cost more than the drafter's forward there.
+    Returns int64 `(tokens, parents)` `[B, max_nodes]`, on `log_probs`' device. The pops run on
+    a heap per row on the host (`_best_first_on_host`); on an accelerator after one read of the
+    top-K candidates (the drafter's one host read a step).
     """
     if max_nodes < 2:
         raise ValueError(f"max_nodes must be >= 2 (the root and a draft node), got {max_nodes}")
@@ -504,7 +503,19 @@ def best_first_tree(
         values = torch.cat([values[:, :1], values[:, 1:] * depth_scale], dim=1)
     if host_resident(log_probs):
         return _best_first_on_host(values, top.indices, roots, max_nodes)
-    return _best_first_on_device(values, top.indices, roots, max_nodes)
+    # On an accelerator the heap runs on the host too, after one read of the top-K (values and
+    # candidates packed, both exact in float64) and before one upload. The batched tensor form
+    # this replaced launched about 45 small kernels a node: 675 for 16 nodes, 3.6 ms of
+    # dispatch alone at B = 1, which made the block drafters' GPU steps 8-10 ms against 0.6 for
+    # plain decoding (bench/NOTES.md, 2026-12-04); the heap takes 0.02 ms at B = 1 and
+    # 2.4 ms at B = 64 for 16 nodes.
+    packed = to_host_array(torch.stack([values.double(), top.indices.double()]))
+    scores, ids = packed[0].astype(np.float32), packed[1].astype(np.int64)
+    placeholder = np.zeros(roots.shape[0], dtype=np.int64)
+    tree = _best_first_heaps(scores, ids, placeholder, max_nodes)
+    tokens, parents = to_device(np.stack(tree), log_probs.device).unbind(0)
+    tokens[:, 0] = roots
+    return tokens, parents
 
 
 def check_depth_scale(depth_scale: float) -> None:
@@ -517,14 +528,21 @@ def check_depth_scale(depth_scale: float) -> None:
 def _best_first_on_host(
     values: torch.Tensor, candidates: torch.Tensor, roots: torch.Tensor, max_nodes: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """`best_first_tree` from the top-K `values`/`candidates` `[B, D, K]` with a heap per row:
-    the same tree as `_best_first_on_device`, scores summed in float32 in the same order, ties
-    to the candidate pushed first, exhausted rows padded with the same token."""
-    batch, depth, width = values.shape
-    scores, ids = values.numpy(), candidates.numpy()
+    """`best_first_tree` from the top-K `values`/`candidates` `[B, D, K]` in host memory."""
+    tree = _best_first_heaps(values.numpy(), candidates.numpy(), roots.numpy(), max_nodes)
+    return torch.from_numpy(tree[0]), torch.from_numpy(tree[1])
+
+
+def _best_first_heaps(
+    scores: np.ndarray, ids: np.ndarray, roots: np.ndarray, max_nodes: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """The best-first pops with a heap per row, from float32 top-K `scores` and their token
+    `ids` `[B, D, K]`: scores summed in float32, ties to the candidate pushed first, exhausted
+    rows padded with the top token of position 1. Returns int64 `(tokens, parents)`."""
+    batch, depth, width = scores.shape
     tokens = np.zeros((batch, max_nodes), dtype=np.int64)
     parents = np.full((batch, max_nodes), PAD_NODE, dtype=np.int64)
-    tokens[:, 0], parents[:, 0] = roots.numpy(), -1
+    tokens[:, 0], parents[:, 0] = roots, -1
     for row in range(batch):
         score, token = scores[row], ids[row]
         # (-score, push order, level, rank, parent node, parent's score)
@@ -545,53 +563,6 @@ def _best_first_on_host(
                 sibling = -(base + score[level, rank + 1])
                 heapq.heappush(heap, (sibling, pushed, level, rank + 1, parent, base))
                 pushed += 1
-    return torch.from_numpy(tokens), torch.from_numpy(parents)
-
-
-def _best_first_on_device(
-    values: torch.Tensor, candidates: torch.Tensor, roots: torch.Tensor, max_nodes: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """`best_first_tree` from the top-K `values`/`candidates` `[B, D, K]` in batched tensor ops,
-    one fixed-slot frontier per row."""
-    batch, depth, width = values.shape
-    device = values.device
-    values, candidates = values.flatten(1), candidates.flatten(1)  # [B, D * K]
-    slots = 1 + 2 * (max_nodes - 1)
-    score = torch.full((batch, slots), -torch.inf, device=device)
-    base = torch.zeros(batch, slots, device=device)  # the parent's score
-    level = torch.zeros(batch, slots, dtype=torch.long, device=device)
-    rank = torch.zeros_like(level)
-    parent = torch.zeros_like(level)
-    score[:, 0] = values[:, 0]
-    tokens = torch.zeros(batch, max_nodes, dtype=torch.long, device=device)
-    parents = torch.full_like(tokens, PAD_NODE)
-    tokens[:, 0], parents[:, 0] = roots.long(), -1
-    for node in range(1, max_nodes):
-        best = score.argmax(dim=1, keepdim=True)
-        found = score.gather(1, best) > -torch.inf
-        popped = [t.gather(1, best) for t in (score, base, level, rank, parent)]
-        best_score, best_base, best_level, best_rank, best_parent = popped
-        tokens[:, node : node + 1] = candidates.gather(1, best_level * width + best_rank)
-        parents[:, node : node + 1] = torch.where(found, best_parent, PAD_NODE)
-        score.scatter_(1, best, -torch.inf)
-        child = (
-            best_level + 1,
-            torch.zeros_like(best_rank),
-            torch.full_like(best_parent, node),
-            best_score,
-            best_level + 1 < depth,
-        )
-        sibling = (best_level, best_rank + 1, best_parent, best_base, best_rank + 1 < width)
-        # Fixed slots per pop: the frontier never needs compacting.
-        for slot, push in zip((2 * node - 1, 2 * node), (child, sibling), strict=True):
-            new_level, new_rank, new_parent, new_base, allowed = push
-            index = new_level.clamp(max=depth - 1) * width + new_rank.clamp(max=width - 1)
-            new_score = new_base + values.gather(1, index)
-            score[:, slot : slot + 1] = torch.where(found & allowed, new_score, -torch.inf)
-            base[:, slot : slot + 1] = new_base
-            level[:, slot : slot + 1] = new_level
-            rank[:, slot : slot + 1] = new_rank
-            parent[:, slot : slot + 1] = new_parent
     return tokens, parents
 
 

@@ -3,6 +3,7 @@
 losslessness of both through `verify`, in the style of tests/test_verify_lossless.py."""
 
 import itertools
+from unittest import mock
 
 import pytest
 import torch
@@ -20,13 +21,60 @@ from test_verify_lossless import (
 from specdec_fast.kernels import verify
 from specdec_fast.trees import (
     PAD_NODE,
-    _best_first_on_device,
     _best_first_on_host,
     best_first_tree,
     block_chain,
     sample_draft_tokens,
     sampled_block_chain,
 )
+
+
+def batched_best_first(
+    values: torch.Tensor, candidates: torch.Tensor, roots: torch.Tensor, max_nodes: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """An independent form of the best-first pops, the library's until 2026-12-04: batched tensor
+    ops over one fixed-slot frontier per row (an argmax a pop, two pushes into fixed slots), no
+    heap. The heap must give the same trees, token for token."""
+    batch, depth, width = values.shape
+    device = values.device
+    values, candidates = values.flatten(1), candidates.flatten(1)  # [B, D * K]
+    slots = 1 + 2 * (max_nodes - 1)
+    score = torch.full((batch, slots), -torch.inf, device=device)
+    base = torch.zeros(batch, slots, device=device)  # the parent's score
+    level = torch.zeros(batch, slots, dtype=torch.long, device=device)
+    rank = torch.zeros_like(level)
+    parent = torch.zeros_like(level)
+    score[:, 0] = values[:, 0]
+    tokens = torch.zeros(batch, max_nodes, dtype=torch.long, device=device)
+    parents = torch.full_like(tokens, PAD_NODE)
+    tokens[:, 0], parents[:, 0] = roots.long(), -1
+    for node in range(1, max_nodes):
+        best = score.argmax(dim=1, keepdim=True)
+        found = score.gather(1, best) > -torch.inf
+        popped = [t.gather(1, best) for t in (score, base, level, rank, parent)]
+        best_score, best_base, best_level, best_rank, best_parent = popped
+        tokens[:, node : node + 1] = candidates.gather(1, best_level * width + best_rank)
+        parents[:, node : node + 1] = torch.where(found, best_parent, PAD_NODE)
+        score.scatter_(1, best, -torch.inf)
+        child = (
+            best_level + 1,
+            torch.zeros_like(best_rank),
+            torch.full_like(best_parent, node),
+            best_score,
+            best_level + 1 < depth,
+        )
+        sibling = (best_level, best_rank + 1, best_parent, best_base, best_rank + 1 < width)
+        # Fixed slots per pop: the frontier never needs compacting.
+        for slot, push in zip((2 * node - 1, 2 * node), (child, sibling), strict=True):
+            new_level, new_rank, new_parent, new_base, allowed = push
+            index = new_level.clamp(max=depth - 1) * width + new_rank.clamp(max=width - 1)
+            new_score = new_base + values.gather(1, index)
+            score[:, slot : slot + 1] = torch.where(found & allowed, new_score, -torch.inf)
+            base[:, slot : slot + 1] = new_base
+            level[:, slot : slot + 1] = new_level
+            rank[:, slot : slot + 1] = new_rank
+            parent[:, slot : slot + 1] = new_parent
+    return tokens, parents
 
 
 def paths_of(tokens, parents):
@@ -107,7 +155,7 @@ def test_the_depth_scale_keeps_the_best_scaled_paths_on_host_and_device(depth_sc
         assert set(paths) == set(brute_force(log_probs[row], 8, depth_scale))
     top = log_probs.topk(5, dim=-1)  # K = min(9 - 1, V)
     scaled = torch.cat([top.values[:, :1], top.values[:, 1:] * depth_scale], dim=1)
-    device = _best_first_on_device(scaled, top.indices, roots, 9)
+    device = batched_best_first(scaled, top.indices, roots, 9)
     assert torch.equal(device[0], tokens) and torch.equal(device[1], parents)
 
 
@@ -129,7 +177,7 @@ def test_the_depth_scale_must_be_a_positive_finite_number(bad):
 
 @pytest.mark.parametrize("seed", range(6))
 def test_best_first_tree_on_the_host_equals_the_batched_tensor_form(seed):
-    """The CPU's heap and the accelerators' batched form give the same trees, token for token:
+    """The heap and the batched form give the same trees, token for token:
     random blocks, blocks of a few distinct values (ties everywhere) and ones with -inf (zero
     probabilities) and NaN, candidates that run out included."""
     generator = torch.Generator().manual_seed(seed)
@@ -146,9 +194,33 @@ def test_best_first_tree_on_the_host_equals_the_batched_tensor_form(seed):
         width = min(nodes - 1, vocab)
         top = log_probs.nan_to_num(nan=-1e30).clamp(min=-1e30).topk(width, dim=-1)
         host = _best_first_on_host(top.values, top.indices, roots, nodes)
-        device = _best_first_on_device(top.values, top.indices, roots, nodes)
+        device = batched_best_first(top.values, top.indices, roots, nodes)
         assert torch.equal(host[0], device[0]) and torch.equal(host[1], device[1]), nodes
         assert host[0].dtype == host[1].dtype == torch.int64
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+def test_best_first_tree_on_an_accelerator_reads_the_top_k_once(batch):
+    """Off the host (`host_resident` False, as on a GPU) the tree is the host's, the roots
+    written on the device, from one read of the packed top-K (`to_host_array`) and no other."""
+    generator = torch.Generator().manual_seed(11)
+    log_probs = torch.log_softmax(torch.randn(batch, 4, 30, generator=generator) * 3, -1)
+    roots = torch.randint(30, (batch,), generator=generator)
+    want = best_first_tree(log_probs, roots, 16, 0.7)
+    reads = []
+
+    def to_host_array(tensor):
+        reads.append(tuple(tensor.shape))
+        return tensor.numpy()
+
+    with (
+        mock.patch("specdec_fast.trees.host_resident", lambda tensor: False),
+        mock.patch("specdec_fast.trees.to_host_array", to_host_array),
+    ):
+        got = best_first_tree(log_probs, roots, 16, 0.7)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    assert got[0].dtype == got[1].dtype == torch.int64
+    assert reads == [(2, batch, 4, 15)]
 
 
 def test_chains_and_their_draft_probabilities():

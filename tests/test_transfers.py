@@ -1,13 +1,15 @@
 """One blocking host read per step: the emitted tokens, for every bundled drafter.
 
 On a GPU every device-to-host read stalls the host until the device catches up, so the engine
-reads once per step (`specdec_fast.transfer.to_host`) and nothing else in the step loop or the
-drafters reads device tensors. This machine has no GPU, so the test patches the transfer points
-instead: `to_host`, and every implicit read a tensor offers (`tolist`, `item`, `bool(t)`,
-`int(t)`, ...) when called from the engine or a drafter (kernel implementations are device work,
-and reads inside torch or transformers are theirs, so neither is counted). Reads per step are
-measured as a difference between a short and a long generation of the same prompt, so that
-the once-per-call reads (prompt lengths at prefill, the sampling parameters) cancel out.
+reads once per step (`specdec_fast.transfer.to_host`) and nothing else in the step loop reads
+device tensors; a drafter may read once more where host work beats device launches (the draft
+model's and EAGLE's trees, the block drafters' best-first heap). This machine has no GPU, so
+the test patches the transfer points instead: `to_host`, `to_host_array`, and every implicit
+read a tensor offers (`tolist`, `item`, `bool(t)`, `int(t)`, ...) when called from the engine
+or a drafter (kernel implementations are device work, and reads inside torch or transformers
+are theirs, so neither is counted). Reads per step are measured as a difference between a
+short and a long generation of the same prompt, so that the once-per-call reads (prompt
+lengths at prefill, the sampling parameters) cancel out.
 """
 
 import sys
@@ -45,9 +47,10 @@ DRAFTERS = [
     ("draft-tree:tiny-code-draft:8", 1),
     ("eagle:tiny-code-eagle:8", 1),
     ("eagle:tiny-code-eagle3:8", 1),
-    # Block drafters over untrained checkpoints in the bundled layouts (written by `blocks`).
-    ("block:{dflash}:8", 0),
-    ("block:{pard}:8", 0),
+    # Block drafters over untrained checkpoints in the bundled layouts (written by `blocks`):
+    # their best-first trees read the block's top-K once (the heap runs on the host).
+    ("block:{dflash}:8", 1),
+    ("block:{pard}:8", 1),
 ]
 
 pytestmark = pytest.mark.skipif(
@@ -57,8 +60,9 @@ pytestmark = pytest.mark.skipif(
 
 @contextmanager
 def counted_reads():
-    """Count `to_host` calls and implicit tensor reads made by the engine and drafters (not by
-    the kernels, torch or transformers); yields the list of (kind, file, line) records."""
+    """Count `to_host`/`to_host_array` calls and implicit tensor reads made by the engine and
+    drafters (not by the kernels, torch or transformers); yields the list of (kind, file, line)
+    records."""
     reads = []
     originals = {name: getattr(torch.Tensor, name) for name in IMPLICIT_READS}
 
@@ -76,6 +80,10 @@ def counted_reads():
         reads.append(("to_host", "transfer.py", 0))
         return originals["tolist"](tensor)
 
+    def to_host_array(tensor):
+        reads.append(("to_host_array", "transfer.py", 0))
+        return originals["numpy"](originals["cpu"](tensor))
+
     for name, original in originals.items():
         setattr(torch.Tensor, name, wrap(name, original))
     try:
@@ -85,6 +93,7 @@ def counted_reads():
         with (
             mock.patch.object(transfer, "to_host", to_host),
             mock.patch("specdec_fast.batch.to_host", to_host),
+            mock.patch("specdec_fast.trees.to_host_array", to_host_array),
             mock.patch("specdec_fast.trees.host_resident", lambda tensor: False),
         ):
             yield reads
