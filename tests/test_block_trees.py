@@ -223,6 +223,17 @@ def test_best_first_tree_on_an_accelerator_reads_the_top_k_once(batch):
     assert reads == [(2, batch, 4, 15)]
 
 
+@pytest.mark.gpu
+def test_best_first_tree_on_cuda_equals_the_hosts():
+    generator = torch.Generator().manual_seed(12)
+    log_probs = torch.log_softmax(torch.randn(4, 6, 500, generator=generator) * 3, -1)
+    roots = torch.randint(500, (4,), generator=generator)
+    want = best_first_tree(log_probs, roots, 32)
+    got = best_first_tree(log_probs.cuda(), roots.cuda(), 32)
+    assert got[0].device.type == got[1].device.type == "cuda"
+    assert torch.equal(got[0].cpu(), want[0]) and torch.equal(got[1].cpu(), want[1])
+
+
 def test_chains_and_their_draft_probabilities():
     generator = torch.Generator().manual_seed(5)
     logits = torch.randn(4, 5, 9, generator=generator)
