@@ -62,7 +62,7 @@ DRAFT_CHAIN = 4
 # the CPU (bench/results/e2e_tiny-cpu.md).
 BLOCK_SPEC = DrafterSpec.parse("block:tiny-code-dflash:8")
 # On a GPU the breakdown also takes the other model-based tree drafters at the same budget: there
-# the tree drafters ran 7-10x slower than plain decoding (bench/NOTES.md, 2026-12-04), and the
+# the tree drafters ran 6.6-10.4x slower than plain decoding (bench/NOTES.md, 2026-12-04), and the
 # breakdown is what says where each one's step goes.
 GPU_SPECS = tuple(
     DrafterSpec.parse(spec) for spec in ("block:tiny-code-pard:8", "eagle:tiny-code-eagle:8")

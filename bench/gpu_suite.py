@@ -295,7 +295,7 @@ PARTS = {
             _json_files("bench_step_compiled.json"),
         ),
         Part("e2e", e2e_command, e2e_plan, _json_files("e2e.json")),
-        # Where a drafter's step goes on the GPU (the tree drafters ran 7-10x slower than plain
+        # Where a drafter's step goes on the GPU (the tree drafters ran 6.6-10x slower than plain
         # decoding there, 2026-12-04): opt-in, as the quick plan has no room for it.
         Part("overhead", overhead_command, overhead_plan, _json_files("overhead.json"), False),
     )
