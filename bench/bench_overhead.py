@@ -43,7 +43,7 @@ from pathlib import Path
 
 import torch
 from bench_generate import random_prompts
-from common import RESULTS_DIR, bench_device, environment, write_results
+from common import RESULTS_DIR, bench_device, environment, sync, write_results
 from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
 
 from specdec_fast import DraftModelDrafter, NGramDrafter, bundled, generate
@@ -58,6 +58,7 @@ NGRAM_NODES = 8
 # bands, `runner.MKL_SLOW_ROWS`), so the deeper tree is the one to run at batch 1.
 NGRAM_VS_LOOKUP = ((NGRAM_NODES, None), (16, 15))
 DRAFT_CHAIN = 4
+BATCHES = (1, 8)
 # The bundled DFlash head in the step breakdown of the bundled pair, at its best batch-1 budget on
 # the CPU (bench/results/e2e_tiny-cpu.md).
 BLOCK_SPEC = DrafterSpec.parse("block:tiny-code-dflash:8")
@@ -245,11 +246,6 @@ class Breakdown:
     compile_seconds: dict[str, float]
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 @contextmanager
 def timed(owner, name: str, bucket: dict[str, float], device: torch.device):
     """Wrap `owner.name` so that its wall time accumulates into `bucket[name]` (on CUDA with the
@@ -257,12 +253,12 @@ def timed(owner, name: str, bucket: dict[str, float], device: torch.device):
     original = getattr(owner, name)
 
     def wrapper(*args, **kwargs):
-        _sync(device)
+        sync(device)
         start = time.perf_counter()
         try:
             return original(*args, **kwargs)
         finally:
-            _sync(device)
+            sync(device)
             bucket[name] = bucket.get(name, 0.0) + time.perf_counter() - start
 
     own = name in vars(owner)  # a module's or class's own function, not an instance's method
@@ -303,7 +299,7 @@ def breakdown(setup: Model, config: str, make, batch: int, threads: int, tokens:
         out = generate(
             setup.model, prompts, drafter=drafter, max_new_tokens=tokens, eos_token_id=[]
         )
-        _sync(device)
+        sync(device)
         total = time.perf_counter() - start
     steps = out.stats.steps
     loop = total - bucket.get("prefill", 0.0) - bucket.get("begin", 0.0)
@@ -407,6 +403,11 @@ def fmt_comparisons(records: list[Comparison]) -> str:
     return "\n".join(lines)
 
 
+def run_size(tiny: bool, quick: bool) -> tuple[int, int]:
+    """Alternating repeats and new tokens per run (`--tiny`, `--quick`, or the full run)."""
+    return (2, 16) if tiny else (3, 48) if quick else (5, 96)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="3 repeats, fewer tokens")
@@ -417,10 +418,9 @@ def main() -> None:
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
     device = bench_device()
-    repeats = args.repeats or (2 if args.tiny else 3 if args.quick else 5)
-    tokens = 16 if args.tiny else 48 if args.quick else 96
-    batches = (1, 8)
-    setups = models(args.tiny, max(batches), device)
+    repeats, tokens = run_size(args.tiny, args.quick)
+    repeats = args.repeats or repeats
+    setups = models(args.tiny, max(BATCHES), device)
     if args.models:
         setups = [setup for setup in setups if setup.name in args.models.split(",")]
     comparisons, breakdowns, counts = [], [], {}
@@ -441,7 +441,7 @@ def main() -> None:
                     for spec in GPU_SPECS
                     if spec.path in bundled.available()
                 ]
-            for batch in batches:
+            for batch in BATCHES:
                 for config, make in configs:
                     record = breakdown(setup, config, make, batch, threads, tokens)
                     breakdowns.append(record)

@@ -60,6 +60,12 @@ def bench_device() -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
+def sync(device: torch.device) -> None:
+    """Wait for `device`'s queued work (a no-op off CUDA)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 class Timer:
     """Prepares `fn` for repeated timing (warm-up, and on CUDA a captured graph).
 
@@ -86,7 +92,7 @@ class Timer:
         if device.type != "cuda" or not capture:
             for _ in range(warmup):
                 self._call()
-            self._sync()
+            sync(self.device)
             return
         if reset is not None:
             raise ValueError("reset needs capture=False on CUDA: a captured graph would time it")
@@ -108,17 +114,13 @@ class Timer:
             self.reset()
         self.fn()
 
-    def _sync(self) -> None:
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-
     def run(self) -> None:
         """One timed unit, finished: a graph replay (CALLS_PER_REPLAY calls) or one eager call."""
         if self.graph is None:
             self._call()
         else:
             self.graph.replay()
-        self._sync()
+        sync(self.device)
 
     @property
     def calls_per_run(self) -> int:
@@ -148,7 +150,7 @@ class Timer:
             else:
                 self.graph.replay()
             end.record()
-        self._sync()
+        sync(self.device)
         samples = [start.elapsed_time(end) * 1e3 / self.calls_per_run for start, end in events]
         return statistics.median(samples), min(samples), max(samples)
 

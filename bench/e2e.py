@@ -25,6 +25,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field, replace
 
 import torch
+from common import sync
 
 from specdec_fast import generate
 from specdec_fast.drafters.base import Drafter
@@ -60,11 +61,6 @@ class E2ERecord:
         return asdict(self)
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def run_ours(
     peer: str,
     target,
@@ -90,7 +86,7 @@ def run_ours(
     new_tokens, steps, accepted, drafted = 0, 0, 0, 0
     offered: list[int] = []
     taken: list[int] = []
-    _sync(target.device)
+    sync(target.device)
     start = time.perf_counter()
     for first in range(0, len(prompts), batch):
         chunk = [list(p) for p in prompts[first : first + batch]]
@@ -116,7 +112,7 @@ def run_ours(
                     taken.append(0)
                 offered[depth] += o
                 taken[depth] += a
-    _sync(target.device)
+    sync(target.device)
     seconds = time.perf_counter() - start
     record = E2ERecord(
         peer=peer,
@@ -165,10 +161,10 @@ def run_hf(
 
     if warm_up:
         one(prompts[0], 4)
-    _sync(target.device)
+    sync(target.device)
     start = time.perf_counter()
     outputs = [one(p, max_new_tokens) for p in prompts]
-    _sync(target.device)
+    sync(target.device)
     seconds = time.perf_counter() - start
     new_tokens = sum(len(o) - len(p) for o, p in zip(outputs, prompts, strict=True))
     return E2ERecord(peer, 1, new_tokens, seconds, new_tokens / seconds), outputs

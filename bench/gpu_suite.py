@@ -199,19 +199,22 @@ def e2e_plan(quick: bool) -> dict[str, float]:
     return {"process": COSTS["process"], f"{peers} peers x {E2E_ROUNDS} rounds": peers * per_peer}
 
 
-OVERHEAD_BREAKDOWNS = 10  # plain, n-gram, DFlash, PARD and EAGLE-2, each at batch 1 and 8
-OVERHEAD_COMPARISONS = 5  # plain against HF generate at batch 1 and 8, n-gram x 2, draft chain
 OVERHEAD_COMPILES = 2  # the operator counts' compiled runner, decode and verify
 
 
 def overhead_plan(quick: bool) -> dict[str, float]:
     """bench_overhead.py on the bundled pair: each breakdown's first run compiles and captures
     like a tiny-pair peer; each comparison runs both sides 1 + repeats times."""
-    repeats, tokens = (3, 48) if quick else (5, 96)
-    runs = OVERHEAD_COMPARISONS * 2 * (1 + repeats)
+    bench = _bench_module("bench_overhead")
+    # Plain, n-gram and DFlash, and on a GPU the other model drafters, at each batch.
+    breakdowns = (3 + len(bench.GPU_SPECS)) * len(bench.BATCHES)
+    # Plain against HF generate at each batch, n-gram against prompt lookup, the draft chain.
+    comparisons = len(bench.BATCHES) + len(bench.NGRAM_VS_LOOKUP) + 1
+    repeats, tokens = bench.run_size(tiny=False, quick=quick)
+    runs = comparisons * 2 * (1 + repeats)
     return {
         "process": COSTS["process"],
-        f"{OVERHEAD_BREAKDOWNS} breakdowns": OVERHEAD_BREAKDOWNS * COSTS["e2e_run"],
+        f"{breakdowns} breakdowns": breakdowns * COSTS["e2e_run"],
         f"{runs} timed runs": runs * tokens * COSTS["e2e_token"],
         f"{OVERHEAD_COMPILES} compiles": OVERHEAD_COMPILES * COSTS["e2e_run"],
     }

@@ -193,6 +193,11 @@ class _Context:
         index = to_device(rows, self.features[0].device)
         return _Context([f[index] for f in self.features], [self.counts[r] for r in rows])
 
+    def extended(self, count: int) -> _Context:
+        """This context with `count` rows of pad entries after its rows."""
+        features = [torch.cat([f, f.new_zeros(count, *f.shape[1:])]) for f in self.features]
+        return _Context(features, self.counts + [0] * count)
+
     def widened(self) -> _Context:
         """This context with pad entries past `MIN_CONTEXT_WIDTH` - width, if narrower."""
         pad = MIN_CONTEXT_WIDTH - self.width
@@ -386,10 +391,7 @@ class _FeatureBlock:
         cache.admit(batch, count, max(joined))
         self._lengths = lengths + joined
         if self._pending is not None:
-            self._pending = _Context(
-                [torch.cat([f, f.new_zeros(count, *f.shape[1:])]) for f in self._pending.features],
-                self._pending.counts + [0] * count,
-            )
+            self._pending = self._pending.extended(count)
 
     def end(self) -> None:
         self._cache = None
