@@ -9,7 +9,9 @@ generation (draft model, prompt lookup) runs in the same process on the same pro
 bench/results/e2e_tiny-<device>.json and .md), and a PNG of the per-position acceptance of the
 EAGLE and block drafters at one budget (`--plot-budget`, default 16; needs matplotlib) with, in
 the table's notes, the tokens per step of the best block drafter against each EAGLE head's.
-`--budgets` and `--kinds` narrow the sweep (e.g. `--budgets 16 --kinds eagle,block`).
+`--budgets` and `--kinds` narrow the sweep (e.g. `--budgets 16 --kinds eagle,block`);
+`--float32-heads` adds each DFlash head computing in float32 beside its default dtype (bfloat16
+on CPUs with bfloat16 units, `loading.drafter_dtype`).
 
 Speed is measured over `--rounds` rounds (default 3, 1 with `--quick`) in which every peer runs
 once in turn (`e2e.interleave`): tokens/s is the median of the rounds, each speed-up the median of
@@ -32,9 +34,11 @@ import torch
 from common import RESULTS_DIR, bench_device, environment, write_results
 from e2e import E2ERecord, compare, format_table, interleave, paired_ratio, run_hf, run_ours
 
-from specdec_fast import bundled
+from specdec_fast import BlockDrafter, bundled
 from specdec_fast.drafters.base import Drafter
+from specdec_fast.drafters.block import load_block_model
 from specdec_fast.drafters.registry import bundled_specs
+from specdec_fast.heads.block import DFlashHead
 
 BUDGETS = (8, 16, 32, 64)
 CHAIN_LENGTHS = (2, 3, 4, 6)
@@ -56,9 +60,11 @@ def drafter_grid(
     quick: bool,
     budgets: Sequence[int] = BUDGETS,
     kinds: Sequence[str] | None = None,
+    float32_heads: bool = False,
 ) -> dict[str, Cell]:
     """Every bundled drafter (of `kinds`, default all) at each budget N (chains at each length
-    k), by display name."""
+    k), by display name; `float32_heads` adds each DFlash head again computing in float32 (the
+    target's dtype on the CPU, `load_dflash_head(dtype=...)`) beside its default dtype."""
     grid = {"ours plain": Cell(lambda: None, None, 1)}
     for spec in bundled_specs():
         if kinds is not None and spec.kind not in kinds:
@@ -69,6 +75,16 @@ def drafter_grid(
             grid[spec.label(size)] = Cell(
                 lambda make=make, size=size: make(size), spec.kind, spec.nodes(size)
             )
+        if float32_heads and spec.kind == "block":
+            head = load_block_model(spec.path, target, torch.float32)
+            if not isinstance(head, DFlashHead):
+                continue
+            for size in sizes[:2] if quick else sizes:
+                grid[f"{spec.label(size)} [float32 head]"] = Cell(
+                    lambda head=head, size=size: BlockDrafter(head, max_nodes=size),
+                    spec.kind,
+                    spec.nodes(size),
+                )
     return grid
 
 
@@ -167,6 +183,7 @@ def run(
     budgets: Sequence[int] = BUDGETS,
     kinds: Sequence[str] | None = None,
     rounds: int | None = None,
+    float32_heads: bool = False,
 ) -> tuple[list[E2ERecord], dict, dict[str, Cell]]:
     device = bench_device()
     torch.manual_seed(0)
@@ -178,7 +195,7 @@ def run(
         [tokenizer.bos_token_id, *tokenizer.encode(r["prompt"], add_special_tokens=False)]
         for r in load_prompts(count)
     ]
-    grid = drafter_grid(target, quick, budgets, kinds)
+    grid = drafter_grid(target, quick, budgets, kinds, float32_heads)
     peers = {
         name: lambda warm_up, name=name, make=cell.make: run_ours(
             name, target, prompts, make, new_tokens, 1, warm_up
@@ -234,9 +251,20 @@ def main() -> None:
         default=None,
         help="timed rounds per peer (default: 3, 1 with --quick)",
     )
+    parser.add_argument(
+        "--float32-heads",
+        action="store_true",
+        help="also run each DFlash head computing in float32, beside its default dtype",
+    )
     args = parser.parse_args()
     records, setup, grid = run(
-        args.quick, args.prompts, args.new_tokens, args.budgets, args.kinds, args.rounds
+        args.quick,
+        args.prompts,
+        args.new_tokens,
+        args.budgets,
+        args.kinds,
+        args.rounds,
+        args.float32_heads,
     )
     env = environment(bench_device())
     title = (

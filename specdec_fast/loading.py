@@ -112,6 +112,40 @@ def auto_dtype(device: torch.device, checkpoint: torch.dtype | None) -> torch.dt
     return checkpoint if checkpoint in (torch.float16, torch.bfloat16) else torch.bfloat16
 
 
+def native_half_precision(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether `device` does `dtype` (bfloat16 or float16) matmuls in hardware: on a GPU,
+    float16 always and bfloat16 where CUDA supports it; on the CPU, bfloat16 with AVX512-BF16
+    or AMX and float16 with AMX-FP16 (elsewhere torch converts to float32 and back, slower
+    than float32 itself)."""
+    if dtype not in (torch.float16, torch.bfloat16):
+        return False
+    if device.type == "cuda":
+        return dtype == torch.float16 or torch.cuda.is_bf16_supported()
+    if device.type != "cpu":
+        return False
+    probes = (
+        ("_is_avx512_bf16_supported", "_is_amx_tile_supported")
+        if dtype == torch.bfloat16
+        else ("_is_amx_fp16_supported",)
+    )
+    return any(getattr(torch.cpu, probe, lambda: False)() for probe in probes)
+
+
+def drafter_dtype(
+    device: torch.device, stored: torch.dtype, target_dtype: torch.dtype
+) -> torch.dtype:
+    """The dtype a draft head computes in by default: the 16-bit dtype its checkpoint is stored
+    in where `device` does that math in hardware (`native_half_precision`), else the target's.
+
+    A drafter's precision changes which tokens it proposes, never what is emitted (verification
+    decides against the target's own logits), so a float32 target on a CPU with bfloat16
+    units still drafts at bfloat16 speed: the bundled DFlash head's step is about 1.2x faster
+    so (bench/NOTES.md, 2026-12-04)."""
+    if stored in (torch.float16, torch.bfloat16) and native_half_precision(device, stored):
+        return stored
+    return target_dtype
+
+
 @contextmanager
 def quiet_transformers() -> Iterator[None]:
     """Inside: no transformers progress bars and no tokenizer warnings; restored on exit, so

@@ -5,6 +5,9 @@ import pytest
 import torch
 from bench_smoke import import_bench
 
+from specdec_fast import bundled
+from specdec_fast.loading import load_model
+
 
 def test_bench_generate_compares_every_peer(monkeypatch):
     bench = import_bench(monkeypatch, "bench_generate")
@@ -158,3 +161,18 @@ def test_tiny_ranks_the_fastest_block_drafter_against_the_others(monkeypatch):
         "- block:pard N=16: 0.84x ours plain (95.0); ngram N=8: 0.90x",
     ]
     assert bench.block_vs_other_drafters(records[:3], grid) == []
+
+
+@pytest.mark.skipif(
+    "tiny-code-dflash" not in bundled.available(), reason="needs the bundled DFlash head"
+)
+def test_tiny_grid_adds_float32_dflash_heads_beside_the_default(monkeypatch):
+    """`--float32-heads`: each DFlash head again, computing in float32, beside its default."""
+    bench = import_bench(monkeypatch, "bench_e2e_tiny")
+    target = load_model("tiny-code", torch.device("cpu"))
+    grid = bench.drafter_grid(target, True, (8,), ["block"], float32_heads=True)
+    ablation = grid["block:tiny-code-dflash N=8 [float32 head]"]
+    assert ablation.kind == "block" and ablation.nodes == 8
+    assert ablation.make().model.fc.weight.dtype == torch.float32
+    assert not any("pard" in name and "float32" in name for name in grid)
+    assert bench.drafter_grid(target, True, (8,), ["block"]).keys() < grid.keys()

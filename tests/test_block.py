@@ -22,6 +22,7 @@ from specdec_fast.drafters.base import root_only
 from specdec_fast.drafters.block import load_block_model, load_pard
 from specdec_fast.guardrails import GuardedDrafter, GuardrailPolicy, RouteGuard
 from specdec_fast.heads.block import DFlashHead, default_target_layers, load_dflash_head
+from specdec_fast.loading import drafter_dtype, native_half_precision
 from specdec_fast.train.block import (
     BlockOptions,
     dflash_block_outputs,
@@ -328,6 +329,52 @@ def test_dflash_loads_the_public_layout(target, tmp_path):
     prompts = repetitive_prompts([10, 3], VOCAB, seed=12)
     out = generate(target, prompts, drafter=drafter, max_new_tokens=16)
     assert [s.tolist() for s in out.sequences] == hf_greedy(target, prompts, 16)
+
+
+def test_drafter_dtype_follows_the_checkpoint_where_the_hardware_has_it(monkeypatch):
+    """A head stored in a 16-bit dtype computes in it where the device has that math (on the
+    CPU: AVX512-BF16 or AMX for bfloat16, AMX-FP16 for float16), else in the target's dtype;
+    a float32 checkpoint always follows the target."""
+    cpu, fp32, bf16, fp16 = torch.device("cpu"), torch.float32, torch.bfloat16, torch.float16
+    for probe in ("_is_avx512_bf16_supported", "_is_amx_tile_supported", "_is_amx_fp16_supported"):
+        monkeypatch.setattr(torch.cpu, probe, lambda: False, raising=False)
+    assert not native_half_precision(cpu, bf16) and not native_half_precision(cpu, fp32)
+    assert drafter_dtype(cpu, bf16, fp32) == fp32
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: True)
+    assert native_half_precision(cpu, bf16) and not native_half_precision(cpu, fp16)
+    assert drafter_dtype(cpu, bf16, fp32) == bf16
+    assert drafter_dtype(cpu, fp16, fp32) == fp32  # AMX tiles alone do not do float16
+    assert drafter_dtype(cpu, fp32, bf16) == bf16  # a float32 checkpoint follows the target
+    assert not native_half_precision(torch.device("meta"), bf16)
+
+
+@pytest.mark.parametrize("native", [True, False], ids=["bf16-cpu", "plain-cpu"])
+def test_bfloat16_heads_on_a_float32_target_load_so_and_stay_exact(
+    target, ragged, references, tmp_path, monkeypatch, native
+):
+    """A bfloat16 checkpoint on a float32 target computes in bfloat16 where the CPU has it
+    (embeddings, features and the target's LM head cast to it): greedy output is still the
+    target's own on a ragged batch, and the blocks' distributions stay within bfloat16's
+    rounding of the float32 head's. `dtype=` overrides the default."""
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: native)
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False, raising=False)
+    head = dflash_head(target, seed=5)
+    head.to(torch.bfloat16).save_pretrained(tmp_path)
+    expected = torch.bfloat16 if native else torch.float32
+    loaded = load_block_model(tmp_path, target)
+    assert loaded.fc.weight.dtype == expected
+    assert load_block_model(tmp_path, target, torch.float32).fc.weight.dtype == torch.float32
+    drafter = RecordingDrafter(loaded, max_nodes=10)
+    out = generate(target, ragged, drafter=drafter, max_new_tokens=32)
+    assert [s.tolist() for s in out.sequences] == references
+    assert out.stats.accepted_tokens > 0
+    reference = load_block_model(tmp_path, target, torch.float32)
+    for tokens, logits in drafter.steps[:8]:
+        exact = from_scratch(reference, target, tokens)
+        # bfloat16 keeps 8 bits of mantissa: two layers and the LM head are off by about 0.03
+        # on logits of magnitude 4 here; float32 agrees to rounding.
+        error = float((logits - exact).abs().max())
+        assert (0 < error < 0.08) if native else error < 1e-4
 
 
 def test_dflash_defaults_and_sharded_weights(target, tmp_path):

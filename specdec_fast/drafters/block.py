@@ -43,6 +43,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 from transformers import PreTrainedModel
 
 from specdec_fast.cache import SpecKVCache
@@ -125,10 +126,14 @@ class PardDraft:
         self.model.save_pretrained(folder, safe_serialization=True)
 
 
-def load_pard(name_or_path: str | os.PathLike, target) -> PardDraft:
+def load_pard(
+    name_or_path: str | os.PathLike, target, dtype: torch.dtype | None = None
+) -> PardDraft:
     """A PARD draft model from a folder in the public layout (or a bundled name), on the
-    target's device and dtype; raises ValueError when the config names no mask token, the
-    weights are not safetensors, or the model does not share the target's vocabulary."""
+    target's device, in `dtype` (None: the target's; unlike a DFlash head's step, the bundled
+    PARD model's runs no faster in bfloat16 on a float32 target's CPU); raises ValueError when
+    the config names no mask token, the weights are not safetensors, or the model does not
+    share the target's vocabulary."""
     from transformers import AutoModelForCausalLM
 
     folder = resolve_folder(name_or_path)
@@ -142,7 +147,7 @@ def load_pard(name_or_path: str | os.PathLike, target) -> PardDraft:
     with quiet_transformers():
         model = AutoModelForCausalLM.from_pretrained(
             folder,
-            dtype=target.dtype,
+            dtype=target.dtype if dtype is None else dtype,
             local_files_only=True,
             trust_remote_code=False,
             use_safetensors=True,
@@ -164,13 +169,16 @@ def load_pard(name_or_path: str | os.PathLike, target) -> PardDraft:
         raise ValueError(f"{what}: config.json: {error}") from None
 
 
-def load_block_model(name_or_path: str | os.PathLike, target) -> DFlashHead | PardDraft:
-    """A DFlash head or a PARD draft model, told apart by the checkpoint's config."""
+def load_block_model(
+    name_or_path: str | os.PathLike, target, dtype: torch.dtype | None = None
+) -> DFlashHead | PardDraft:
+    """A DFlash head or a PARD draft model, told apart by the checkpoint's config, in `dtype`
+    (None: each flavour's default, see `load_dflash_head` and `load_pard`)."""
     fields = read_config(resolve_folder(name_or_path))
     if is_dflash_config(fields):
-        return load_dflash_head(name_or_path, target)
+        return load_dflash_head(name_or_path, target, dtype)
     if any(field in fields for field in PARD_TOKEN_FIELDS) or fields.get("spd_type") == PARD_TYPE:
-        return load_pard(name_or_path, target)
+        return load_pard(name_or_path, target, dtype)
     raise ValueError(
         f"{Path(name_or_path)}: config.json is neither a DFlash head's (dflash_config, or a "
         f"DFlash architecture) nor a PARD model's ({' or '.join(PARD_TOKEN_FIELDS)})"
@@ -234,9 +242,17 @@ class _FeatureBlock:
 
     def attach(self, target, max_cache_len: int, depth: int) -> None:
         self.head.check_target(target)
-        self.head.to(device=target.device, dtype=target.dtype).eval()
+        # The head computes in its own dtype (`load_dflash_head`), the target's embeddings and
+        # features are cast to it, and its outputs meet the target's LM head in that dtype: a
+        # cast copy of the LM head when the target's dtype differs.
+        self.head.to(device=target.device).eval()
+        dtype = self.head.fc.weight.dtype
         self._embed = target.get_input_embeddings()
-        self._lm_head = target.get_output_embeddings()
+        lm_head = target.get_output_embeddings()
+        self._lm_weight, self._lm_bias = (
+            None if param is None else param.detach().to(dtype)
+            for param in (lm_head.weight, lm_head.bias)
+        )
         # Room for the context, a block past it and the pad entries a step writes past the block.
         self._capacity = max_cache_len + self.head.block_size + depth + 1
         self._depth = depth
@@ -352,8 +368,9 @@ class _FeatureBlock:
                 return torch.ops.specdec_fast.tree_attention(*args, None, None, None)
             return run_tree_attention(*args, None, None, None)
 
-        outputs = head(self._embed(tokens), positions, attend)
-        return self._lm_head(outputs[:, 1:]).float()
+        embeds = self._embed(tokens).to(head.fc.weight.dtype)
+        outputs = head(embeds, positions, attend)
+        return F.linear(outputs[:, 1:], self._lm_weight, self._lm_bias).float()
 
     def update(self, state: DraftState, outcome: StepOutcome) -> None:
         if self._pending is not None:  # a step without a block (not the engine's order)
@@ -510,10 +527,17 @@ class BlockDrafter(Drafter):
         self.hidden_layers = self.flavour.hidden_layers
 
     @classmethod
-    def from_pretrained(cls, name_or_path: str | os.PathLike, target, **kwargs) -> BlockDrafter:
-        """Load a DFlash head or a PARD draft model (told apart by its config) for `target`;
-        `kwargs` are `max_nodes`, `tree` and `depth_scale`."""
-        return cls(load_block_model(name_or_path, target), **kwargs)
+    def from_pretrained(
+        cls,
+        name_or_path: str | os.PathLike,
+        target,
+        dtype: torch.dtype | None = None,
+        **kwargs,
+    ) -> BlockDrafter:
+        """Load a DFlash head or a PARD draft model (told apart by its config) for `target`, in
+        `dtype` (None: `load_block_model`'s default); `kwargs` are `max_nodes`, `tree` and
+        `depth_scale`."""
+        return cls(load_block_model(name_or_path, target, dtype), **kwargs)
 
     @property
     def flavour_name(self) -> str:

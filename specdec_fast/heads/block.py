@@ -45,6 +45,7 @@ from transformers.models.qwen3.modeling_qwen3 import (
     rotate_half,
 )
 
+from specdec_fast.loading import drafter_dtype
 from specdec_fast.trees import check_depth_scale
 
 from .checkpoint import (
@@ -226,8 +227,9 @@ class DFlashHead(nn.Module):
         return tuple(-1 if layer == last else layer for layer in self.target_layers)
 
     def fuse(self, features: Sequence[torch.Tensor]) -> torch.Tensor:
-        """Context entries `[..., h]` from target features, one `[..., h]` per target layer."""
-        return self.hidden_norm(self.fc(torch.cat(list(features), dim=-1)))
+        """Context entries `[..., h]` from target features, one `[..., h]` per target layer (in
+        the target's dtype, which may differ from the head's)."""
+        return self.hidden_norm(self.fc(torch.cat(list(features), dim=-1).to(self.fc.weight.dtype)))
 
     def context(
         self, fused: torch.Tensor, positions: torch.Tensor
@@ -302,10 +304,14 @@ def is_dflash_config(fields: dict) -> bool:
     return DFLASH_FIELD in fields or any("dflash" in name.lower() for name in architectures)
 
 
-def load_dflash_head(name_or_path: str | os.PathLike, target) -> DFlashHead:
+def load_dflash_head(
+    name_or_path: str | os.PathLike, target, dtype: torch.dtype | None = None
+) -> DFlashHead:
     """A DFlash head from a folder in the public layout (or a bundled name), on the target's
-    device and dtype; raises ValueError on a config or weights that do not match the layout, and
-    on a head that does not fit the target (hidden size, vocabulary, layers, mask token)."""
+    device, in `dtype` (None: `loading.drafter_dtype`, the checkpoint's 16-bit dtype where the
+    device computes in it natively, else the target's); raises ValueError on a config or weights
+    that do not match the layout, and on a head that does not fit the target (hidden size,
+    vocabulary, layers, mask token)."""
     folder = resolve_folder(name_or_path)
     fields = read_config(folder)
     what = f"DFlash head at {folder}"
@@ -340,6 +346,10 @@ def load_dflash_head(name_or_path: str | os.PathLike, target) -> DFlashHead:
         head = DFlashHead(config)
     except (TypeError, ValueError, StrictDataclassError) as error:
         raise ValueError(f"{what}: config.json: {error}") from None
-    load_strict(head, read_safetensors(folder), what)
+    state = read_safetensors(folder)
+    load_strict(head, state, what)
     head.check_target(target)
-    return head.to(device=target.device, dtype=target.dtype).eval()
+    if dtype is None:
+        stored = state["fc.weight"].dtype
+        dtype = drafter_dtype(target.device, stored, target.dtype)
+    return head.to(device=target.device, dtype=dtype).eval()

@@ -87,7 +87,8 @@ def block_log_probs(
         if isinstance(model, DFlashHead):
             features, _ = target_pass(target, rows, model.hidden_layers)
             outputs = dflash_block_outputs(model, target, features, rows, anchors)
-            logits = target.get_output_embeddings()(outputs[:, :, 1:])
+            lm_head = target.get_output_embeddings()
+            logits = lm_head(outputs[:, :, 1:].to(lm_head.weight.dtype))
         else:
             real, masks = pard_block_logits(
                 model.model, model.mask_token_id, model.block_size, rows, anchors
