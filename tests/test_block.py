@@ -5,6 +5,7 @@ exact target, the public checkpoint layouts and the errors of a bad fit, and the
 command (loss, resume, export)."""
 
 import dataclasses
+import gc
 import json
 from pathlib import Path
 
@@ -19,7 +20,7 @@ from tiny_models import repetitive_prompts, tiny_llama
 
 from specdec_fast import AdaptiveDrafter, BlockDrafter, CostModel, PardDraft, bundled, generate
 from specdec_fast.drafters.base import root_only
-from specdec_fast.drafters.block import load_block_model, load_pard
+from specdec_fast.drafters.block import _CAST_COPIES, cast_copy, load_block_model, load_pard
 from specdec_fast.guardrails import GuardedDrafter, GuardrailPolicy, RouteGuard
 from specdec_fast.heads.block import DFlashHead, default_target_layers, load_dflash_head
 from specdec_fast.loading import drafter_dtype, native_half_precision
@@ -375,6 +376,30 @@ def test_bfloat16_heads_on_a_float32_target_load_so_and_stay_exact(
         # on logits of magnitude 4 here; float32 agrees to rounding.
         error = float((logits - exact).abs().max())
         assert (0 < error < 0.08) if native else error < 1e-4
+
+
+def test_target_weights_are_cast_once_per_dtype_and_version():
+    """A bfloat16 head's copy of a float32 target's LM head is made once and shared by every
+    drafter attached to it, remade after an in-place change, and dropped with the weight."""
+    weight = torch.nn.Parameter(torch.randn(6, 4))
+    first = cast_copy(weight, torch.bfloat16)
+    assert first.dtype == torch.bfloat16 and cast_copy(weight, torch.bfloat16) is first
+    assert cast_copy(weight, torch.float32).data_ptr() == weight.data_ptr()  # no copy
+    with torch.no_grad():
+        weight.mul_(2)
+    again = cast_copy(weight, torch.bfloat16)
+    assert again is not first and torch.equal(again, weight.detach().bfloat16())
+    target = tiny_llama(vocab_size=VOCAB, layers=4)
+    heads = [dflash_head(target, seed).to(torch.bfloat16) for seed in (1, 2)]
+    drafters = [BlockDrafter(head, max_nodes=8) for head in heads]
+    for drafter in drafters:
+        drafter.attach(target, 64)
+    copies = [drafter.flavour._lm_weight for drafter in drafters]
+    assert copies[0] is copies[1] and copies[0].dtype == torch.bfloat16
+    held = len(_CAST_COPIES)
+    del weight, first, again
+    gc.collect()
+    assert len(_CAST_COPIES) == held - 1
 
 
 def test_dflash_defaults_and_sharded_weights(target, tmp_path):

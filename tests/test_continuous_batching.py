@@ -294,14 +294,18 @@ def test_random_arrivals_on_every_route_equal_generate(code_model, code_prompts)
         assert handle.completion.tokens == expected_output(code_model, request["route"], request)
 
 
-@pytest.mark.parametrize("flavour", list(BLOCK_MODELS))
+@pytest.mark.parametrize("flavour", [*BLOCK_MODELS, "dflash-bfloat16"])
 def test_block_drafters_take_rows_joining_and_leaving(flavour):
-    """Block drafters (random models, both flavours; not bundled) in three slots, eight requests
-    arriving every other step, one of them a one-token prompt, prompts fed in chunks: each
-    request's tokens and accepted drafts are those of `generate()` with the drafter on that
-    request alone, and rows joined through `join`."""
+    """Block drafters (random models, both flavours, and a bfloat16 DFlash head on the float32
+    target; not bundled) in three slots, eight requests arriving every other step, one of them a
+    one-token prompt, prompts fed in chunks: each request's tokens and accepted drafts are those
+    of `generate()` with the drafter on that request alone, and rows joined through `join`."""
     target = tiny_llama(BLOCK_VOCAB, layers=4)
-    drafter = BlockDrafter(BLOCK_MODELS[flavour](target), max_nodes=10)
+    name, _, dtype = flavour.partition("-")
+    model = BLOCK_MODELS[name](target)
+    if dtype:
+        model = model.to(getattr(torch, dtype))
+    drafter = BlockDrafter(model, max_nodes=10)
     joins = []
     join = drafter.join
     drafter.join = lambda state: (joins.append(state.batch_size), join(state))

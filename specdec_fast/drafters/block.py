@@ -44,6 +44,7 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.nn.functional as F
+from torch.utils.weak import WeakIdKeyDictionary
 from transformers import PreTrainedModel
 
 from specdec_fast.cache import SpecKVCache
@@ -185,6 +186,25 @@ def load_block_model(
     )
 
 
+# Copies of target weights in a head's dtype, by the weight they copy: (its `_version` when
+# copied, dtype) -> copy. Drafters over one target share them, across `generate` calls; an
+# in-place change of the weight (a new `_version`) makes a new copy.
+_CAST_COPIES: WeakIdKeyDictionary = WeakIdKeyDictionary()
+
+
+def cast_copy(weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """`weight` (detached) in `dtype`: the weight itself when it has that dtype, else a copy
+    made once per dtype and weight version (`_CAST_COPIES`)."""
+    if weight.dtype == dtype:
+        return weight.detach()
+    copies = _CAST_COPIES.setdefault(weight, {})
+    key = (weight._version, dtype)
+    if key not in copies:
+        copies.clear()  # older versions are stale
+        copies[key] = weight.detach().to(dtype)
+    return copies[key]
+
+
 @dataclass
 class _Context:
     """Context entries not yet in the head's cache: target features `[B, n, H]` per target
@@ -244,13 +264,14 @@ class _FeatureBlock:
         self.head.check_target(target)
         # The head computes in its own dtype (`load_dflash_head`), the target's embeddings and
         # features are cast to it, and its outputs meet the target's LM head in that dtype: a
-        # cast copy of the LM head when the target's dtype differs.
+        # copy of the LM head when the target's dtype differs (one per weight and dtype, shared
+        # by every drafter over the target, `cast_copy`; 2 bytes a weight for bfloat16).
         self.head.to(device=target.device).eval()
         dtype = self.head.fc.weight.dtype
         self._embed = target.get_input_embeddings()
         lm_head = target.get_output_embeddings()
         self._lm_weight, self._lm_bias = (
-            None if param is None else param.detach().to(dtype)
+            None if param is None else cast_copy(param, dtype)
             for param in (lm_head.weight, lm_head.bias)
         )
         # Room for the context, a block past it and the pad entries a step writes past the block.
