@@ -61,10 +61,11 @@ Step metadata (tree masks, depths, positions, lengths) is built and checked once
 the attention function of every layer then calls the kernel without validating again.
 """
 
+import itertools
 import threading
 import time
 import weakref
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -79,7 +80,12 @@ from specdec_fast.attention import (
     register_attention,
 )
 from specdec_fast.cache import SpecKVCache, attention_windows
-from specdec_fast.compiled import CompiledStep, compile_by_default, record_compile
+from specdec_fast.compiled import (
+    CompiledStep,
+    compile_by_default,
+    freeze_by_default,
+    record_compile,
+)
 from specdec_fast.exact import switch_exact
 from specdec_fast.kernels import pack_tree_mask
 from specdec_fast.kernels.validation import check_tensor
@@ -312,6 +318,13 @@ class ModelRunner:
         self._graphs: dict[tuple, _VerifyGraph] = {}
         self._graph_pool = None
         self._compiled: dict[str, CompiledStep] = {}
+        # Inductor's freezing on the CPU (`freeze_by_default`): the compiled steps take the
+        # model's weights as constants, and compile anew when one of them changes.
+        self.freeze = (
+            self.compile
+            and self.device.type == "cpu"
+            and freeze_by_default(sum(w.numel() * w.element_size() for w in self._weights()))
+        )
         # Wall time of the calls that compiled a graph (or captured a CUDA graph), by step shape.
         self.compile_seconds: dict[str, float] = {}
         self._open = False
@@ -724,12 +737,16 @@ class ModelRunner:
             compiled = self._compiled.get(kind)
             if compiled is None:
                 what = f"the {kind} step of this {self.model.config.model_type} model"
-                compiled = self._compiled[kind] = CompiledStep(step, what)
+                weights = self._weights if self.freeze else None
+                compiled = self._compiled[kind] = CompiledStep(step, what, weights)
             out, seconds = compiled(*args)
         if seconds is not None:
             shape = args[0].shape
             self._record_compile(f"{kind} B={shape[0]} N={shape[1]}", seconds)
         return out
+
+    def _weights(self) -> Iterator[torch.Tensor]:
+        return itertools.chain(self.model.parameters(), self.model.buffers())
 
     def _record_compile(self, label: str, seconds: float) -> None:
         self.compile_seconds[label] = seconds

@@ -1,6 +1,8 @@
 """The end-to-end benchmarks run on the CPU at small sizes (random models), so CI keeps them
 working (the GPU suite: test_gpu_suite.py)."""
 
+import os
+
 import pytest
 import torch
 from bench_smoke import import_bench
@@ -176,3 +178,19 @@ def test_tiny_grid_adds_float32_dflash_heads_beside_the_default(monkeypatch):
     assert ablation.make().model.fc.weight.dtype == torch.float32
     assert not any("pard" in name and "float32" in name for name in grid)
     assert bench.drafter_grid(target, True, (8,), ["block"]).keys() < grid.keys()
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(
+    "tiny-code-dflash" not in bundled.available(), reason="needs the bundled DFlash head"
+)
+def test_bench_freeze_runs_both_settings_side_by_side(monkeypatch):
+    """bench_freeze: the frozen and unfrozen targets' runners run as set (it raises otherwise),
+    their outputs equal plain decoding's, and each cell gets its paired ratio."""
+    bench = import_bench(monkeypatch, "bench_freeze")
+    monkeypatch.delenv("SPECDEC_FREEZE", raising=False)
+    records = bench.run(["plain", "ngram:4", "dflash:6"], 1, 6, 1)
+    assert [r["cell"] for r in records] == ["plain", "ngram:4", "dflash:6"]
+    assert all(r["identical"] and r["paired_ratio"] > 0 for r in records)
+    assert "SPECDEC_FREEZE" not in os.environ
+    assert len(bench.table(records).splitlines()) == 2 + len(records)

@@ -17,9 +17,12 @@ from tiny_models import repetitive_prompts, tiny_llama
 from specdec_fast import DraftModelDrafter, NGramDrafter, generate
 from specdec_fast.compiled import (
     COMPILE_ENV,
+    FREEZE_ENV,
+    FREEZE_MAX_BYTES,
     CompiledStep,
     compile_by_default,
     compile_choice,
+    freeze_by_default,
     graphs_compiled,
 )
 from specdec_fast.runner import kept_runner
@@ -192,3 +195,40 @@ def test_the_calls_compile_choice_reaches_the_drafters_models(models, monkeypatc
             assert compile_by_default()
         assert not compile_by_default()
     assert compile_by_default()
+
+
+def test_freezing_is_on_for_small_models_unless_told(monkeypatch):
+    monkeypatch.delenv(FREEZE_ENV, raising=False)
+    assert freeze_by_default(FREEZE_MAX_BYTES) and not freeze_by_default(FREEZE_MAX_BYTES + 1)
+    monkeypatch.setenv(FREEZE_ENV, "0")
+    assert not freeze_by_default(10)
+    monkeypatch.setenv(FREEZE_ENV, "1")
+    assert freeze_by_default(FREEZE_MAX_BYTES + 1)
+    monkeypatch.setenv(FREEZE_ENV, "maybe")
+    with pytest.raises(ValueError, match="SPECDEC_FREEZE must be 0 or 1"):
+        freeze_by_default(10)
+
+
+@pytest.mark.parametrize("freeze", ["1", "0"])
+def test_frozen_steps_follow_weights_changed_in_place(monkeypatch, freeze):
+    """A CPU runner with freezing (the default for small models) takes the weights into its
+    graphs as constants: its output is HF's greedy, and after an in-place change of a weight
+    the next call compiles anew and follows the changed model (the old constants would not)."""
+    monkeypatch.setenv(FREEZE_ENV, freeze)
+    target = tiny_llama(VOCAB, seed=21)
+    prompts = repetitive_prompts([5, 17], VOCAB, seed=5)
+    drafter = lambda: NGramDrafter(max_nodes=6)  # noqa: E731
+    out = generate(target, prompts, drafter=drafter(), max_new_tokens=NEW_TOKENS, compile=True)
+    assert [s.tolist() for s in out.sequences] == hf_greedy(target, prompts)
+    runner = kept_runner(target, compile=True)
+    assert runner.freeze == (freeze == "1")
+    with torch.no_grad():
+        target.model.layers[0].mlp.down_proj.weight.mul_(-3.0)
+        target.lm_head.weight.add_(0.5 * torch.randn_like(target.lm_head.weight))
+    changed = hf_greedy(target, prompts)
+    assert changed != [s.tolist() for s in out.sequences]  # the change shows in the output
+    before = graphs_compiled()
+    again = generate(target, prompts, drafter=drafter(), max_new_tokens=NEW_TOKENS, compile=True)
+    assert [s.tolist() for s in again.sequences] == changed
+    if freeze == "1":
+        assert graphs_compiled() > before
