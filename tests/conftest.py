@@ -15,6 +15,9 @@ if not torch.cuda.is_available():
 # Compiling every tiny test model would cost seconds each: tests run the engine eagerly unless
 # they ask for compiled steps (`compile=True`), which tests/test_compiled_step.py does.
 os.environ.setdefault("SPECDEC_COMPILE", "0")
+# Freezing makes each compile several times slower: the compiled tests run unfrozen unless they
+# test freezing itself (tests/test_compiled_step.py, tests/test_bench_e2e.py set it).
+os.environ.setdefault("SPECDEC_FREEZE", "0")
 
 import pytest  # noqa: E402
 

@@ -189,8 +189,9 @@ def test_bench_freeze_runs_both_settings_side_by_side(monkeypatch):
     their outputs equal plain decoding's, and each cell gets its paired ratio."""
     bench = import_bench(monkeypatch, "bench_freeze")
     monkeypatch.delenv("SPECDEC_FREEZE", raising=False)
-    records = bench.run(["plain", "ngram:4", "dflash:6"], 1, 6, 1)
-    assert [r["cell"] for r in records] == ["plain", "ngram:4", "dflash:6"]
+    # Frozen compiles are slow: plain decoding and one drafter, on one prompt.
+    records = bench.run(["plain", "ngram:4"], 1, 6, 1)
+    assert [r["cell"] for r in records] == ["plain", "ngram:4"]
     assert all(r["identical"] and r["paired_ratio"] > 0 for r in records)
     assert "SPECDEC_FREEZE" not in os.environ
     assert len(bench.table(records).splitlines()) == 2 + len(records)

@@ -216,9 +216,9 @@ def test_frozen_steps_follow_weights_changed_in_place(monkeypatch, freeze):
     the next call compiles anew and follows the changed model (the old constants would not)."""
     monkeypatch.setenv(FREEZE_ENV, freeze)
     target = tiny_llama(VOCAB, seed=21)
-    prompts = repetitive_prompts([5, 17], VOCAB, seed=5)
-    drafter = lambda: NGramDrafter(max_nodes=6)  # noqa: E731
-    out = generate(target, prompts, drafter=drafter(), max_new_tokens=NEW_TOKENS, compile=True)
+    # One prompt, plain decoding: two graphs (prefill, decode) keep the frozen compiles few.
+    prompts = repetitive_prompts([5], VOCAB, seed=5)
+    out = generate(target, prompts, drafter=None, max_new_tokens=NEW_TOKENS, compile=True)
     assert [s.tolist() for s in out.sequences] == hf_greedy(target, prompts)
     runner = kept_runner(target, compile=True)
     assert runner.freeze == (freeze == "1")
@@ -228,7 +228,7 @@ def test_frozen_steps_follow_weights_changed_in_place(monkeypatch, freeze):
     changed = hf_greedy(target, prompts)
     assert changed != [s.tolist() for s in out.sequences]  # the change shows in the output
     before = graphs_compiled()
-    again = generate(target, prompts, drafter=drafter(), max_new_tokens=NEW_TOKENS, compile=True)
+    again = generate(target, prompts, drafter=None, max_new_tokens=NEW_TOKENS, compile=True)
     assert [s.tolist() for s in again.sequences] == changed
     if freeze == "1":
         assert graphs_compiled() > before
