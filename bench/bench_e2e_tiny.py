@@ -38,7 +38,8 @@ from specdec_fast import BlockDrafter, bundled
 from specdec_fast.drafters.base import Drafter
 from specdec_fast.drafters.block import load_block_model
 from specdec_fast.drafters.registry import bundled_specs
-from specdec_fast.heads.block import DFlashHead
+from specdec_fast.heads.block import is_dflash_config
+from specdec_fast.heads.checkpoint import read_config, resolve_folder
 
 BUDGETS = (8, 16, 32, 64)
 CHAIN_LENGTHS = (2, 3, 4, 6)
@@ -75,10 +76,9 @@ def drafter_grid(
             grid[spec.label(size)] = Cell(
                 lambda make=make, size=size: make(size), spec.kind, spec.nodes(size)
             )
-        if float32_heads and spec.kind == "block":
+        dflash = spec.kind == "block" and is_dflash_config(read_config(resolve_folder(spec.path)))
+        if float32_heads and dflash:
             head = load_block_model(spec.path, target, torch.float32)
-            if not isinstance(head, DFlashHead):
-                continue
             for size in sizes[:2] if quick else sizes:
                 grid[f"{spec.label(size)} [float32 head]"] = Cell(
                     lambda head=head, size=size: BlockDrafter(head, max_nodes=size),

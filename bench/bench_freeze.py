@@ -36,7 +36,7 @@ CELLS = ("plain", "ngram:4", "ngram:6", "dflash:8", "dflash:16", "pard:8")
 MODES = ("frozen", "not frozen")
 
 
-def make_drafter(cell: str, target, heads: dict):
+def make_drafter(cell: str, heads: dict):
     kind, _, size = cell.partition(":")
     if kind == "plain":
         return None
@@ -50,7 +50,7 @@ def decode(target, prompts, cell: str, heads: dict, tokens: int):
     outputs, start = [], time.perf_counter()
     with torch.no_grad():
         for prompt in prompts:
-            drafter = make_drafter(cell, target, heads)
+            drafter = make_drafter(cell, heads)
             out = generate(
                 target,
                 [prompt],

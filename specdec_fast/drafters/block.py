@@ -132,9 +132,9 @@ def load_pard(
 ) -> PardDraft:
     """A PARD draft model from a folder in the public layout (or a bundled name), on the
     target's device, in `dtype` (None: the target's; unlike a DFlash head's step, the bundled
-    PARD model's runs no faster in bfloat16 on a float32 target's CPU); raises ValueError when
-    the config names no mask token, the weights are not safetensors, or the model does not
-    share the target's vocabulary."""
+    PARD model runs no faster in bfloat16 beside a float32 target on the CPU); raises
+    ValueError when the config names no mask token, the weights are not safetensors, or the
+    model does not share the target's vocabulary."""
     from transformers import AutoModelForCausalLM
 
     folder = resolve_folder(name_or_path)
@@ -186,9 +186,9 @@ def load_block_model(
     )
 
 
-# Copies of target weights in a head's dtype, by the weight they copy: (its `_version` when
-# copied, dtype) -> copy. Drafters over one target share them, across `generate` calls; an
-# in-place change of the weight (a new `_version`) makes a new copy.
+# Copies of target weights in a head's dtype, by the weight they copy: dtype -> (the weight's
+# `_version` when copied, copy). Drafters over one target share them, across `generate` calls;
+# an in-place change of the weight (a new `_version`) makes a new copy.
 _CAST_COPIES: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
 
@@ -198,11 +198,11 @@ def cast_copy(weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     if weight.dtype == dtype:
         return weight.detach()
     copies = _CAST_COPIES.setdefault(weight, {})
-    key = (weight._version, dtype)
-    if key not in copies:
-        copies.clear()  # older versions are stale
-        copies[key] = weight.detach().to(dtype)
-    return copies[key]
+    version, copy = copies.get(dtype, (None, None))
+    if version != weight._version:
+        copy = weight.detach().to(dtype)
+        copies[dtype] = (weight._version, copy)
+    return copy
 
 
 @dataclass
