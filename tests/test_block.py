@@ -99,7 +99,8 @@ def test_sampled_trees_emit_what_plain_sampling_emits(target, flavour):
 
 
 class RecordingDrafter(BlockDrafter):
-    """Keeps, per step, row 0's tokens so far and its block distributions."""
+    """Keeps, per step and row, the row's tokens so far and its block distributions (every row of
+    a ragged batch: each reads its own span of the head's cache)."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -108,7 +109,8 @@ class RecordingDrafter(BlockDrafter):
 
         def recorded(state):
             logits = block_logits(state)
-            self.steps.append((list(state.tokens[0]), logits[0].clone()))
+            rows = zip(state.tokens, logits, strict=True)
+            self.steps.extend((list(tokens), row.clone()) for tokens, row in rows)
             return logits
 
         self.flavour.block_logits = recorded

@@ -356,15 +356,25 @@ class _FeatureBlock:
         if pending is None:  # nothing verified since the last block: pad entries only
             none = self.head.fc.weight.new_zeros(batch, 0, self.head.config.hidden_size)
             pending = _Context([none] * len(self.hidden_layers), [0] * batch).widened()
-        logits = self._take(pending, "block", self._block_step, state.roots)
+        # The slots the block's attention reads: the committed entries, the pending ones and the
+        # block (a row's pad entries land past its block, which never reads them).
+        span = max(
+            length + count for length, count in zip(self._lengths, pending.counts, strict=True)
+        )
+        slots = torch.arange(span + self.head.block_size, device=state.device)
+        logits = self._take(pending, "block", self._block_step, state.roots, slots)
         self._pending = None
         return logits
 
-    def _block_step(self, roots: torch.Tensor, counts: torch.Tensor, *features) -> torch.Tensor:
+    def _block_step(
+        self, roots: torch.Tensor, slots: torch.Tensor, counts: torch.Tensor, *features
+    ) -> torch.Tensor:
         """fp32 logits `[B, b - 1, V]` of the block `[root, MASK x (b - 1)]`, bidirectional
         within the block, above the committed context and the `counts` pending entries of
         `features` (written first, committed by the caller); the block is written past them and
-        never committed."""
+        never committed. `slots` (`arange` of the longest row's entries and block) bounds what
+        the attention reads on the CPU, where it is SDPA under a length mask: the block's
+        visibility needs no tree, and the custom op's planning cost more than the attention."""
         head, cache = self.head, self._cache
         size, batch = head.block_size, roots.shape[0]
         context_slots = self._context_slots(counts, features[0].shape[1])
@@ -375,23 +385,43 @@ class _FeatureBlock:
         masks = roots.new_full((batch, size - 1), head.mask_token_id)
         tokens = torch.cat([roots[:, None], masks], dim=1).long()
         # Bidirectional within the block; the committed context is always visible.
-        full = torch.ones(batch, size, size, dtype=torch.bool, device=roots.device)
-        mask = pack_tree_mask(full)
+        if roots.device.type == "cpu":
+            visible = (slots < (committed + size)[:, None])[:, None, None]
 
-        def attend(layer: int, queries, keys, values) -> torch.Tensor:
-            context_keys, context_values = context[layer]
-            key_cache, value_cache = cache.layers[layer].update(
-                torch.cat([context_keys, keys], dim=2), torch.cat([context_values, values], dim=2)
-            )
-            scale = queries.shape[-1] ** -0.5
-            args = (queries, key_cache, value_cache, committed, mask, None, scale)
-            if torch.compiler.is_compiling():
-                return torch.ops.specdec_fast.tree_attention(*args, None, None, None)
-            return run_tree_attention(*args, None, None, None)
+            def attend(layer: int, queries, keys, values) -> torch.Tensor:
+                key_cache, value_cache = self._write_layer(context, layer, keys, values)
+                span = slots.shape[0]
+                return F.scaled_dot_product_attention(
+                    queries,
+                    key_cache[:, :, :span],
+                    value_cache[:, :, :span],
+                    attn_mask=visible,
+                    enable_gqa=True,
+                )
+
+        else:
+            full = torch.ones(batch, size, size, dtype=torch.bool, device=roots.device)
+            mask = pack_tree_mask(full)
+
+            def attend(layer: int, queries, keys, values) -> torch.Tensor:
+                key_cache, value_cache = self._write_layer(context, layer, keys, values)
+                scale = queries.shape[-1] ** -0.5
+                args = (queries, key_cache, value_cache, committed, mask, None, scale)
+                if torch.compiler.is_compiling():
+                    return torch.ops.specdec_fast.tree_attention(*args, None, None, None)
+                return run_tree_attention(*args, None, None, None)
 
         embeds = self._embed(tokens).to(head.fc.weight.dtype)
         outputs = head(embeds, positions, attend)
         return F.linear(outputs[:, 1:], self._lm_weight, self._lm_bias).float()
+
+    def _write_layer(self, context, layer: int, keys, values):
+        """Write a layer's pending context entries and block into the cache; its whole keys and
+        values."""
+        context_keys, context_values = context[layer]
+        return self._cache.layers[layer].update(
+            torch.cat([context_keys, keys], dim=2), torch.cat([context_values, values], dim=2)
+        )
 
     def update(self, state: DraftState, outcome: StepOutcome) -> None:
         if self._pending is not None:  # a step without a block (not the engine's order)
