@@ -356,25 +356,28 @@ class _FeatureBlock:
         if pending is None:  # nothing verified since the last block: pad entries only
             none = self.head.fc.weight.new_zeros(batch, 0, self.head.config.hidden_size)
             pending = _Context([none] * len(self.hidden_layers), [0] * batch).widened()
-        # The slots the block's attention reads: the committed entries, the pending ones and the
-        # block (a row's pad entries land past its block, which never reads them).
-        span = max(
-            length + count for length, count in zip(self._lengths, pending.counts, strict=True)
-        )
-        slots = torch.arange(span + self.head.block_size, device=state.device)
+        slots = None
+        if state.device.type == "cpu":
+            # The slots the block's attention reads there: the committed entries, the pending ones
+            # and the block (a row's pad entries land past its block, which never reads them).
+            span = max(
+                length + count for length, count in zip(self._lengths, pending.counts, strict=True)
+            )
+            slots = torch.arange(span + self.head.block_size, device=state.device)
         logits = self._take(pending, "block", self._block_step, state.roots, slots)
         self._pending = None
         return logits
 
     def _block_step(
-        self, roots: torch.Tensor, slots: torch.Tensor, counts: torch.Tensor, *features
+        self, roots: torch.Tensor, slots: torch.Tensor | None, counts: torch.Tensor, *features
     ) -> torch.Tensor:
         """fp32 logits `[B, b - 1, V]` of the block `[root, MASK x (b - 1)]`, bidirectional
         within the block, above the committed context and the `counts` pending entries of
         `features` (written first, committed by the caller); the block is written past them and
-        never committed. `slots` (`arange` of the longest row's entries and block) bounds what
-        the attention reads on the CPU, where it is SDPA under a length mask: the block's
-        visibility needs no tree, and the custom op's planning cost more than the attention."""
+        never committed. On the CPU, `slots` (`arange` of the longest row's entries and block)
+        bounds what the attention reads, SDPA under a length mask there: the block's visibility
+        needs no tree, and the custom op's planning cost more than the attention. Elsewhere it
+        is None and the tree-attention kernel reads each row's own span."""
         head, cache = self.head, self._cache
         size, batch = head.block_size, roots.shape[0]
         context_slots = self._context_slots(counts, features[0].shape[1])
@@ -385,7 +388,7 @@ class _FeatureBlock:
         masks = roots.new_full((batch, size - 1), head.mask_token_id)
         tokens = torch.cat([roots[:, None], masks], dim=1).long()
         # Bidirectional within the block; the committed context is always visible.
-        if roots.device.type == "cpu":
+        if slots is not None:
             visible = (slots < (committed + size)[:, None])[:, None, None]
 
             def attend(layer: int, queries, keys, values) -> torch.Tensor:
