@@ -19,6 +19,12 @@ COMPILE_ENV = "SPECDEC_COMPILE"
 FREEZE_ENV = "SPECDEC_FREEZE"
 # Without SPECDEC_FREEZE, CPU runners freeze models of up to this many bytes of weights.
 FREEZE_MAX_BYTES = 1 << 30
+# Graphs one compiled step may hold (dynamo's own limit, 8, is for arbitrary code): a runner's
+# verify step needs one per pattern of its hooks (each drafter kind captures its own target
+# layers), of its tree's mask words (N <= 32, N = 32, 33-63, 64) and of batch 1 or more, and a
+# process that tries several drafters over one target, as the benchmarks do, met dynamo's limit
+# and ran the later drafters' steps eagerly.
+STEP_RECOMPILE_LIMIT = 64
 
 # (what compiled, seconds) of every compilation and graph capture in this process, in order:
 # `generate` reports the ones its call made (`SpecStats.compiled`), drafters' too.
@@ -125,6 +131,9 @@ class CompiledStep:
     returns the seconds it took; past dynamo's recompile limit for this step a shape runs
     eagerly from then on, with a warning naming `what`.
 
+    A step holds up to `recompile_limit` graphs (`STEP_RECOMPILE_LIMIT`): once it holds nearly
+    as many as dynamo's global limit allows, its calls run under its own limit.
+
     `weights`, when given, lists the module weights the step reads: the step then compiles with
     inductor's freezing (the weights become constants of the graph, prepacked for the CPU's
     GEMMs, linears that share an input concatenated). A replaced weight fails the identity
@@ -140,14 +149,19 @@ class CompiledStep:
         step: Callable,
         what: str,
         weights: Callable[[], Iterable[torch.Tensor]] | None = None,
+        recompile_limit: int = STEP_RECOMPILE_LIMIT,
     ):
+        if recompile_limit < 1:
+            raise ValueError(f"recompile_limit must be >= 1, got {recompile_limit}")
         self.step = step
         self.what = what
         self.weights = weights
+        self.recompile_limit = recompile_limit
         self._compiled: Callable | None = None
         self._weight_list: list[torch.Tensor] | None = None
         self._fingerprint: tuple | None = None
         self._eager_shapes: set[tuple] = set()
+        self._graphs = 0
 
     def __call__(self, *args) -> tuple[Any, float | None]:
         """`(step(*args), seconds)`; `seconds` is None unless this call compiled a graph."""
@@ -161,6 +175,7 @@ class CompiledStep:
             self._compiled = None
         if self._compiled is None:
             self._compiled = compile_own_copy(self.step)
+            self._graphs = 0  # graphs of this code copy
         for tensor in args:
             if isinstance(tensor, torch.Tensor):
                 for dim in range(tensor.dim()):
@@ -168,13 +183,7 @@ class CompiledStep:
         graphs_before = graphs_compiled()
         start = time.perf_counter()
         try:
-            if self.weights is None:
-                out = self._compiled(*args)
-            else:
-                # Dynamo reads the switch when it traces (parameters become static inputs, guarded
-                # by identity), inductor when it compiles: `options=` alone reaches only inductor.
-                with torch._inductor.config.patch(freezing=True):
-                    out = self._compiled(*args)
+            out = self._call_compiled(args)
         except torch._dynamo.exc.FailOnRecompileLimitHit:
             shapes = _tensor_shapes(args)
             warnings.warn(
@@ -185,10 +194,28 @@ class CompiledStep:
             self._eager_shapes.add(shapes)
             return self.step(*args), None
         if graphs_compiled() > graphs_before:
+            self._graphs += graphs_compiled() - graphs_before
             if self.weights is not None:
                 self._take_weights()  # a recompilation may have met replaced weights
             return out, time.perf_counter() - start
         return out, None
+
+    def _call_compiled(self, args: tuple) -> Any:
+        limit = torch._dynamo.config.recompile_limit
+        if self._graphs + 1 < limit or self.recompile_limit <= limit:
+            return self._call_frozen(args)
+        # Near dynamo's limit, the step's own: patching costs 16 us a call, paid only by a step
+        # holding that many graphs.
+        with torch._dynamo.config.patch(recompile_limit=self.recompile_limit):
+            return self._call_frozen(args)
+
+    def _call_frozen(self, args: tuple) -> Any:
+        if self.weights is None:
+            return self._compiled(*args)
+        # Dynamo reads the switch when it traces (parameters become static inputs, guarded by
+        # identity), inductor when it compiles: `options=` alone reaches only inductor.
+        with torch._inductor.config.patch(freezing=True):
+            return self._compiled(*args)
 
     def _take_weights(self) -> None:
         self._weight_list = list(self.weights())

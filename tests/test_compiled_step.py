@@ -8,6 +8,7 @@ with inductor, a few seconds per graph.
 """
 
 import gc
+import warnings
 
 import pytest
 import torch
@@ -19,6 +20,7 @@ from specdec_fast.compiled import (
     COMPILE_ENV,
     FREEZE_ENV,
     FREEZE_MAX_BYTES,
+    STEP_RECOMPILE_LIMIT,
     CompiledStep,
     compile_by_default,
     compile_choice,
@@ -150,8 +152,31 @@ def test_a_step_past_the_recompile_limit_runs_eagerly_and_keeps_its_graphs():
         _recompile_limit_of_two()
 
 
-def _recompile_limit_of_two():
+def test_a_step_holds_more_graphs_than_dynamos_limit():
+    """A step's own limit (`STEP_RECOMPILE_LIMIT`) lets it compile past dynamo's: with dynamo's
+    limit at two, four dtypes all compile, none warns, and each later call reuses its graph."""
     step = CompiledStep(scaled, "the test step")
+    assert step.recompile_limit == STEP_RECOMPILE_LIMIT > 4
+    dtypes = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
+    with torch._dynamo.config.patch(recompile_limit=2), warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for dtype in dtypes:
+            out, seconds = step(torch.ones(3, 5, dtype=dtype), torch.tensor(3.0, dtype=dtype))
+            assert seconds is not None and torch.equal(out, torch.full((3, 5), 4.0, dtype=dtype))
+        before = graphs_compiled()
+        for dtype in dtypes:
+            out, seconds = step(torch.ones(6, 2, dtype=dtype), torch.tensor(3.0, dtype=dtype))
+            assert seconds is None and torch.equal(out, torch.full((6, 2), 4.0, dtype=dtype))
+        assert graphs_compiled() == before
+
+
+def test_recompile_limits_below_one_are_refused():
+    with pytest.raises(ValueError, match="recompile_limit must be >= 1"):
+        CompiledStep(scaled, "the test step", recompile_limit=0)
+
+
+def _recompile_limit_of_two():
+    step = CompiledStep(scaled, "the test step", recompile_limit=2)
     factor = torch.tensor(3.0)
     first = [step(torch.ones(3, 5), factor), step(torch.ones(4, 7), factor)]
     assert first[0][1] is not None and first[1][1] is None  # the second size compiles nothing
