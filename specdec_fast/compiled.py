@@ -21,7 +21,7 @@ FREEZE_ENV = "SPECDEC_FREEZE"
 FREEZE_MAX_BYTES = 1 << 30
 # Graphs one compiled step may hold (dynamo's own limit, 8, is for arbitrary code): a runner's
 # verify step needs one per pattern of its hooks (each drafter kind captures its own target
-# layers), of its tree's mask words (N <= 32, N = 32, 33-63, 64) and of batch 1 or more, and a
+# layers), of its tree's mask words (N < 32, N = 32, 33-63, 64) and of batch 1 or more, and a
 # process that tries several drafters over one target, as the benchmarks do, met dynamo's limit
 # and ran the later drafters' steps eagerly.
 STEP_RECOMPILE_LIMIT = 64
@@ -128,11 +128,10 @@ class CompiledStep:
     tree). The dimensions are marked at every call (about 6 us a step): a graph recompiled for
     another reason (a guard on the runner's hooks or a drafter's attributes) must come out
     dynamic too, or the next new size would compile once more. A call that compiled a graph
-    returns the seconds it took; past dynamo's recompile limit for this step a shape runs
-    eagerly from then on, with a warning naming `what`.
-
-    A step holds up to `recompile_limit` graphs (`STEP_RECOMPILE_LIMIT`): once it holds nearly
-    as many as dynamo's global limit allows, its calls run under its own limit.
+    returns the seconds it took. A step holds up to `recompile_limit` graphs
+    (`STEP_RECOMPILE_LIMIT`; once it holds nearly as many as dynamo's global limit allows, its
+    calls run under its own); past that limit a shape runs eagerly from then on, with a warning
+    naming `what`.
 
     `weights`, when given, lists the module weights the step reads: the step then compiles with
     inductor's freezing (the weights become constants of the graph, prepacked for the CPU's

@@ -389,11 +389,11 @@ class _FeatureBlock:
         tokens = torch.cat([roots[:, None], masks], dim=1).long()
         # Bidirectional within the block; the committed context is always visible.
         if slots is not None:
+            span = slots.shape[0]
             visible = (slots < (committed + size)[:, None])[:, None, None]
 
             def attend(layer: int, queries, keys, values) -> torch.Tensor:
                 key_cache, value_cache = self._write_layer(context, layer, keys, values)
-                span = slots.shape[0]
                 return F.scaled_dot_product_attention(
                     queries,
                     key_cache[:, :, :span],
