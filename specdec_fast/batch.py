@@ -1,10 +1,16 @@
-"""The rows of a `generate` call that are still running, and everything the loop tracks per row.
+"""The rows being decoded, and what a step knows of them on the host and on the device.
 
-`Batch` owns the per-row bookkeeping of the step loop: original row indices, the tokens of each
-row (the drafter's `DraftState`), the generated tokens and stop rules, the cached lengths (a host
-mirror of the cache's, used for the capacity stop), per-sequence statistics, each row's next root
-(on the device) and the sampling parameters as `verify` takes them. `drop()` shrinks the runner,
-the drafter and itself together when rows finish.
+A `Row` is one sequence in flight on the host: its tokens (the drafter's `DraftState.tokens`
+row), its generated tokens and stop rule, its committed cache length (a host mirror of the
+cache's, used for the capacity stop), its `SequenceStats` and its streaming callback. `generate`
+makes one per prompt; the serving scheduler one per request (`serving.scheduler._Row` adds the
+request's handle and lane).
+
+A `Batch` is the rows of one running batch in slot order, with each row's next root on the
+device and the sampling parameters as `verify` takes them. It emits a step's read-back into its
+rows (`emit`: stop rules, finish reasons, statistics, streaming), and rows join (`join`) and
+leave (`keep`) it between steps. The step itself (`specdec_fast.step`) is the same for
+`generate` and the scheduler.
 """
 
 from __future__ import annotations
@@ -17,10 +23,11 @@ import torch
 from specdec_fast.drafters.base import PAD_PARENT, DraftState, Proposal
 from specdec_fast.kernels.verify import SamplingParams
 from specdec_fast.requests import Sampling, StopRule
-from specdec_fast.stats import SpecStats
+from specdec_fast.stats import SequenceStats
 from specdec_fast.transfer import to_device, to_host
 
 TokenCallback = Callable[[int, list[int]], None]
+SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "seed")
 
 
 @dataclass
@@ -38,6 +45,76 @@ class HostStep:
     malformed: list[int]
 
 
+def read_back(proposal: Proposal, result, depths: torch.Tensor) -> HostStep:
+    """The step's one device-to-host read: per row the next token and, for drafted trees, the
+    accepted path (node indices and tokens) and the tree's size and depth, and the flags of the
+    proposal checks when the proposal carries them."""
+    accepted_nodes, num_accepted, next_tokens = result
+    flags = [] if proposal.malformed is None else [proposal.malformed.long()]
+    if proposal.num_nodes == 1:
+        if flags:
+            tokens, flagged = to_host(torch.stack([next_tokens, *flags]))
+        else:
+            tokens, flagged = to_host(next_tokens), []
+        zeros = [0] * len(tokens)
+        return HostStep(
+            tokens,
+            zeros,
+            zeros,
+            zeros,
+            [[] for _ in tokens],
+            [[] for _ in tokens],
+            [r for r, flag in enumerate(flagged) if flag],
+        )
+    path = proposal.tokens.gather(1, accepted_nodes.clamp(min=0).long())[:, 1:]
+    drafted = (proposal.parents != PAD_PARENT).sum(dim=1) - 1
+    offered_depth = depths.max(dim=1).values
+    columns = [next_tokens, num_accepted.long(), drafted, offered_depth, *flags]
+    host = torch.cat([torch.stack(columns, dim=1), path, accepted_nodes[:, 1:].long()], dim=1)
+    rows = to_host(host)
+    start, width = len(columns), path.shape[1]
+    return HostStep(
+        next_tokens=[row[0] for row in rows],
+        num_accepted=[row[1] for row in rows],
+        drafted=[row[2] for row in rows],
+        depths=[row[3] for row in rows],
+        paths=[row[start : start + row[1]] for row in rows],
+        nodes=[row[start + width : start + width + row[1]] for row in rows],
+        malformed=[r for r, row in enumerate(rows) if flags and row[4]],
+    )
+
+
+class Row:
+    """One sequence in flight (see the module doc).
+
+    Args:
+        tokens: the prompt; the row then extends this list with what it emits.
+        rule: its stop rule.
+        sampling: its sampling parameters, host tensors `[1]` (`Sampling`).
+        start: `time.perf_counter()` its TTFT is measured from.
+        on_tokens: called with each step's new tokens.
+    """
+
+    def __init__(
+        self,
+        tokens: list[int],
+        rule: StopRule,
+        sampling: Sampling,
+        start: float,
+        on_tokens: Callable[[list[int]], None] | None = None,
+    ):
+        self.tokens = tokens
+        self.generated: list[int] = []
+        self.rule = rule
+        self.sampling = sampling
+        self.greedy = float(sampling.temperature[0]) == 0.0
+        self.stats = SequenceStats(prompt_tokens=len(tokens))
+        self.start = start
+        self.on_tokens = on_tokens
+        # Committed cache slots: the prompt but its last token (the first root), then accepted.
+        self.cached = len(tokens) - 1
+
+
 def _uniform(values: torch.Tensor):
     """A Python scalar when every row has the same value (the kernels specialise on it)."""
     first = values[0].item()
@@ -45,66 +122,91 @@ def _uniform(values: torch.Tensor):
 
 
 class Batch:
-    """Active rows of one `generate` call (see the module doc).
+    """The running rows, in slot order (see the module doc).
 
     Args:
-        prompts: the unpadded prompts, one token list per row.
-        sampling: per-row sampling parameters (host tensors).
-        rule: the stop rule shared by every row.
-        stats: the call's statistics, one `SequenceStats` per original row.
         device: the model's device.
         capacity: the KV capacity per sequence; a row stops with reason "cache" when the next
-            tree of `num_nodes` nodes would not fit.
-        start: `time.perf_counter()` at the start of the call (TTFT origin).
-        on_tokens: streaming callback `(row, new_tokens)`.
+            tree of `width` nodes would not fit.
+        width: the nodes of the widest tree a step may verify.
     """
 
-    def __init__(
-        self,
-        prompts: list[list[int]],
-        sampling: Sampling,
-        rule: StopRule,
-        stats: SpecStats,
-        device: torch.device,
-        capacity: int,
-        num_nodes: int,
-        start: float,
-        on_tokens: TokenCallback | None = None,
-    ):
-        self.rows = list(range(len(prompts)))
-        self.lengths = [len(prompt) - 1 for prompt in prompts]
-        self.generated: list[list[int]] = [[] for _ in prompts]
-        self.rule, self.stats, self.on_tokens = rule, stats, on_tokens
-        self.capacity, self.num_nodes, self.start = capacity, num_nodes, start
-        self.device = device
-        # Uniform parameters travel as scalars: the kernels then skip per-row loads, and an
-        # all-greedy batch never draws a random number.
-        self._scalars = SamplingParams(
-            _uniform(sampling.temperature), _uniform(sampling.top_k), _uniform(sampling.top_p), 0
-        )
-        self.all_greedy = self._scalars.temperature == 0.0
-        self.state = DraftState(
-            tokens=[list(prompt) for prompt in prompts],
-            temperature=sampling.temperature.to(device),
-            top_k=sampling.top_k.to(device),
-            top_p=sampling.top_p.to(device),
-            seed=sampling.seed.to(device),
-            device=device,
-            greedy=self.all_greedy,
-        )
-        self._root_parents: dict[int, torch.Tensor] = {}
+    def __init__(self, device: torch.device, capacity: int, width: int):
+        self.device, self.capacity, self.width = device, capacity, width
+        self.rows: list[Row] = []
+        # int64 [B] on the device: each row's root, the last token chosen (not yet cached).
+        self.roots = torch.zeros(0, dtype=torch.int64, device=device)
+        self._sampling = Sampling(
+            torch.zeros(0), torch.zeros(0, dtype=torch.int64), torch.zeros(0),
+            torch.zeros(0, dtype=torch.int64),
+        )  # fmt: skip
+        self._params: SamplingParams | None = None  # the same on the device, `[B]` each
+        self._scalars = SamplingParams(None, None, None, 0)  # the values shared by every row
+        self.all_greedy = True
+        self._root_parents: dict[int, torch.Tensor] = {}  # int64 [B, 1] of -1, by batch size
 
     def __len__(self) -> int:
         return len(self.rows)
 
-    @property
-    def roots(self) -> torch.Tensor | None:
-        """int64 `[B]` on the device: each active row's root, the last token chosen."""
-        return self.state.roots
+    def join(self, rows: list[Row], roots: torch.Tensor) -> None:
+        """`rows` join after the batch's rows; `roots` int64 `[len(rows)]` on the device."""
+        self.rows = self.rows + rows
+        self.roots = torch.cat([self.roots, roots])
+        sampling = [self._sampling, *(row.sampling for row in rows)]
+        self._sampling = Sampling(
+            *(torch.cat([getattr(part, name) for part in sampling]) for name in SAMPLING_FIELDS)
+        )
+        self._params = None  # uploaded when a step first needs them
+        # Uniform parameters travel as scalars: the kernels then skip per-row loads, and an
+        # all-greedy batch never draws a random number.
+        self._scalars = SamplingParams(
+            *(_uniform(getattr(self._sampling, name)) for name in SAMPLING_FIELDS[:3]), 0
+        )
+        self.all_greedy = all(row.greedy for row in self.rows)
 
-    @roots.setter
-    def roots(self, roots: torch.Tensor) -> None:
-        self.state.roots = roots
+    def keep(self, positions: list[int]) -> None:
+        """Keep only the rows at `positions` (in that order). Parameters uniform over the batch
+        stay uniform over its rows: only `all_greedy` may change."""
+        self.rows = [self.rows[p] for p in positions]
+        self.all_greedy = all(row.greedy for row in self.rows)
+        index = to_device(positions, self.device)
+        self.roots = self.roots[index]
+        host_index = torch.tensor(positions, dtype=torch.int64)
+        self._sampling = Sampling(
+            *(getattr(self._sampling, name)[host_index] for name in SAMPLING_FIELDS)
+        )
+        if self._params is not None:
+            params = self._params
+            self._params = SamplingParams(*(getattr(params, n)[index] for n in SAMPLING_FIELDS))
+
+    def params(self) -> SamplingParams:
+        """Every row's sampling parameters as device tensors `[B]`."""
+        if self._params is None:
+            self._params = SamplingParams(
+                *(
+                    to_device(tensor.numpy(), self.device, tensor.dtype)
+                    for tensor in (getattr(self._sampling, name) for name in SAMPLING_FIELDS)
+                )
+            )
+        return self._params
+
+    def state(self, rows: list[Row], index: torch.Tensor | None) -> DraftState:
+        """What a drafter sees of `rows`, at batch positions `index` (None: the whole batch)."""
+        params = self.params()
+
+        def pick(tensor: torch.Tensor) -> torch.Tensor:
+            return tensor if index is None else tensor[index]
+
+        return DraftState(
+            tokens=[row.tokens for row in rows],
+            temperature=pick(params.temperature),
+            top_k=pick(params.top_k),
+            top_p=pick(params.top_p),
+            seed=pick(params.seed),
+            device=self.device,
+            greedy=all(row.greedy for row in rows),
+            roots=pick(self.roots),
+        )
 
     def plain_proposal(self) -> Proposal:
         """The one-node tree of every row (a step of plain decoding), built on the device."""
@@ -118,103 +220,36 @@ class Batch:
     def sampling_params(self, positions: torch.Tensor) -> SamplingParams:
         """What `verify` takes for this step: per-node seeds, each row's seed plus the node's
         position (`positions` int64 `[B, N]`). Every position draws its own numbers, the same in
-        any tree, so sampled speculation with deterministic drafts emits what plain sampling
-        with the same seeds emits."""
+        any tree and any batch, so sampled speculation with deterministic drafts emits what
+        plain sampling with the same seeds emits."""
         if self.all_greedy:
-            return self._scalars
-        state = self.state
+            return SamplingParams(0.0, 0, 1.0, 0)
+        params, scalars = self.params(), self._scalars
         return SamplingParams(
-            state.temperature if self._scalars.temperature is None else self._scalars.temperature,
-            state.top_k if self._scalars.top_k is None else self._scalars.top_k,
-            state.top_p if self._scalars.top_p is None else self._scalars.top_p,
-            state.seed[:, None] + positions,
-        )
-
-    @staticmethod
-    def read_back(proposal: Proposal, result, depths: torch.Tensor) -> HostStep:
-        """The step's one device-to-host read: per row the next token and, for drafted trees,
-        the accepted path (node indices and tokens) and the tree's size and depth. A static
-        method: the serving scheduler reads its steps back the same way."""
-        accepted_nodes, num_accepted, next_tokens = result
-        flags = [] if proposal.malformed is None else [proposal.malformed.long()]
-        if proposal.num_nodes == 1:
-            if flags:
-                tokens, flagged = to_host(torch.stack([next_tokens, *flags]))
-            else:
-                tokens, flagged = to_host(next_tokens), []
-            zeros = [0] * len(tokens)
-            return HostStep(
-                tokens,
-                zeros,
-                zeros,
-                zeros,
-                [[] for _ in tokens],
-                [[] for _ in tokens],
-                [r for r, flag in enumerate(flagged) if flag],
-            )
-        path = proposal.tokens.gather(1, accepted_nodes.clamp(min=0).long())[:, 1:]
-        drafted = (proposal.parents != PAD_PARENT).sum(dim=1) - 1
-        offered_depth = depths.max(dim=1).values
-        columns = [next_tokens, num_accepted.long(), drafted, offered_depth, *flags]
-        host = torch.cat([torch.stack(columns, dim=1), path, accepted_nodes[:, 1:].long()], dim=1)
-        rows = to_host(host)
-        start, width = len(columns), path.shape[1]
-        return HostStep(
-            next_tokens=[row[0] for row in rows],
-            num_accepted=[row[1] for row in rows],
-            drafted=[row[2] for row in rows],
-            depths=[row[3] for row in rows],
-            paths=[row[start : start + row[1]] for row in rows],
-            nodes=[row[start + width : start + width + row[1]] for row in rows],
-            malformed=[r for r, row in enumerate(rows) if flags and row[4]],
+            params.temperature if scalars.temperature is None else scalars.temperature,
+            params.top_k if scalars.top_k is None else scalars.top_k,
+            params.top_p if scalars.top_p is None else scalars.top_p,
+            params.seed[:, None] + positions,
         )
 
     def emit(self, host: HostStep, now: float) -> tuple[list[list[int]], list[int]]:
-        """Append each row's accepted drafts and next token (cut at a stop); return what each
-        row emitted and the active indices of the rows that finished."""
+        """Append each row's accepted drafts and next token (cut at its stop); return what each
+        row emitted and the batch positions of the rows that finished (their finish reason
+        set in their statistics)."""
         emitted, finished = [], []
         for r, row in enumerate(self.rows):
             accepted = host.num_accepted[r]
-            taken, reason = self.rule.take(
-                self.generated[row], [*host.paths[r], host.next_tokens[r]]
-            )
-            self.lengths[r] += accepted + 1
-            if reason is None and self.lengths[r] + self.num_nodes > self.capacity:
+            taken, reason = row.rule.take(row.generated, [*host.paths[r], host.next_tokens[r]])
+            row.cached += accepted + 1
+            if reason is None and row.cached + self.width > self.capacity:
                 reason = "cache"
-            sequence = self.stats.sequences[row]
-            sequence.record_step(host.depths[r], host.drafted[r], accepted)
-            sequence.record_emission(len(taken), now, self.start)
-            self.state.tokens[r].extend(taken)
+            row.stats.record_step(host.depths[r], host.drafted[r], accepted)
+            row.stats.record_emission(len(taken), now, row.start)
+            row.tokens.extend(taken)
             emitted.append(taken)
-            if self.on_tokens is not None:
-                self.on_tokens(row, taken)
+            if row.on_tokens is not None:
+                row.on_tokens(taken)
             if reason is not None:
-                sequence.finish_reason = reason
+                row.stats.finish_reason = reason
                 finished.append(r)
         return emitted, finished
-
-    def drop(self, finished: list[int], runner, drafter) -> None:
-        """Remove the finished rows from the batch, the runner's cache and the drafter."""
-        if not finished:
-            return
-        gone = set(finished)
-        keep = [r for r in range(len(self.rows)) if r not in gone]
-        self.rows = [self.rows[r] for r in keep]
-        self.lengths = [self.lengths[r] for r in keep]
-        if not keep:
-            return
-        index = to_device(keep, self.device)
-        runner.keep(keep)
-        state = self.state
-        self.state = DraftState(
-            tokens=[state.tokens[r] for r in keep],
-            temperature=state.temperature[index],
-            top_k=state.top_k[index],
-            top_p=state.top_p[index],
-            seed=state.seed[index],
-            device=state.device,
-            greedy=state.greedy,
-            roots=state.roots[index],
-        )
-        if drafter is not None:
-            drafter.keep(keep)

@@ -1,19 +1,13 @@
 """`generate`: speculative decoding of an HF causal LM, a drop-in for greedy or sampled generation.
 
-One step, for the rows still running (DESIGN.md, "Data flow of one step"), is the loop body of
-`_decode`:
-
-    proposal = drafter.propose(state)             tree [B, N], checked; the engine writes the roots
-    out      = runner.verify(tokens, parents)     target logits [B, N, V] in one (compiled) forward
-    result   = kernels.verify(out.logits, ...)    accepted path + next token, lossless
-    cache.compact(result)                         the cache keeps the prefix + the accepted path
-    batch.emit(read back)                         the one blocking device-to-host read of a step
-    drafter.update(state, outcome)
-    batch.drop(finished)                          runner, state and drafter shrink together
+`_decode` prefills the prompts, then runs `specdec_fast.step` until every row has finished: the
+same step the serving scheduler runs (propose, verify, accept, compact, one read-back, emit,
+drafter update), here with one lane (the drafter over every row) or none (plain decoding).
 
 A proposal is checked before the target runs (`specdec_fast.drafters.checks`): its form on
 the host, and, for drafters that do not declare `proposals_valid`, its values on the device, the
-flags riding on the step's read-back; a malformed one raises `DrafterError` naming the drafter.
+flags riding on the step's read-back; a malformed one raises `DrafterError` naming the drafter,
+as does any exception of the drafter (`generate`'s lane raises what its drafter raised).
 
 Rows that stop (EOS, a stop sequence, `max_new_tokens`, or a full cache) leave the batch, so they
 cost nothing afterwards. The runner (compiled steps, CUDA graphs, cache storage) is kept on the
@@ -26,18 +20,19 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 from transformers import PreTrainedModel
 
 from specdec_fast.arguments import check_generate_arguments
-from specdec_fast.batch import Batch, TokenCallback
+from specdec_fast.batch import SAMPLING_FIELDS, Batch, Row, TokenCallback
 from specdec_fast.compiled import COMPILE_LOG, compile_choice
-from specdec_fast.drafters.base import Drafter, StepOutcome, with_roots
-from specdec_fast.drafters.checks import checked, malformed_error, screens_values
-from specdec_fast.kernels.verify import run_verify
+from specdec_fast.drafters.base import Drafter
+from specdec_fast.requests import Sampling
 from specdec_fast.runner import ModelRunner
-from specdec_fast.stats import SequenceStats, SpecStats
+from specdec_fast.stats import SpecStats
+from specdec_fast.step import Lane, drop, index_lanes, step
 
 
 @dataclass
@@ -147,21 +142,21 @@ def generate(
         exact=exact,
     )
     prompts, capacity = arguments.prompts, arguments.capacity
+    sampling = arguments.sampling
+    rows = [
+        Row(
+            list(prompt),
+            arguments.rule,
+            Sampling(*(getattr(sampling, name)[r : r + 1] for name in SAMPLING_FIELDS)),
+            start,
+            None if on_tokens is None else partial(on_tokens, r),
+        )
+        for r, prompt in enumerate(prompts)
+    ]
     stats = SpecStats(
-        sequences=[SequenceStats(prompt_tokens=len(p)) for p in prompts],
+        sequences=[row.stats for row in rows],
         drafter=repr(drafter) if drafter is not None else None,
         memory_device=model.device.type,
-    )
-    batch = Batch(
-        prompts,
-        arguments.sampling,
-        arguments.rule,
-        stats,
-        model.device,
-        capacity,
-        arguments.num_nodes,
-        start,
-        on_tokens,
     )
     if max_new_tokens > 0:
         if model.device.type == "cuda":
@@ -177,7 +172,8 @@ def generate(
         )
         compiled_before = len(COMPILE_LOG)
         try:
-            _decode(runner, drafter, batch, capacity, compile)
+            batch = Batch(model.device, capacity, arguments.num_nodes)
+            _decode(runner, drafter, rows, batch, compile)
             stats.compiled = dict(COMPILE_LOG[compiled_before:])
         finally:
             try:
@@ -190,7 +186,7 @@ def generate(
     stats.wall_time = time.perf_counter() - start
     sequences = [
         torch.tensor(p + g, dtype=torch.int64)
-        for p, g in zip(prompts, batch.generated, strict=True)
+        for p, g in zip(prompts, (row.generated for row in rows), strict=True)
     ]
     return GenerateOutput(sequences, stats)
 
@@ -198,59 +194,29 @@ def generate(
 def _decode(
     runner: ModelRunner,
     drafter: Drafter | None,
+    rows: list[Row],
     batch: Batch,
-    capacity: int,
     compile: bool | None,
 ) -> None:
-    """Prefill, then speculative steps until every row of `batch` has finished. The drafter
-    attaches under the call's compile choice (its own models compile or not as the target)."""
+    """Prefill `rows`, then steps until every row has finished. The drafter attaches under the
+    call's compile choice (its own models compile or not as the target)."""
     if drafter is not None:
         with compile_choice(compile):
-            drafter.attach(runner.model, capacity)
+            drafter.attach(runner.model, batch.capacity)
         runner.capture_hidden(drafter.hidden_layers)
     vocab = runner.model.config.get_text_config(decoder=True).vocab_size
-    screened = drafter is not None and screens_values(drafter)
-    ids, mask = _pad_prompts(batch.state.tokens, runner.device)
+    ids, mask = _pad_prompts([row.tokens for row in rows], runner.device)
     prefill = runner.prefill(ids, mask)
-    batch.roots = prefill.root_tokens
+    batch.join(rows, prefill.root_tokens)
+    lanes = []
     if drafter is not None:
-        batch.state.hidden = prefill.hidden_states
-        drafter.begin(batch.state)
-        batch.state.hidden = {}
+        lane = Lane(drafter)
+        lane.rows = list(rows)
+        lanes.append(lane)
+        index_lanes(batch, lanes)
+        state = batch.state(lane.rows, lane.index)
+        state.hidden = prefill.hidden_states
+        drafter.begin(state)
     while batch:
-        if drafter is None:
-            proposal = batch.plain_proposal()
-        else:
-            drafted = drafter.propose(batch.state)
-            proposal = checked(drafter, drafted, batch.state, vocab)
-        # Roots in column 0 (whatever a drafter put there), padded to the width the runner picks.
-        width = runner.verify_width(len(batch), proposal.num_nodes, batch.num_nodes)
-        if drafter is not None or width > proposal.num_nodes:
-            proposal = with_roots(proposal, batch.roots, width)
-        out = runner.verify(proposal.tokens, proposal.parents)
-        result = run_verify(
-            out.logits,
-            proposal.tokens,
-            proposal.parents,
-            proposal.draft_probs,
-            batch.sampling_params(out.positions),
-        )
-        runner.cache.compact(result.accepted_nodes, result.num_accepted, validate=False)
-        host = batch.read_back(proposal, result, out.depths)
-        if screened and host.malformed:
-            raise malformed_error(drafter, drafted, vocab)
-        emitted, finished = batch.emit(host, time.perf_counter())
-        runner.cache.bound_lengths(max(batch.lengths))
-        if drafter is not None:
-            outcome = StepOutcome(
-                proposal,
-                *result,
-                emitted,
-                out.hidden_states,
-                host.nodes,
-                host.drafted,
-                host.malformed,
-            )
-            drafter.update(batch.state, outcome)
-        batch.roots = result.next_tokens
-        batch.drop(finished, runner, drafter)
+        report = step(runner, batch, lanes, vocab)
+        drop(runner, batch, lanes, report.finished)

@@ -314,7 +314,9 @@ class Guardrails:
         return {name: guard.snapshot() for name, guard in self.routes.items()}
 
 
-def _token_latency(seconds: float, emitted: list[list[int]]) -> float | None:
+def token_latency(seconds: float, emitted: list[list[int]]) -> float | None:
+    """Seconds per emitted token of a row, over the rows that emitted `emitted` in a step of
+    `seconds` (None when they emitted nothing): what a guard's latency bound judges."""
     tokens = sum(len(e) for e in emitted)
     return seconds * len(emitted) / tokens if tokens else None
 
@@ -409,7 +411,7 @@ class GuardedDrafter(WrappedDrafter):
                 failed = True
         if self.guard is None:
             return
-        latency = _token_latency(self.clock() - self._step_start, outcome.emitted)
+        latency = token_latency(self.clock() - self._step_start, outcome.emitted)
         if not self._speculated:
             self.guard.record_plain_step(latency)
             return

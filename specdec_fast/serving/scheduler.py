@@ -26,9 +26,12 @@ tokens for the same prompt, whatever joins or leaves beside them, and sampled ro
 target's distribution and, with a seed, `generate()`'s draws (the random streams are keyed by a
 row's seed and position, never by its slot).
 
-A decode step reads the device once (the emitted tokens, `Batch.read_back`); prefill chunks and
-joins read nothing back. `step()` runs one iteration on the calling thread; `start()` runs steps
-on a thread of its own, and `submit` and `Handle.cancel` may then be called from any thread.
+A decode step is `specdec_fast.step`, the step `generate` runs, over the routes' lanes: the
+scheduler keeps admission, prefill and joins, routes, streaming, the guardrails' decisions and
+the metrics. A step reads the device once (the emitted tokens, `batch.read_back`); prefill
+chunks and joins read nothing back. `step()` runs one iteration on the calling thread;
+`start()` runs steps on a thread of its own, and `submit` and `Handle.cancel` may then be called
+from any thread.
 """
 
 from __future__ import annotations
@@ -44,23 +47,14 @@ from dataclasses import dataclass, field
 import torch
 
 from specdec_fast.arguments import build_sampling
-from specdec_fast.batch import Batch
+from specdec_fast.batch import Batch, Row
 from specdec_fast.compiled import compile_choice
-from specdec_fast.drafters.base import (
-    PAD_PARENT,
-    Drafter,
-    DraftState,
-    Proposal,
-    StepOutcome,
-    supports_join,
-    with_roots,
-)
-from specdec_fast.drafters.checks import checked
-from specdec_fast.guardrails import DEFAULT_ROUTE, Guardrails, RouteGuard
-from specdec_fast.kernels.verify import SamplingParams, run_verify
+from specdec_fast.drafters.base import Drafter, supports_join
+from specdec_fast.guardrails import DEFAULT_ROUTE, Guardrails, RouteGuard, token_latency
 from specdec_fast.requests import Sampling, StopRule
 from specdec_fast.runner import ModelRunner
 from specdec_fast.stats import SequenceStats
+from specdec_fast.step import Drafted, Lane, StepReport, drop, index_lanes, step
 from specdec_fast.transfer import to_device
 
 PREFILL_CHUNK = 256
@@ -181,45 +175,74 @@ class StepCounters:
     prefill_beside_seconds: float = 0.0
 
 
-SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "seed")
-
-
-class _Row:
-    """One request in flight: its tokens, stop rule, sampling parameters, statistics, lane."""
+class _Row(Row):
+    """One request in flight: a batch `Row` with its handle, arrival and lane."""
 
     def __init__(
         self, handle: Handle, prompt: list[int], sampling: Sampling, rule: StopRule, arrival: float
     ):
+        super().__init__(prompt, rule, sampling, arrival, handle.request.on_tokens)
         self.handle = handle
         self.request = handle.request
-        self.tokens = prompt
-        self.generated: list[int] = []
-        self.rule = rule
-        self.sampling = sampling  # host tensors [1]
-        self.greedy = float(sampling.temperature[0]) == 0.0
-        self.stats = SequenceStats(prompt_tokens=len(self.tokens))
         self.arrival = arrival
         self.admitted: float | None = None
-        self.cached = 0  # committed cache slots: the prompt but its last token, then accepted
         self.lane: _Lane | None = None  # the lane whose drafter drafts for it; None: plain
         self.speculated = False
 
 
-class _Lane:
-    """A route: its drafter, guard and counters, and the speculating rows its drafter follows
-    (in batch order: the drafter's batch is exactly these rows)."""
+class _Lane(Lane):
+    """A route: its drafter, guard and counters, and the speculating rows its drafter follows.
+    Its drafter failing moves its rows to plain decoding."""
 
     def __init__(self, name: str, drafter: Drafter | None, guard: RouteGuard | None):
+        super().__init__(drafter)
         self.name = name
-        self.drafter = drafter
         self.guard = guard
         self.counters = RouteCounters()
-        self.rows: list[_Row] = []
         self.begun = False  # attach and begin ran: end is owed
-        self.positions: list[int] = []  # the rows' batch positions
-        self.index: torch.Tensor | None = None  # the same on the device; None: the whole batch
-        self.proposal: Proposal | None = None  # this step's
         self.last_error: str | None = None
+
+    def fail(self, where: str, error: Exception) -> None:
+        """A drafter error: count it (on the guard's window too) and move the rows to plain
+        decoding."""
+        self.counters.drafter_errors += 1
+        self.last_error = f"drafter error in {where}: {type(error).__name__}: {error}"
+        if self.guard is not None:
+            self.guard.record_speculative_step(0, 0, None, error=True)
+        self.trip()
+
+    def trip(self, count: bool = True) -> None:
+        """The rows decode plainly from now on (counted as a trip when `count` and it had
+        rows); the drafter's batch ends."""
+        for row in self.rows:
+            row.lane = None
+        self.counters.trips += int(count and bool(self.rows))
+        self.rows, self.positions, self.index = [], [], None
+        self.end()
+
+    def end(self) -> None:
+        if not self.begun:
+            return
+        self.begun = False
+        try:
+            self.drafter.end()
+        except Exception as error:  # noqa: BLE001 - nothing of the outputs depends on it
+            self.counters.drafter_errors += 1
+            self.last_error = f"drafter error in end: {type(error).__name__}: {error}"
+
+    def count(self, draft: Drafted, host, rows: list[_Row]) -> None:
+        """The counters and rows' `speculated` of the lane's step `draft` (batch `rows`)."""
+        counters = self.counters
+        for p in draft.positions:
+            if host.drafted[p]:
+                rows[p].speculated = True
+                counters.drafts += 1
+                counters.draft_tokens += host.drafted[p]
+                counters.accepted_tokens += host.num_accepted[p]
+                missing = host.num_accepted[p] - len(counters.accepted_per_position)
+                counters.accepted_per_position += [0] * max(missing, 0)
+                for depth in range(host.num_accepted[p]):
+                    counters.accepted_per_position[depth] += 1
 
 
 @dataclass
@@ -254,21 +277,6 @@ def _spare_core(threads: int) -> bool:
     """Whether this process may use more CPU cores than `threads`."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     return (cores or 1) > threads
-
-
-def _token_latency(seconds: float, emitted: list[list[int]]) -> float | None:
-    """Seconds per emitted token of a row, over the rows that emitted `emitted` in a step."""
-    tokens = sum(len(e) for e in emitted)
-    return seconds * len(emitted) / tokens if tokens else None
-
-
-def _subset(params: SamplingParams, index: torch.Tensor | None) -> SamplingParams:
-    if index is None:
-        return params
-    return SamplingParams(
-        *(v[index] if isinstance(v, torch.Tensor) else v for v in
-          (params.temperature, params.top_k, params.top_p, params.seed))
-    )  # fmt: skip
 
 
 class Scheduler:
@@ -379,11 +387,10 @@ class Scheduler:
             ThreadPoolExecutor(1, thread_name_prefix="specdec-prefill") if overlap_prefill else None
         )
         self._feeding: _Feed | None = None
-        self.rows: list[_Row] = []  # the batch, in slot order
+        self._lanes = list(self.lanes.values())
         self._prefill: _Prefill | None = None
         self._waiting: deque[_Row] = deque()
         self._reset_batch()
-        self._root_parents: dict[int, torch.Tensor] = {}  # int64 [B, 1] of -1, by batch size
         self._lock = threading.Lock()
         self._wakeup = threading.Condition(self._lock)
         self._thread: threading.Thread | None = None
@@ -397,6 +404,11 @@ class Scheduler:
     def context_len(self) -> int:
         """The most tokens a request may hold: prompt plus `max_new_tokens`."""
         return self.max_cache_len - self.width
+
+    @property
+    def rows(self) -> list[_Row]:
+        """The batch's rows, in slot order."""
+        return self.batch.rows
 
     # -- submission (any thread) -------------------------------------------------------------
 
@@ -596,18 +608,7 @@ class Scheduler:
             row.cached = fed
         self.runner.admit_rows(group.start, len(rows), max(group.fed))
         first = len(self.rows)
-        self.rows += rows
-        self._roots = torch.cat([self._roots, to_device([r.tokens[-1] for r in rows], self.device)])
-        self._sampling = Sampling(
-            *(
-                torch.cat(
-                    [getattr(self._sampling, name)] + [getattr(r.sampling, name) for r in rows]
-                )
-                for name in SAMPLING_FIELDS
-            )
-        )
-        self._device_sampling = None
-        self._all_greedy = all(row.greedy for row in self.rows)
+        self.batch.join(rows, to_device([r.tokens[-1] for r in rows], self.device))
         hidden = {
             layer: torch.cat([chunk[layer] for chunk in group.hidden], dim=1)
             for layer in (group.hidden[0] if group.hidden else {})
@@ -618,10 +619,10 @@ class Scheduler:
             wanted = lane.drafter is not None and row.request.speculate
             if wanted and not row.handle.cancelled and self._allowed(lane):
                 joining.setdefault(lane.name, []).append(offset)
-        self._index_lanes()
+        index_lanes(self.batch, self._lanes)
         for name, offsets in joining.items():
             self._join_lane(self.lanes[name], [rows[o] for o in offsets], offsets, first, hidden)
-        self._index_lanes()
+        index_lanes(self.batch, self._lanes)
         # Requests cancelled while their prompts were fed leave before decoding.
         self._drop_cancelled()
 
@@ -632,7 +633,7 @@ class Scheduler:
     def _join_lane(self, lane: _Lane, newcomers, offsets, first: int, hidden) -> None:
         """`newcomers` (batch positions `first + offsets`) join `lane`'s drafter: its `begin`
         when the lane has no rows, else its `join`."""
-        state = self._state(newcomers, to_device([first + o for o in offsets], self.device))
+        state = self.batch.state(newcomers, to_device([first + o for o in offsets], self.device))
         local = to_device(offsets, self.device)
         state.hidden = {layer: h[local] for layer, h in hidden.items()}
         where = "join" if lane.rows else "begin"
@@ -645,7 +646,7 @@ class Scheduler:
                 lane.begun = True
                 lane.drafter.begin(state)
         except Exception as error:  # noqa: BLE001 - a failing drafter falls back to plain
-            self._fail(lane, where, error)
+            lane.fail(where, error)
             return
         lane.rows += newcomers
         for row in newcomers:
@@ -654,307 +655,55 @@ class Scheduler:
     # -- the decode step ---------------------------------------------------------------------
 
     def _reset_batch(self) -> None:
-        self._roots = torch.zeros(0, dtype=torch.int64, device=self.device)
-        self._sampling = Sampling(
-            torch.zeros(0), torch.zeros(0, dtype=torch.int64), torch.zeros(0),
-            torch.zeros(0, dtype=torch.int64),
-        )  # fmt: skip
-        self._device_sampling: SamplingParams | None = None
-        self._all_greedy = True
-
-    def _params(self) -> SamplingParams:
-        """Every row's sampling parameters as device tensors `[B]` (uploaded when rows join)."""
-        if self._device_sampling is None:
-            self._device_sampling = SamplingParams(
-                *(
-                    to_device(tensor.numpy(), self.device, tensor.dtype)
-                    for tensor in (getattr(self._sampling, name) for name in SAMPLING_FIELDS)
-                )
-            )
-        return self._device_sampling
-
-    def _state(self, rows: list[_Row], index: torch.Tensor | None) -> DraftState:
-        """What a drafter sees of `rows`, at batch positions `index` (None: the whole batch)."""
-        params = self._params()
-
-        def pick(tensor: torch.Tensor) -> torch.Tensor:
-            return tensor if index is None else tensor[index]
-
-        return DraftState(
-            tokens=[row.tokens for row in rows],
-            temperature=pick(params.temperature),
-            top_k=pick(params.top_k),
-            top_p=pick(params.top_p),
-            seed=pick(params.seed),
-            device=self.device,
-            greedy=all(row.greedy for row in rows),
-            roots=pick(self._roots),
-        )
-
-    def _index_lanes(self) -> None:
-        """Each lane's batch positions, after rows joined or left."""
-        position = {id(row): p for p, row in enumerate(self.rows)}
-        for lane in self.lanes.values():
-            lane.positions = [position[id(row)] for row in lane.rows]
-            whole = lane.positions == list(range(len(self.rows)))
-            lane.index = None if whole else to_device(lane.positions, self.device)
+        self.batch = Batch(self.device, self.max_cache_len, self.width)
 
     def _decode(self) -> None:
-        start = time.perf_counter()
-        drafting = []
-        for lane in self.lanes.values():
-            lane.proposal = None
-            if not lane.rows:
-                continue
-            try:
-                state = self._state(lane.rows, lane.index)
-                # A row breaking a tree rule takes a plain step: the output stays exact.
-                proposal = checked(
-                    lane.drafter, lane.drafter.propose(state), state, self.vocab_size
-                )
-            except Exception as error:  # noqa: BLE001 - a failing drafter falls back to plain
-                self._fail(lane, "propose", error)
-                continue
-            lane.proposal = proposal
-            drafting.append(lane)
-        proposal = self._assemble(drafting)
-        out = self.runner.verify(proposal.tokens, proposal.parents)
-        result = self._verify(out, proposal, drafting)
-        self.runner.cache.compact(result.accepted_nodes, result.num_accepted, validate=False)
-        host = Batch.read_back(proposal, result, out.depths)
-        emitted, finished = self._emit(host, time.perf_counter())
-        self.runner.cache.bound_lengths(max(row.cached for row in self.rows))
-        for lane in drafting:
-            self._update(lane, proposal, result, out, host, emitted)
-        seconds = time.perf_counter() - start
-        self._guard_step(seconds, host, emitted, drafting)
-        self._roots = result.next_tokens
+        report = step(self.runner, self.batch, self._lanes, self.vocab_size)
+        for draft in report.drafted:
+            draft.lane.count(draft, report.host, self.rows)
+        self._guard_step(report)
         steps = self.counters.decode.setdefault(len(self.rows), [0, 0.0])
         steps[0] += 1
-        steps[1] += seconds
-        self._drop(finished)
+        steps[1] += report.seconds
+        self._drop(report.finished)
 
-    def _assemble(self, drafting: list[_Lane]) -> Proposal:
-        """One tree per row: each drafting lane's proposal at its rows, the root alone at the
-        others (plain decoding), every row's root in column 0, padded to the widest tree."""
-        if not drafting:
-            parents = self._root_parents.get(len(self.rows))
-            if parents is None:
-                parents = torch.full((len(self.rows), 1), -1, device=self.device)
-                self._root_parents[len(self.rows)] = parents
-            plain = Proposal(self._roots[:, None], parents)
-            width = self.runner.verify_width(len(self.rows), 1, self.width)
-            return plain if width == 1 else with_roots(plain, self._roots, width)
-        widest = max((lane.proposal.num_nodes for lane in drafting), default=1)
-        width = self.runner.verify_width(len(self.rows), widest, self.width)
-        if len(drafting) == 1 and drafting[0].index is None:
-            return with_roots(drafting[0].proposal, self._roots, width)
-        batch = len(self.rows)
-        tokens = torch.zeros((batch, width), dtype=torch.int64, device=self.device)
-        parents = torch.full_like(tokens, PAD_PARENT)
-        tokens[:, 0] = self._roots
-        parents[:, 0] = -1
-        draft_probs = None
-        for lane in drafting:
-            sub, where = lane.proposal, lane.index
-            nodes = sub.num_nodes
-            tokens[where, 1:nodes] = sub.tokens[:, 1:].to(torch.int64)
-            parents[where, :nodes] = sub.parents.to(torch.int64)
-            if sub.draft_probs is not None:
-                if draft_probs is None:
-                    shape = (batch, width, sub.draft_probs.shape[2])
-                    draft_probs = sub.draft_probs.new_zeros(shape)
-                draft_probs[where, :nodes] = sub.draft_probs
-        return Proposal(tokens, parents, draft_probs)
-
-    def _verify(self, out, proposal: Proposal, drafting: list[_Lane]):
-        """`kernels.verify` of the step: one call, or, when some lane's trees carry draft
-        probabilities (sampled chains, the only trees that may), one call for each such lane
-        and one for the other rows."""
-        params = self._step_params(out.positions)
-        chained = [lane for lane in drafting if lane.proposal.draft_probs is not None]
-        if not chained or (len(drafting) == 1 and drafting[0].index is None):
-            return run_verify(
-                out.logits, proposal.tokens, proposal.parents, proposal.draft_probs, params
-            )
-        batch, width = proposal.tokens.shape
-        accepted = torch.full((batch, width), -1, dtype=torch.int32, device=self.device)
-        num_accepted = torch.zeros(batch, dtype=torch.int32, device=self.device)
-        next_tokens = torch.zeros(batch, dtype=torch.int64, device=self.device)
-        groups = [(lane.index, proposal.draft_probs) for lane in chained]
-        in_chains = {p for lane in chained for p in lane.positions}
-        rest = [p for p in range(batch) if p not in in_chains]
-        if rest:
-            groups.append((to_device(rest, self.device), None))
-        for index, probs in groups:
-            part = run_verify(
-                out.logits[index],
-                proposal.tokens[index],
-                proposal.parents[index],
-                None if probs is None else probs[index],
-                _subset(params, index),
-            )
-            accepted[index], num_accepted[index], next_tokens[index] = part
-        return type(part)(accepted, num_accepted, next_tokens)
-
-    def _step_params(self, positions: torch.Tensor) -> SamplingParams:
-        """As `Batch.sampling_params`: per-node seeds, each row's seed plus the node's position
-        (`positions` int64 `[B, N]`)."""
-        if self._all_greedy:
-            return SamplingParams(0.0, 0, 1.0, 0)
-        params = self._params()
-        return SamplingParams(
-            params.temperature, params.top_k, params.top_p, params.seed[:, None] + positions
-        )
-
-    def _emit(self, host, now: float) -> tuple[list[list[int]], list[int]]:
-        """Each row's accepted drafts and next token, cut at its stop; the batch positions of
-        the rows that finished."""
-        emitted, finished = [], []
-        for r, row in enumerate(self.rows):
-            accepted = host.num_accepted[r]
-            taken, reason = row.rule.take(row.generated, [*host.paths[r], host.next_tokens[r]])
-            row.cached += accepted + 1
-            if reason is None and row.cached + self.width > self.max_cache_len:
-                reason = "cache"
-            row.stats.record_step(host.depths[r], host.drafted[r], accepted)
-            row.stats.record_emission(len(taken), now, row.arrival)
-            row.tokens.extend(taken)
-            emitted.append(taken)
-            if taken and row.request.on_tokens is not None:
-                row.request.on_tokens(taken)
-            if reason is not None:
-                row.stats.finish_reason = reason
-                finished.append(r)
-        return emitted, finished
-
-    def _update(self, lane: _Lane, proposal, result, out, host, emitted) -> None:
-        """The lane's drafter follows its rows' step; the lane's counters count it."""
-        where, width, positions = lane.index, lane.proposal.num_nodes, lane.positions
-        counters = lane.counters
-        for p in positions:
-            if host.drafted[p]:
-                self.rows[p].speculated = True
-                counters.drafts += 1
-                counters.draft_tokens += host.drafted[p]
-                counters.accepted_tokens += host.num_accepted[p]
-                missing = host.num_accepted[p] - len(counters.accepted_per_position)
-                counters.accepted_per_position += [0] * max(missing, 0)
-                for depth in range(host.num_accepted[p]):
-                    counters.accepted_per_position[depth] += 1
-        if where is None:
-            where = slice(None)
-        outcome = StepOutcome(
-            Proposal(
-                proposal.tokens[where, :width],
-                proposal.parents[where, :width],
-                lane.proposal.draft_probs,
-            ),
-            result.accepted_nodes[where, :width],
-            result.num_accepted[where],
-            result.next_tokens[where],
-            [emitted[p] for p in positions],
-            {layer: h[where, :width] for layer, h in out.hidden_states.items()},
-            [host.nodes[p] for p in positions],
-            [host.drafted[p] for p in positions],
-        )
-        try:
-            lane.drafter.update(self._state(lane.rows, lane.index), outcome)
-        except Exception as error:  # noqa: BLE001 - the step was verified; the drafter is lost
-            self._fail(lane, "update", error, record=False)
-            lane.proposal = None
-            if lane.guard is not None:
-                lane.guard.record_speculative_step(0, 0, None, error=True)
-
-    def _guard_step(self, seconds: float, host, emitted, drafting: list[_Lane]) -> None:
+    def _guard_step(self, report: StepReport) -> None:
         """Each guarded route records the step of its speculating rows and of its plain ones;
         a route whose guard turned speculation off moves its rows to plain decoding."""
+        speculated = {id(draft.lane): draft for draft in report.drafted if not draft.failed}
+        drafted_positions = {p for draft in speculated.values() for p in draft.positions}
         plain: dict[str, list[list[int]]] = {}
-        drafted = {id(row) for lane in drafting if lane.proposal for row in lane.rows}
-        for row, tokens in zip(self.rows, emitted, strict=True):
-            if id(row) not in drafted:
+        for p, (row, tokens) in enumerate(zip(self.rows, report.emitted, strict=True)):
+            if p not in drafted_positions:
                 plain.setdefault(row.request.route, []).append(tokens)
-        for lane in self.lanes.values():
+        host, seconds = report.host, report.seconds
+        for lane in self._lanes:
             if lane.guard is None:
                 continue
             if lane.name in plain:
-                lane.guard.record_plain_step(_token_latency(seconds, plain[lane.name]))
-            if lane.proposal is not None:
+                lane.guard.record_plain_step(token_latency(seconds, plain[lane.name]))
+            draft = speculated.get(id(lane))
+            if draft is not None:
                 lane.guard.record_speculative_step(
-                    sum(host.drafted[p] for p in lane.positions),
-                    sum(host.num_accepted[p] for p in lane.positions),
-                    _token_latency(seconds, [emitted[p] for p in lane.positions]),
+                    sum(host.drafted[p] for p in draft.positions),
+                    sum(host.num_accepted[p] for p in draft.positions),
+                    token_latency(seconds, [report.emitted[p] for p in draft.positions]),
                 )
             if lane.rows and not lane.guard.speculating:
-                self._trip(lane)
+                lane.trip()
 
     # -- leaving -----------------------------------------------------------------------------
 
-    def _fail(self, lane: _Lane, where: str, error: Exception, record: bool = True) -> None:
-        """A drafter error: count it (on the guard's window too, unless `record` is False) and
-        move the lane's rows to plain decoding."""
-        lane.counters.drafter_errors += 1
-        lane.last_error = f"drafter error in {where}: {type(error).__name__}: {error}"
-        if record and lane.guard is not None:
-            lane.guard.record_speculative_step(0, 0, None, error=True)
-        self._trip(lane)
-
-    def _trip(self, lane: _Lane, count: bool = True) -> None:
-        """The lane's rows decode plainly from now on (counted as a trip when `count` and it had
-        rows); its drafter's batch ends."""
-        for row in lane.rows:
-            row.lane = None
-        lane.counters.trips += int(count and bool(lane.rows))
-        lane.rows, lane.positions = [], []
-        lane.index = None
-        self._end(lane)
-
-    def _end(self, lane: _Lane) -> None:
-        if not lane.begun:
-            return
-        lane.begun = False
-        try:
-            lane.drafter.end()
-        except Exception as error:  # noqa: BLE001 - nothing of the outputs depends on it
-            lane.counters.drafter_errors += 1
-            lane.last_error = f"drafter error in end: {type(error).__name__}: {error}"
-
     def _drop(self, leaving: list[int]) -> None:
         """The rows at batch positions `leaving` leave the batch (their finish reason set) and
-        their lanes; each request's completion is then delivered."""
-        if not leaving:
+        their lanes (a lane left without rows ends its drafter's batch); each request's
+        completion is then delivered."""
+        finished = drop(self.runner, self.batch, self._lanes, leaving)
+        if not finished:
             return
-        gone = set(leaving)
-        keep = [p for p in range(len(self.rows)) if p not in gone]
-        finished = [self.rows[p] for p in leaving]
-        self.runner.keep(keep)
-        self.rows = [self.rows[p] for p in keep]
-        index = to_device(keep, self.device)
-        host_index = torch.tensor(keep, dtype=torch.int64)
-        self._roots = self._roots[index]
-        self._sampling = Sampling(
-            *(getattr(self._sampling, name)[host_index] for name in SAMPLING_FIELDS)
-        )
-        if self._device_sampling is not None:
-            params = self._device_sampling
-            self._device_sampling = SamplingParams(
-                *(t[index] for t in (params.temperature, params.top_k, params.top_p, params.seed))
-            )
-        self._all_greedy = all(row.greedy for row in self.rows)
-        gone_rows = {id(row) for row in finished}
-        for lane in self.lanes.values():
-            kept = [i for i, row in enumerate(lane.rows) if id(row) not in gone_rows]
-            if len(kept) == len(lane.rows):
-                continue
-            lane.rows = [lane.rows[i] for i in kept]
+        for lane in self._lanes:
             if not lane.rows:
-                self._end(lane)
-                continue
-            try:
-                lane.drafter.keep(kept)
-            except Exception as error:  # noqa: BLE001
-                self._fail(lane, "keep", error)
-        self._index_lanes()
+                lane.end()
         for row in finished:
             self._finish(row, row.stats.finish_reason)
 
@@ -980,9 +729,9 @@ class Scheduler:
             waiting = list(self._waiting)
             self._waiting.clear()
         rows = self.rows + (self._prefill.rows if self._prefill is not None else []) + waiting
-        self.rows, self._prefill = [], None
-        for lane in self.lanes.values():
-            self._trip(lane, count=False)
+        self._prefill = None
+        for lane in self._lanes:
+            lane.trip(count=False)
         self._reset_batch()
         for row in rows:
             self._finish(row, reason, error)

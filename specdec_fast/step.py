@@ -1,0 +1,270 @@
+"""One speculative step over a running batch: the loop body of `generate` and of the serving
+scheduler alike (DESIGN.md, "Data flow of one step").
+
+    proposals = lane.drafter.propose(state)         per lane, checked (`drafters.checks`)
+    tree      = one tree per row                    each lane's at its rows, the root alone at
+                                                    the others (plain decoding); roots in
+                                                    column 0, padded to the runner's width
+    out       = runner.verify(tree)                 target logits [B, N, V] in one forward
+    result    = kernels.verify(out.logits, ...)     accepted path + next token, lossless
+    cache.compact(result)                           the cache keeps the prefix + the path
+    host      = read_back(...)                      the step's one device-to-host read
+    batch.emit(host)                                stop rules, finish reasons, stats, streaming
+    lane.drafter.update(state, outcome)             per lane, over its rows
+    batch.roots = result.next_tokens                the next roots stay on the device
+
+then `drop` takes the finished rows out of the batch, the runner's cache and every lane.
+
+A `Lane` is a drafter and the rows it drafts for: `generate` has one over every row (or none, for
+plain decoding); the scheduler one per route, each over that route's speculating rows. A lane's
+drafter failing (an exception in `propose`, `update` or `keep`, or a malformed proposal that the
+checks replaced by plain steps) goes to `Lane.fail`: `generate`'s lanes raise, the scheduler's
+move their rows to plain decoding. Nothing between two steps reads the device: the next roots
+are the verify kernel's output and the cache lengths are advanced by the compaction kernel, on
+the device; the host mirrors the lengths from the read-back (`Row.cached`).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from specdec_fast.batch import Batch, HostStep, Row, read_back
+from specdec_fast.drafters.base import (
+    PAD_PARENT,
+    Drafter,
+    DraftState,
+    Proposal,
+    StepOutcome,
+    with_roots,
+)
+from specdec_fast.drafters.checks import checked, malformed_error, screens_values
+from specdec_fast.kernels.verify import SamplingParams, VerifyResult, run_verify
+from specdec_fast.runner import ModelRunner, VerifyOutput
+from specdec_fast.transfer import to_device
+
+
+class Lane:
+    """A drafter and the rows it drafts for, in batch order (its drafter's batch is exactly
+    these rows); `positions` and `index` place them in the batch (`index_lanes`)."""
+
+    def __init__(self, drafter: Drafter):
+        self.drafter = drafter
+        self.rows: list[Row] = []
+        self.positions: list[int] = []
+        self.index: torch.Tensor | None = None  # `positions` on the device; None: every row
+
+    def fail(self, where: str, error: Exception) -> None:
+        """The drafter failed in `where` ("propose", "update", "keep"): raise `error` (a lane
+        that survives its drafter's failures overrides this)."""
+        raise error
+
+
+@dataclass
+class Drafted:
+    """A lane's part in a step: the state its drafter saw (and sees again in `update`), its
+    proposal as the drafter made it and as checked, at the batch `positions` its rows held;
+    `failed` once the lane's drafter failed after proposing."""
+
+    lane: Lane
+    state: DraftState
+    positions: list[int]
+    index: torch.Tensor | None
+    drafted: Proposal
+    proposal: Proposal
+    failed: bool = False
+
+
+@dataclass
+class StepReport:
+    """What a step did, on the host: the read-back, each row's emitted tokens, the batch
+    positions of the rows that finished, the lanes whose proposals were verified, and the
+    step's seconds (propose to update)."""
+
+    host: HostStep
+    emitted: list[list[int]]
+    finished: list[int]
+    drafted: list[Drafted] = field(default_factory=list)
+    seconds: float = 0.0
+
+
+def index_lanes(batch: Batch, lanes: list[Lane]) -> None:
+    """Each lane's batch positions, after rows joined or left."""
+    position = {id(row): p for p, row in enumerate(batch.rows)}
+    for lane in lanes:
+        lane.positions = [position[id(row)] for row in lane.rows]
+        whole = lane.positions == list(range(len(batch.rows)))
+        lane.index = None if whole else to_device(lane.positions, batch.device)
+
+
+def step(runner: ModelRunner, batch: Batch, lanes: list[Lane], vocab: int) -> StepReport:
+    """One step of every row of `batch` (see the module doc); `vocab` is the target's
+    vocabulary size (for the proposal checks)."""
+    start = time.perf_counter()
+    drafts = []
+    for lane in lanes:
+        if not lane.rows:
+            continue
+        state = batch.state(lane.rows, lane.index)
+        try:
+            drafted = lane.drafter.propose(state)
+            proposal = checked(lane.drafter, drafted, state, vocab)
+        except Exception as error:  # noqa: BLE001 - the lane decides (`Lane.fail`)
+            lane.fail("propose", error)
+            continue
+        drafts.append(Drafted(lane, state, list(lane.positions), lane.index, drafted, proposal))
+    proposal = _assemble(runner, batch, drafts)
+    out = runner.verify(proposal.tokens, proposal.parents)
+    result = _verify(out, proposal, batch.sampling_params(out.positions), drafts)
+    runner.cache.compact(result.accepted_nodes, result.num_accepted, validate=False)
+    host = read_back(proposal, result, out.depths)
+    flagged = set(host.malformed)
+    for draft in drafts:
+        if flagged.intersection(draft.positions) and screens_values(draft.lane.drafter):
+            # The screen replaced the flagged rows by plain steps: the output is unchanged.
+            draft.failed = True
+            draft.lane.fail("propose", malformed_error(draft.lane.drafter, draft.drafted, vocab))
+    emitted, finished = batch.emit(host, time.perf_counter())
+    runner.cache.bound_lengths(max(row.cached for row in batch.rows))
+    for draft in drafts:
+        if not draft.failed:
+            _update(draft, proposal, result, out, host, emitted)
+    batch.roots = result.next_tokens
+    return StepReport(host, emitted, finished, drafts, time.perf_counter() - start)
+
+
+def drop(runner: ModelRunner, batch: Batch, lanes: list[Lane], leaving: list[int]) -> list[Row]:
+    """The rows at batch positions `leaving` leave the batch, the runner's cache and their
+    lanes (each lane's drafter keeps its other rows; a lane left without rows keeps nothing);
+    returns them."""
+    if not leaving:
+        return []
+    gone = set(leaving)
+    left = [batch.rows[p] for p in leaving]
+    keep = [p for p in range(len(batch.rows)) if p not in gone]
+    runner.keep(keep)
+    batch.keep(keep)
+    gone_rows = {id(row) for row in left}
+    for lane in lanes:
+        kept = [i for i, row in enumerate(lane.rows) if id(row) not in gone_rows]
+        if len(kept) == len(lane.rows):
+            continue
+        lane.rows = [lane.rows[i] for i in kept]
+        if lane.rows:
+            try:
+                lane.drafter.keep(kept)
+            except Exception as error:  # noqa: BLE001 - the lane decides (`Lane.fail`)
+                lane.fail("keep", error)
+    index_lanes(batch, lanes)
+    return left
+
+
+def _assemble(runner: ModelRunner, batch: Batch, drafts: list[Drafted]) -> Proposal:
+    """One tree per row: each lane's proposal at its rows, the root alone at the others,
+    every row's root in column 0, padded to the width the runner picks."""
+    roots = batch.roots
+    if not drafts:
+        plain = batch.plain_proposal()
+        width = runner.verify_width(len(batch), 1, batch.width)
+        return plain if width == 1 else with_roots(plain, roots, width)
+    widest = max(draft.proposal.num_nodes for draft in drafts)
+    width = runner.verify_width(len(batch), widest, batch.width)
+    if len(drafts) == 1 and drafts[0].index is None:
+        return with_roots(drafts[0].proposal, roots, width)
+    rows = len(batch)
+    tokens = torch.zeros((rows, width), dtype=torch.int64, device=batch.device)
+    parents = torch.full_like(tokens, PAD_PARENT)
+    tokens[:, 0] = roots
+    parents[:, 0] = -1
+    draft_probs = malformed = None
+    for draft in drafts:
+        sub, where = draft.proposal, draft.index
+        nodes = sub.num_nodes
+        tokens[where, 1:nodes] = sub.tokens[:, 1:].to(torch.int64)
+        parents[where, :nodes] = sub.parents.to(torch.int64)
+        if sub.draft_probs is not None:
+            if draft_probs is None:
+                draft_probs = sub.draft_probs.new_zeros((rows, width, sub.draft_probs.shape[2]))
+            draft_probs[where, :nodes] = sub.draft_probs
+        if sub.malformed is not None:
+            if malformed is None:
+                malformed = torch.zeros(rows, dtype=torch.bool, device=batch.device)
+            malformed[where] = sub.malformed
+    return Proposal(tokens, parents, draft_probs, malformed)
+
+
+def _subset(params: SamplingParams, index: torch.Tensor) -> SamplingParams:
+    return SamplingParams(
+        *(v[index] if isinstance(v, torch.Tensor) else v for v in
+          (params.temperature, params.top_k, params.top_p, params.seed))
+    )  # fmt: skip
+
+
+def _verify(
+    out: VerifyOutput, proposal: Proposal, params: SamplingParams, drafts: list[Drafted]
+) -> VerifyResult:
+    """`kernels.verify` of the step: one call, or, when some lane's trees carry draft
+    probabilities (sampled chains, the only trees that may) beside other rows, one call for
+    each such lane and one for the other rows."""
+    chained = [draft for draft in drafts if draft.proposal.draft_probs is not None]
+    if not chained or (len(drafts) == 1 and drafts[0].index is None):
+        return run_verify(
+            out.logits, proposal.tokens, proposal.parents, proposal.draft_probs, params
+        )
+    batch, width = proposal.tokens.shape
+    device = proposal.tokens.device
+    accepted = torch.full((batch, width), -1, dtype=torch.int32, device=device)
+    num_accepted = torch.zeros(batch, dtype=torch.int32, device=device)
+    next_tokens = torch.zeros(batch, dtype=torch.int64, device=device)
+    groups = [(draft.index, proposal.draft_probs) for draft in chained]
+    in_chains = {p for draft in chained for p in draft.positions}
+    rest = [p for p in range(batch) if p not in in_chains]
+    if rest:
+        groups.append((to_device(rest, device), None))
+    for index, probs in groups:
+        part = run_verify(
+            out.logits[index],
+            proposal.tokens[index],
+            proposal.parents[index],
+            None if probs is None else probs[index],
+            _subset(params, index),
+        )
+        accepted[index], num_accepted[index], next_tokens[index] = part
+    return VerifyResult(accepted, num_accepted, next_tokens)
+
+
+def _update(
+    draft: Drafted,
+    proposal: Proposal,
+    result: VerifyResult,
+    out: VerifyOutput,
+    host: HostStep,
+    emitted: list[list[int]],
+) -> None:
+    """The lane's drafter follows its rows' step, over its own tree width."""
+    lane, positions, width = draft.lane, draft.positions, draft.proposal.num_nodes
+    where = slice(None) if draft.index is None else draft.index
+    flagged = set(host.malformed)
+    outcome = StepOutcome(
+        Proposal(
+            proposal.tokens[where, :width],
+            proposal.parents[where, :width],
+            draft.proposal.draft_probs,
+            draft.proposal.malformed,
+        ),
+        result.accepted_nodes[where, :width],
+        result.num_accepted[where],
+        result.next_tokens[where],
+        [emitted[p] for p in positions],
+        {layer: h[where, :width] for layer, h in out.hidden_states.items()},
+        [host.nodes[p] for p in positions],
+        [host.drafted[p] for p in positions],
+        [i for i, p in enumerate(positions) if p in flagged],
+    )
+    try:
+        lane.drafter.update(draft.state, outcome)
+    except Exception as error:  # noqa: BLE001 - the step was verified: the lane decides
+        draft.failed = True
+        lane.fail("update", error)
