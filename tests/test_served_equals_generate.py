@@ -1,0 +1,118 @@
+"""Served outputs are `generate`'s: both run the same step (`specdec_fast.step`).
+
+For every built-in drafter over the bundled tiny-code target, three requests (two greedy, one
+sampled, each with its own seed) go through the `Scheduler` (no HTTP) in one batch, and the same
+three prompts through `generate` with the same per-row parameters. Each request's tokens, finish
+reason and speculation statistics (steps, drafted and accepted tokens, per-depth counts) equal
+`generate`'s row for row: not only the tokens (which plain decoding would give too, when greedy)
+but the trees the drafter proposed and what the target accepted of them, step by step.
+"""
+
+import pytest
+import torch
+
+from specdec_fast import PardDraft, bundled, generate
+from specdec_fast.drafters.registry import DrafterSpec
+from specdec_fast.heads.block import DFlashHead
+from specdec_fast.loading import load_model, load_tokenizer
+from specdec_fast.prompts import load_code_prompts
+from specdec_fast.serving import Request, Scheduler
+
+SPECS = [
+    "none",
+    "ngram:8",
+    "suffix:16",
+    "draft:tiny-code-draft:4",
+    "draft-tree:tiny-code-draft:8",
+    "medusa:tiny-code-medusa:8",
+    "eagle:tiny-code-eagle:8",
+    "eagle:tiny-code-eagle3:8",
+    # Block drafters over untrained checkpoints in the bundled layouts (written by `blocks`).
+    "block:{dflash}:8",
+    "block:{pard}:8",
+]
+NEW_TOKENS = 16
+TEMPERATURES = [0.0, 0.8, 0.0]
+SEEDS = [11, 12, 13]
+# SequenceStats fields that follow the step's trees and acceptance (timings excluded).
+STEP_FIELDS = (
+    "prompt_tokens",
+    "new_tokens",
+    "steps",
+    "drafted",
+    "accepted",
+    "position_offered",
+    "position_accepted",
+    "finish_reason",
+)
+
+pytestmark = pytest.mark.skipif(
+    "tiny-code" not in bundled.available(), reason="the bundled checkpoints are not installed"
+)
+
+
+@pytest.fixture(scope="module")
+def target():
+    return load_model("tiny-code", torch.device("cpu"))
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    tokenizer = load_tokenizer("tiny-code")
+    return [
+        [tokenizer.bos_token_id, *tokenizer.encode(r["prompt"], add_special_tokens=False)][:40]
+        for r in load_code_prompts(3)
+    ]
+
+
+@pytest.fixture(scope="module")
+def blocks(target, tmp_path_factory):
+    """Untrained block drafters for the bundled target: a DFlash head, and the bundled draft
+    model as a PARD model (its pad token as the mask)."""
+    dflash = tmp_path_factory.mktemp("dflash")
+    torch.manual_seed(0)
+    DFlashHead.for_target(target, num_layers=1, block_size=8).save_pretrained(dflash)
+    pard = tmp_path_factory.mktemp("pard")
+    draft = load_model("tiny-code-draft", torch.device("cpu"))
+    PardDraft(draft, draft.config.pad_token_id).save_pretrained(pard)
+    return {"dflash": str(dflash), "pard": str(pard)}
+
+
+def step_stats(stats) -> dict:
+    return {name: getattr(stats, name) for name in STEP_FIELDS}
+
+
+@pytest.mark.parametrize("spec", SPECS)
+def test_served_requests_equal_generate(target, prompts, blocks, spec):
+    make = DrafterSpec.parse(spec.format(**blocks)).factory(target)
+    out = generate(
+        target,
+        prompts,
+        drafter=make(),
+        max_new_tokens=NEW_TOKENS,
+        temperature=TEMPERATURES,
+        seed=SEEDS,
+        eos_token_id=[],
+    )
+    # One prefill chunk for every prompt: the three requests join at once, as generate's batch.
+    scheduler = Scheduler(
+        target, {"route": make()}, max_batch=3, prefill_chunk=64, eos_token_id=[]
+    )
+    try:
+        handles = [
+            scheduler.submit(
+                Request(prompt, NEW_TOKENS, temperature=t, seed=seed, route="route")
+            )
+            for prompt, t, seed in zip(prompts, TEMPERATURES, SEEDS, strict=True)
+        ]
+        scheduler.run_until_idle()
+    finally:
+        scheduler.close()
+    for row, (prompt, handle) in enumerate(zip(prompts, handles, strict=True)):
+        completion = handle.completion
+        assert completion.tokens == out.sequences[row][len(prompt) :].tolist(), row
+        assert step_stats(completion.stats) == step_stats(out.stats.sequences[row]), row
+    if spec != "none":
+        # The drafter drafted: the statistics compared are the trees', not plain steps'.
+        assert out.stats.drafted_tokens > 0
+        assert all(handle.completion.speculated for handle in handles)
