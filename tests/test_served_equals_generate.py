@@ -9,28 +9,17 @@ but the trees the drafter proposed and what the target accepted of them, step by
 """
 
 import pytest
-import torch
 
-from specdec_fast import PardDraft, bundled, generate
+# The drafter specs and the untrained block checkpoints that test_transfers.py builds them from.
+from test_transfers import DRAFTERS, blocks, setup  # noqa: F401 - fixtures
+
+from specdec_fast import bundled, generate
 from specdec_fast.drafters.registry import DrafterSpec
-from specdec_fast.heads.block import DFlashHead
-from specdec_fast.loading import load_model, load_tokenizer
+from specdec_fast.loading import load_tokenizer
 from specdec_fast.prompts import load_code_prompts
 from specdec_fast.serving import Request, Scheduler
 
-SPECS = [
-    "none",
-    "ngram:8",
-    "suffix:16",
-    "draft:tiny-code-draft:4",
-    "draft-tree:tiny-code-draft:8",
-    "medusa:tiny-code-medusa:8",
-    "eagle:tiny-code-eagle:8",
-    "eagle:tiny-code-eagle3:8",
-    # Block drafters over untrained checkpoints in the bundled layouts (written by `blocks`).
-    "block:{dflash}:8",
-    "block:{pard}:8",
-]
+SPECS = [spec for spec, _ in DRAFTERS]
 NEW_TOKENS = 16
 TEMPERATURES = [0.0, 0.8, 0.0]
 SEEDS = [11, 12, 13]
@@ -52,11 +41,6 @@ pytestmark = pytest.mark.skipif(
 
 
 @pytest.fixture(scope="module")
-def target():
-    return load_model("tiny-code", torch.device("cpu"))
-
-
-@pytest.fixture(scope="module")
 def prompts():
     tokenizer = load_tokenizer("tiny-code")
     return [
@@ -65,25 +49,13 @@ def prompts():
     ]
 
 
-@pytest.fixture(scope="module")
-def blocks(target, tmp_path_factory):
-    """Untrained block drafters for the bundled target: a DFlash head, and the bundled draft
-    model as a PARD model (its pad token as the mask)."""
-    dflash = tmp_path_factory.mktemp("dflash")
-    torch.manual_seed(0)
-    DFlashHead.for_target(target, num_layers=1, block_size=8).save_pretrained(dflash)
-    pard = tmp_path_factory.mktemp("pard")
-    draft = load_model("tiny-code-draft", torch.device("cpu"))
-    PardDraft(draft, draft.config.pad_token_id).save_pretrained(pard)
-    return {"dflash": str(dflash), "pard": str(pard)}
-
-
 def step_stats(stats) -> dict:
     return {name: getattr(stats, name) for name in STEP_FIELDS}
 
 
 @pytest.mark.parametrize("spec", SPECS)
-def test_served_requests_equal_generate(target, prompts, blocks, spec):
+def test_served_requests_equal_generate(setup, prompts, blocks, spec):  # noqa: F811 - fixtures
+    target, _ = setup
     make = DrafterSpec.parse(spec.format(**blocks)).factory(target)
     out = generate(
         target,
@@ -95,14 +67,10 @@ def test_served_requests_equal_generate(target, prompts, blocks, spec):
         eos_token_id=[],
     )
     # One prefill chunk for every prompt: the three requests join at once, as generate's batch.
-    scheduler = Scheduler(
-        target, {"route": make()}, max_batch=3, prefill_chunk=64, eos_token_id=[]
-    )
+    scheduler = Scheduler(target, {"route": make()}, max_batch=3, prefill_chunk=64, eos_token_id=[])
     try:
         handles = [
-            scheduler.submit(
-                Request(prompt, NEW_TOKENS, temperature=t, seed=seed, route="route")
-            )
+            scheduler.submit(Request(prompt, NEW_TOKENS, temperature=t, seed=seed, route="route"))
             for prompt, t, seed in zip(prompts, TEMPERATURES, SEEDS, strict=True)
         ]
         scheduler.run_until_idle()
