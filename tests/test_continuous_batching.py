@@ -582,6 +582,33 @@ def test_a_failing_drafter_trips_its_route_to_plain_decoding_and_recovers():
         assert handle.completion.tokens == out.sequences[0][len(prompt) :].tolist()
 
 
+class OutOfVocabulary(WrongChain):
+    """Its chains end in a token outside the vocabulary, and it does not declare its proposals
+    valid: the step's checks replace its trees by the root alone."""
+
+    def propose(self, state):
+        proposal = super().propose(state)
+        proposal.tokens[:, -1] = VOCAB + 1
+        return proposal
+
+
+def test_a_malformed_proposal_trips_its_route_to_plain_decoding():
+    """As `generate` raises `DrafterError` for it, the scheduler counts a drafter error naming
+    the broken rule and moves the route's rows to plain decoding; outputs are plain ones."""
+    model = tiny_llama(VOCAB, seed=16)
+    prompts = repetitive_prompts([8, 11], VOCAB, seed=17)
+    scheduler = Scheduler(model, {"bad": OutOfVocabulary()}, eos_token_id=[])
+    handles = [scheduler.submit(Request(p, 10, route="bad")) for p in prompts]
+    scheduler.run_until_idle()
+    lane = scheduler.lanes["bad"]
+    assert lane.counters.drafter_errors == 1 and lane.counters.trips == 1
+    assert "DrafterError" in lane.last_error and "vocabulary" in lane.last_error
+    assert not lane.rows
+    for handle, prompt in zip(handles, prompts, strict=True):
+        out = generate(model, [prompt], drafter=None, max_new_tokens=10, eos_token_id=[])
+        assert handle.completion.tokens == out.sequences[0][len(prompt) :].tolist()
+
+
 def test_a_breached_acceptance_bound_moves_running_rows_to_plain():
     model = tiny_llama(VOCAB, seed=12)
     prompts = repetitive_prompts([8, 15], VOCAB, seed=13)
