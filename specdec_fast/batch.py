@@ -48,12 +48,16 @@ class HostStep:
 def read_back(proposal: Proposal, result, depths: torch.Tensor) -> HostStep:
     """The step's one device-to-host read: per row the next token and, for drafted trees, the
     accepted path (node indices and tokens) and the tree's size and depth, and the flags of the
-    proposal checks when the proposal carries them."""
+    proposal checks when the proposal carries them.
+
+    The device packs it all with four operators (a GPU launches each): the tree's size and depth
+    reductions and one concatenation, which also widens every column to int64; the path's
+    tokens are picked on the host from the tree's, read with it."""
     accepted_nodes, num_accepted, next_tokens = result
-    flags = [] if proposal.malformed is None else [proposal.malformed.long()]
+    flags = [] if proposal.malformed is None else [proposal.malformed[:, None]]
     if proposal.num_nodes == 1:
         if flags:
-            tokens, flagged = to_host(torch.stack([next_tokens, *flags]))
+            tokens, flagged = to_host(torch.stack([next_tokens, proposal.malformed.long()]))
         else:
             tokens, flagged = to_host(next_tokens), []
         zeros = [0] * len(tokens)
@@ -66,20 +70,25 @@ def read_back(proposal: Proposal, result, depths: torch.Tensor) -> HostStep:
             [[] for _ in tokens],
             [r for r, flag in enumerate(flagged) if flag],
         )
-    path = proposal.tokens.gather(1, accepted_nodes.clamp(min=0).long())[:, 1:]
-    drafted = (proposal.parents != PAD_PARENT).sum(dim=1) - 1
-    offered_depth = depths.max(dim=1).values
-    columns = [next_tokens, num_accepted.long(), drafted, offered_depth, *flags]
-    host = torch.cat([torch.stack(columns, dim=1), path, accepted_nodes[:, 1:].long()], dim=1)
-    rows = to_host(host)
-    start, width = len(columns), path.shape[1]
+    nodes = (proposal.parents != PAD_PARENT).sum(dim=1, keepdim=True)
+    offered_depth = depths.amax(dim=1, keepdim=True)
+    columns = [next_tokens[:, None], num_accepted[:, None], nodes, offered_depth, *flags]
+    rows = to_host(torch.cat([*columns, accepted_nodes, proposal.tokens], dim=1))
+    start, width = len(columns), proposal.num_nodes
+    paths, accepted = [], []
+    for row in rows:
+        # Node indices of the accepted drafts (after the root), then their tokens.
+        path_nodes = row[start + 1 : start + 1 + row[1]]
+        tree_tokens = row[start + width :]
+        accepted.append(path_nodes)
+        paths.append([tree_tokens[node] for node in path_nodes])
     return HostStep(
         next_tokens=[row[0] for row in rows],
         num_accepted=[row[1] for row in rows],
-        drafted=[row[2] for row in rows],
+        drafted=[row[2] - 1 for row in rows],
         depths=[row[3] for row in rows],
-        paths=[row[start : start + row[1]] for row in rows],
-        nodes=[row[start + width : start + width + row[1]] for row in rows],
+        paths=paths,
+        nodes=accepted,
         malformed=[r for r, row in enumerate(rows) if flags and row[4]],
     )
 
