@@ -75,13 +75,12 @@ def read_back(proposal: Proposal, result, depths: torch.Tensor) -> HostStep:
     columns = [next_tokens[:, None], num_accepted[:, None], nodes, offered_depth, *flags]
     rows = to_host(torch.cat([*columns, accepted_nodes, proposal.tokens], dim=1))
     start, width = len(columns), proposal.num_nodes
-    paths, accepted = [], []
-    for row in rows:
-        # Node indices of the accepted drafts (after the root), then their tokens.
-        path_nodes = row[start + 1 : start + 1 + row[1]]
-        tree_tokens = row[start + width :]
-        accepted.append(path_nodes)
-        paths.append([tree_tokens[node] for node in path_nodes])
+    # Node indices of the accepted drafts (after the root), then their tokens in the tree's.
+    accepted = [row[start + 1 : start + 1 + row[1]] for row in rows]
+    paths = [
+        [row[start + width + node] for node in nodes]
+        for row, nodes in zip(rows, accepted, strict=True)
+    ]
     return HostStep(
         next_tokens=[row[0] for row in rows],
         num_accepted=[row[1] for row in rows],
@@ -202,20 +201,14 @@ class Batch:
     def state(self, rows: list[Row], index: torch.Tensor | None) -> DraftState:
         """What a drafter sees of `rows`, at batch positions `index` (None: the whole batch)."""
         params = self.params()
-
-        def pick(tensor: torch.Tensor) -> torch.Tensor:
-            return tensor if index is None else tensor[index]
-
-        return DraftState(
-            tokens=[row.tokens for row in rows],
-            temperature=pick(params.temperature),
-            top_k=pick(params.top_k),
-            top_p=pick(params.top_p),
-            seed=pick(params.seed),
-            device=self.device,
-            greedy=all(row.greedy for row in rows),
-            roots=pick(self.roots),
-        )
+        values = (params.temperature, params.top_k, params.top_p, params.seed, self.roots)
+        greedy = self.all_greedy
+        if index is not None:
+            values = tuple(tensor[index] for tensor in values)
+            greedy = all(row.greedy for row in rows)
+        temperature, top_k, top_p, seed, roots = values
+        tokens = [row.tokens for row in rows]
+        return DraftState(tokens, temperature, top_k, top_p, seed, self.device, greedy, roots)
 
     def plain_proposal(self) -> Proposal:
         """The one-node tree of every row (a step of plain decoding), built on the device."""

@@ -246,7 +246,14 @@ def _update(
     """The lane's drafter follows its rows' step, over its own tree width."""
     lane, positions, width = draft.lane, draft.positions, draft.proposal.num_nodes
     where = slice(None) if draft.index is None else draft.index
-    flagged = set(host.malformed)
+    if draft.index is None:  # the lane has every row, in batch order
+        nodes, drafted, flagged = host.nodes, host.drafted, host.malformed
+    else:
+        bad = set(host.malformed)
+        emitted = [emitted[p] for p in positions]
+        nodes = [host.nodes[p] for p in positions]
+        drafted = [host.drafted[p] for p in positions]
+        flagged = [i for i, p in enumerate(positions) if p in bad]
     outcome = StepOutcome(
         Proposal(
             proposal.tokens[where, :width],
@@ -257,11 +264,11 @@ def _update(
         result.accepted_nodes[where, :width],
         result.num_accepted[where],
         result.next_tokens[where],
-        [emitted[p] for p in positions],
+        emitted,
         {layer: h[where, :width] for layer, h in out.hidden_states.items()},
-        [host.nodes[p] for p in positions],
-        [host.drafted[p] for p in positions],
-        [i for i, p in enumerate(positions) if p in flagged],
+        nodes,
+        drafted,
+        flagged,
     )
     try:
         lane.drafter.update(draft.state, outcome)
