@@ -174,7 +174,9 @@ def block_loss(options: BlockOptions, module, target, rows, anchors) -> HeadLoss
     if options.flavour == "dflash":
         features, teacher = target_pass(target, rows, module.hidden_layers)
         outputs = dflash_block_outputs(module, target, features, rows, anchors)
-        logits = target.get_output_embeddings()(outputs[:, :, 1:])
+        lm_head = target.get_output_embeddings()
+        # The head is fp32; a bfloat16 target's LM head multiplies in its own precision.
+        logits = lm_head(outputs[:, :, 1:].to(lm_head.weight.dtype)).float()
         # Block position j learns the target's distribution at anchor + j - 1.
         index = anchors[..., None] + torch.arange(size - 1, device=rows.device)
         per_depth = [
@@ -300,7 +302,9 @@ def _run_block(args) -> int:
     )
     args.lr = DEFAULT_LR[options.flavour] if args.lr is None else args.lr
     settings = run_settings(args)
-    target_dir, target, stream = training_target(args.target, args.data_dir)
+    target_dir, target, stream = training_target(
+        args.target, args.data_dir, args.target_dtype, args.data
+    )
     stream = training_stream(options, settings, target, target_dir, stream, args.data_dir)
     module, steps_done = train_block(
         options, settings, target, stream, args.run_dir, resume=args.resume, stop_at=args.stop_at
@@ -308,7 +312,7 @@ def _run_block(args) -> int:
     if steps_done < settings.steps or args.out is None:
         return 0
     tokens = steps_done * settings.batch_size * settings.seq_len
-    rows = heldout_rows(args, target_dir)
+    rows = heldout_rows(args, target_dir, target)
     agreement = heldout_block_top1(options, module, target, rows)
     out_dir = Path(args.out)
     export_block(options, module, target_dir, out_dir)

@@ -424,29 +424,41 @@ DESCRIPTIONS = {
 }
 
 
-def fp32_target(name: str) -> tuple[str, nn.Module]:
-    """(folder, fp32 model on the GPU when there is one) of a training command's model
-    (`--target`, a folder or bundled name)."""
+def fp32_target(name: str, dtype: str = "float32") -> tuple[str, nn.Module]:
+    """(folder, model on the GPU when there is one, fp32 unless `dtype` says otherwise) of a
+    training command's model (`--target`, a folder or bundled name)."""
     from specdec_fast.loading import load_model, resolve_path
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return resolve_path(name), load_model(name, device, torch.float32)
+    return resolve_path(name), load_model(name, device, dtype)
 
 
-def training_target(name: str, data_dir: str) -> tuple[str, nn.Module, np.ndarray]:
-    """`fp32_target` and the training split's token stream (cached in `--data-dir`)."""
+def training_target(
+    name: str, data_dir: str, dtype: str = "float32", data: str = "corpus"
+) -> tuple[str, nn.Module, np.ndarray | None]:
+    """`fp32_target` (in `dtype`) and the training split's token stream (cached in `data_dir`;
+    None for `data` "chat", which does not read it)."""
     from .data import token_stream
 
-    target_dir, target = fp32_target(name)
+    target_dir, target = fp32_target(name, dtype)
+    if data == "chat":
+        return target_dir, target, None
     return target_dir, target, token_stream("train", target_dir, data_dir)
 
 
-def heldout_rows(args, target_dir: str) -> list[torch.Tensor]:
-    """`--eval-windows` held-out token rows of `--seq-len` + 1 tokens."""
+def heldout_rows(args, target_dir: str, target=None) -> list[torch.Tensor]:
+    """`--eval-windows` held-out token rows of `--seq-len` + 1 tokens: of the corpus' held-out
+    split, or with `--data chat` of the target's answers to held-out chat prompts (one per
+    window: `chat_data.heldout_stream`)."""
     from .data import token_stream
     from .evaluate import _windows
 
-    stream = token_stream("heldout", target_dir, args.data_dir)
+    if args.data == "chat":
+        from .chat_data import heldout_stream
+
+        stream = heldout_stream(target, target_dir, args, args.data_dir)
+    else:
+        stream = token_stream("heldout", target_dir, args.data_dir)
     return _windows(stream, args.seq_len, args.eval_windows)
 
 
@@ -461,7 +473,9 @@ def _run_heads(args) -> int:
         **data_options(args),
     )
     settings = run_settings(args)
-    target_dir, target, stream = training_target(args.target, args.data_dir)
+    target_dir, target, stream = training_target(
+        args.target, args.data_dir, args.target_dtype, args.data
+    )
     stream = training_stream(options, settings, target, target_dir, stream, args.data_dir)
     head, steps_done = train_heads(
         options, settings, target, stream, args.run_dir, resume=args.resume, stop_at=args.stop_at
@@ -469,7 +483,7 @@ def _run_heads(args) -> int:
     if steps_done < settings.steps or args.out is None:
         return 0
     tokens = steps_done * settings.batch_size * settings.seq_len
-    rows = heldout_rows(args, target_dir)
+    rows = heldout_rows(args, target_dir, target)
     accuracy = heldout_accuracy(options, head, target, rows)
     description = DESCRIPTIONS[options.kind].format(
         **dataclasses.asdict(options),
