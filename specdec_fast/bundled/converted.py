@@ -19,6 +19,8 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from specdec_fast.gguf_files import MissingExtra
+
 CACHE_ENV = "SPECDEC_CACHE"
 
 
@@ -46,8 +48,9 @@ SOURCES = {
 }
 
 
-class MissingPackage(ImportError):
-    """The package that ships a converted target's GGUF file is not installed."""
+class MissingPackage(MissingExtra):
+    """The package that ships a converted target's GGUF file is not installed (a usage error,
+    like a missing extra: the message says what to install)."""
 
 
 def cache_dir() -> Path:
@@ -76,7 +79,7 @@ def gguf_file(name: str) -> Path:
 
 def folder(name: str) -> str:
     """The HF folder of converted target `name`, made in `cache_dir()` on first use."""
-    from specdec_fast.gguf_files import dequantize_to_folder
+    from specdec_fast.gguf_files import dequantize_to_folder  # imports transformers
 
     source = SOURCES[name]
     file = gguf_file(name)

@@ -143,10 +143,13 @@ def chat_messages(item: Documented, shape: str) -> list[dict]:
     raise ValueError(f"shape: expected one of {SHAPES}, got {shape!r}")
 
 
-def chat_prompts(split: str, count: int, seed: int = 0) -> list[list[dict]]:
-    """`count` chat prompts (message lists) of `split`, shapes in turn over functions drawn
-    from `seed`; ValueError when the split documents fewer functions than `count`."""
-    items = list(documented_functions(split))
+def chat_prompts(
+    split: str, count: int, seed: int = 0, root: Path | None = None
+) -> list[list[dict]]:
+    """`count` chat prompts (message lists) of `split` (of the modules under `root`, default
+    the standard library), shapes in turn over functions drawn from `seed`; ValueError when the
+    split documents fewer functions than `count`."""
+    items = list(documented_functions(split, root))
     if len(items) < count:
         raise ValueError(f"{split}: {len(items)} documented functions, fewer than {count}")
     order = np.random.default_rng([seed, PROMPT_SEED_OFFSET]).permutation(len(items))[:count]
