@@ -34,7 +34,7 @@ CHAT_DRAFTERS = (
     "block:smollm2-135m-instruct-dflash:16",
 )
 DEMO_PROMPTS = DATA_DIR / "demo_chat_prompts.jsonl"
-CHAT_NEW_TOKENS = 96
+CHAT_NEW_TOKENS = 64
 HF = "HF generate"
 PLAIN = "plain"
 
@@ -106,8 +106,11 @@ def hf_contender(target, max_new_tokens: int, stop: list[int]) -> Contender:
     return Contender(HF, answer)
 
 
-def engine_contender(name, target, make_drafter, max_new_tokens: int, stop, on_tokens=None):
-    """Our engine with a fresh drafter per prompt (`make_drafter() -> Drafter | None`)."""
+def engine_contender(
+    name, target, make_drafter, max_new_tokens: int, stop, on_tokens=None, **sampling
+):
+    """Our engine with a fresh drafter per prompt (`make_drafter() -> Drafter | None`);
+    `sampling`: generate's temperature, top_k, top_p, seed (default greedy)."""
 
     def answer(ids: list[int]) -> tuple[list[int], int]:
         with torch.no_grad():
@@ -118,6 +121,7 @@ def engine_contender(name, target, make_drafter, max_new_tokens: int, stop, on_t
                 max_new_tokens=max_new_tokens,
                 eos_token_id=stop,
                 on_tokens=on_tokens,
+                **sampling,
             )
         return out.sequences[0][len(ids) :].tolist(), out.stats.sequences[0].steps
 

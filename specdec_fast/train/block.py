@@ -51,6 +51,7 @@ from .generated import (
     training_stream,
 )
 from .heads import (
+    HELDOUT_ROWS,
     HeadLoss,
     heldout_rows,
     heldout_top1,
@@ -328,7 +329,8 @@ def _run_block(args) -> int:
             seed=settings.seed,
             max_nodes=EVAL_NODES,
         ).to_dict()
-    prompts = eval_prompts(args.target, args.eval_prompts)
+    chat = options.data == "chat"
+    prompts = eval_prompts(args.target, args.eval_prompts, chat)
     layers = list(module.target_layers) if options.flavour == "dflash" else []
     info = {
         "command": command_line(),
@@ -344,7 +346,11 @@ def _run_block(args) -> int:
         "heldout_top1": agreement,
         "heldout_windows": len(rows),
         "calibration": calibration,
-        "engine": engine_acceptance(out_dir, target, prompts),
+        "heldout": HELDOUT_ROWS[chat],
+        "engine": {
+            **engine_acceptance(out_dir, target, prompts),
+            "source": "held-out chat prompts" if chat else "held-out code prompts",
+        },
         "parameters": sum(p.numel() for p in module.parameters()),
         "bytes": sum(p.stat().st_size for p in out_dir.glob("*.safetensors")),
     }

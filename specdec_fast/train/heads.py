@@ -400,6 +400,9 @@ def export_heads(head: nn.Module, out_dir: str | Path, info: dict) -> None:
     out_dir = Path(out_dir)
     bf16 = copy.deepcopy(head).to(device="cpu", dtype=torch.bfloat16)
     bf16.save_pretrained(out_dir)
+    # safetensors writes 0600; installed package data must be readable by every user.
+    for weights in out_dir.glob("*.safetensors"):
+        weights.chmod(0o644)
     info = {**info, "parameters": sum(p.numel() for p in head.parameters())}
     write_info(out_dir, info)
     accuracy = ", ".join(
@@ -413,9 +416,12 @@ def export_heads(head: nn.Module, out_dir: str | Path, info: dict) -> None:
         f"Trained with:\n\n```\n{info['command']}\n```\n\n"
         f"Data: {info['data']}.\n\n"
         f"Held-out top-1 agreement with the target's greedy token ({info['heldout_tokens']:,} "
-        f"tokens of held-out modules): {accuracy}.\n"
+        f"tokens of {info.get('heldout', 'held-out modules')}): {accuracy}.\n"
     )
 
+
+# What the held-out rows are cut from (`heldout_rows`), with chat data or without.
+HELDOUT_ROWS = {True: "the target's answers to held-out chat prompts", False: "held-out modules"}
 
 DESCRIPTIONS = {
     "medusa": "Medusa-1 heads ({num_heads} heads of {num_layers} residual block(s), {projection})",
@@ -501,6 +507,7 @@ def _run_heads(args) -> int:
         "data": data_description(options, settings, tokens),
         "heldout_top1": accuracy,
         "heldout_tokens": sum(row.numel() - 1 for row in rows),
+        "heldout": HELDOUT_ROWS[options.data == "chat"],
     }
     export_heads(head, args.out, info)
     print(json.dumps({"heldout_top1": accuracy}), flush=True)
