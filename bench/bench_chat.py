@@ -33,7 +33,6 @@ from specdec_fast.demo_chat import (
     CHAT_TARGET,
     PLAIN,
     Contender,
-    chat_dtype,
     engine_contender,
     hf_contender,
 )
@@ -113,7 +112,7 @@ def main() -> None:
     parser.add_argument("--max-new-tokens", type=int, default=96)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
-    parser.add_argument("--dtype", default=None, help="default: the demo's (chat_dtype)")
+    parser.add_argument("--dtype", default="float32", help="the demo's default: float32")
     parser.add_argument("--drafter", action="append", help=f"default: {CHAT_DRAFTERS}")
     parser.add_argument("--no-sampled", action="store_true")
     parser.add_argument(
@@ -124,8 +123,7 @@ def main() -> None:
     os.environ["SPECDEC_COMPILE"] = "1" if args.compile else "0"
     torch.set_num_threads(args.threads)
     device = torch.device("cpu")
-    dtype = args.dtype or chat_dtype(device)
-    target = load_model(CHAT_TARGET, device, dtype)
+    target = load_model(CHAT_TARGET, device, args.dtype)
     tokenizer = load_tokenizer(CHAT_TARGET)
     stop = stop_token_ids(target, tokenizer)
     prompts = [
