@@ -203,7 +203,7 @@ def answer_prompts(
 def chat_stream(target, target_dir: str | Path, data: ChatData, cache_dir) -> np.ndarray:
     """The int32 stream of `data`'s prompts and answers packed end to end (module doc),
     generated once and cached under `cache_dir`."""
-    from .generated import weights_digest
+    from .data import weights_digest
     from .tokenizer import load_tokenizer
 
     settings = json.dumps(dataclasses.asdict(data), sort_keys=True) + str(target.dtype)
@@ -236,9 +236,10 @@ def heldout_stream(target, target_dir: str | Path, args, cache_dir) -> np.ndarra
 
 
 def _run_chat_data(args) -> int:
-    from .heads import fp32_target
+    from specdec_fast.loading import load_model, pick_device, resolve_path
 
-    target_dir, target = fp32_target(args.target, args.target_dtype)
+    target_dir = resolve_path(args.target)
+    target = load_model(args.target, pick_device(None), args.target_dtype)
     data = ChatData(args.sequences, args.answer_tokens, args.seed, args.split)
     stream = chat_stream(target, target_dir, data, args.data_dir)
     print(f"{len(stream):,} tokens of {data.count} prompts and answers", flush=True)
@@ -247,7 +248,7 @@ def _run_chat_data(args) -> int:
 
 def register_chat_data_command(sub) -> None:
     """Add `chat-data`: generate (and cache) what `--data chat` trains on ahead of the runs."""
-    from .generated import TARGET_DTYPES
+    from .options import TARGET_DTYPES
 
     parser = sub.add_parser("chat-data", help="the target's answers to chat prompts (cached)")
     parser.add_argument("--target", required=True, help="folder or bundled name")

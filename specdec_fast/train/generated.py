@@ -27,12 +27,13 @@ import torch
 from specdec_fast.progress import Progress
 
 from . import corpus
+from .data import weights_digest
+from .options import TARGET_DTYPES
 from .progress import LOG_EVERY_S
 from .prompts import training_prompts
 from .tokenizer import load_tokenizer
 
 DATA_SOURCES = ("corpus", "generated", "chat")
-TARGET_DTYPES = ("float32", "bfloat16")
 PROMPT_SOURCES = ("code", "windows")
 GENERATE_BATCH = 64
 # Prompt windows are drawn from a stream separate from the batches' and anchors' (seed offsets).
@@ -230,17 +231,6 @@ def heldback_prompts(tokenizer, prompt_len: int, count: int, used: int, seed: in
             f"{count} held back from the {used} a run trains on need {used + count}"
         )
     return rows.numpy()[rng.permutation(len(rows))[len(rows) - count :]]
-
-
-def weights_digest(model_dir: str | Path) -> str:
-    """A short hash of a model folder's safetensors files (the generated data's cache key)."""
-    files = sorted(Path(model_dir).glob("*.safetensors"))
-    if not files:
-        raise ValueError(f"{model_dir}: no safetensors weights to key the generated data with")
-    digest = hashlib.sha256()
-    for path in files:
-        digest.update(path.name.encode() + path.read_bytes())
-    return digest.hexdigest()[:16]
 
 
 def greedy_sequences(target, prompts: np.ndarray, new_tokens: int) -> np.ndarray:
