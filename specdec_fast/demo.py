@@ -1,10 +1,11 @@
 """`specdec-fast demo`: plain decoding against every drafter, on the bundled models or your own.
 
-Without `--model`: the bundled tiny-code target completes held-out code prompts with every
-registered drafter over the bundled checkpoints. With `--model PATH`: your model (folder, `.gguf`
-file or bundled name), with the drafters given by `--drafter` (default: those that need no
-checkpoint), on the shipped chat prompts when its tokenizer has a chat template, else on the code
-prompts.
+Without `--model` (or with `--model smollm2-135m-instruct`): the real chat target with the
+drafters trained for it, against HF `generate` (`specdec_fast.demo_chat`). With `--model
+tiny-code`: the bundled tiny-code target completes held-out code prompts with every registered
+drafter over its bundled checkpoints. With `--model PATH`: your model (folder, `.gguf` file or
+bundled name), with the drafters given by `--drafter` (default: those that need no checkpoint),
+on the shipped chat prompts when its tokenizer has a chat template, else on the code prompts.
 
 For each drafter it prints, side by side with plain decoding: acceptance rate, mean accepted tokens
 per step, tokens/s, the speed-up, and whether the greedy output is identical to plain decoding (it
@@ -27,6 +28,7 @@ import torch
 
 from specdec_fast import bundled
 from specdec_fast.compiled import compile_by_default
+from specdec_fast.demo_chat import CHAT_NEW_TOKENS, CHAT_TARGET, run_chat_demo
 from specdec_fast.drafters.base import Drafter
 from specdec_fast.drafters.registry import KINDS, DrafterSpec, bundled_specs
 from specdec_fast.engine import generate
@@ -121,8 +123,8 @@ def _prompts(tokenizer, count: int, chat: bool) -> list[DemoPrompt]:
 
 
 def main(
-    num_prompts: int = 4,
-    max_new_tokens: int = 64,
+    num_prompts: int | None = None,
+    max_new_tokens: int | None = None,
     device: str | None = None,
     *,
     model: str | None = None,
@@ -130,9 +132,24 @@ def main(
     chat: bool | None = None,
     keep_special_tokens: bool = False,
     drafters: Sequence[DrafterSpec] | None = None,
+    rounds: int = 3,
+    threads: int | None = None,
 ) -> int:
-    """Run the demo; returns the exit status (0 when greedy speculation was exact everywhere)."""
-    own_model = model is not None
+    """Run the demo; returns the exit status (0 when greedy speculation was exact everywhere).
+    rounds, threads: the chat demo's (`demo_chat.run_chat_demo`)."""
+    if model in (None, CHAT_TARGET):
+        return run_chat_demo(
+            CHAT_NEW_TOKENS if max_new_tokens is None else max_new_tokens,
+            rounds,
+            device,
+            dtype=dtype,
+            threads=threads,
+            drafters=drafters,
+            num_prompts=num_prompts,
+        )
+    num_prompts = num_prompts or 4
+    max_new_tokens = max_new_tokens if max_new_tokens is not None else 64
+    own_model = model != BUNDLED_TARGET
     if not own_model and BUNDLED_TARGET not in bundled.available():
         print(
             f"specdec-fast demo: the bundled target {BUNDLED_TARGET!r} is missing from this "

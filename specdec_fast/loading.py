@@ -8,7 +8,6 @@ Drafters are built from specs in `specdec_fast.drafters.registry`.
 
 from __future__ import annotations
 
-import importlib.util
 import logging
 import os
 from collections.abc import Iterator
@@ -19,22 +18,17 @@ import torch
 
 from specdec_fast import bundled
 from specdec_fast.files import FileFormatError, check_config_fields, read_json
+from specdec_fast.gguf_files import MissingExtra as MissingExtra
+from specdec_fast.gguf_files import require_gguf
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DTYPE_CHOICES = ("auto", *DTYPES)
 GGUF_SUFFIX = ".gguf"
-# What transformers needs to read a GGUF file, and the extra that installs it.
-GGUF_PACKAGES = ("gguf", "accelerate")
-GGUF_EXTRA = "specdec-fast[gguf]"
 # The loggers of transformers' tokenizer warnings (clean_up_tokenization_spaces, lengths, ...).
 TOKENIZER_LOGGERS = (
     "transformers.tokenization_utils_base",
     "transformers.tokenization_utils_tokenizers",
 )
-
-
-class MissingExtra(ImportError):
-    """An optional dependency is missing; the message names the extra that installs it."""
 
 
 def resolve_path(name_or_path: str) -> str:
@@ -58,15 +52,6 @@ def resolve_model(name_or_path: str) -> tuple[str, str | None]:
     if path.is_file():
         raise ValueError(f"{name_or_path!r}: expected a model folder or a {GGUF_SUFFIX} file")
     return resolve_path(name_or_path), None
-
-
-def require_gguf() -> None:
-    """Raise MissingExtra naming the `gguf` extra unless transformers can read GGUF files."""
-    missing = [name for name in GGUF_PACKAGES if importlib.util.find_spec(name) is None]
-    if missing:
-        raise MissingExtra(
-            f"loading a GGUF file needs {' and '.join(missing)}: pip install '{GGUF_EXTRA}'"
-        )
 
 
 def pick_device(device: str | None) -> torch.device:

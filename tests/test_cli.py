@@ -17,7 +17,7 @@ from tiny_models import tiny_llama, write_gguf
 from tokenizers import ByteLevelBPETokenizer
 from transformers import PreTrainedTokenizerFast
 
-from specdec_fast import loading
+from specdec_fast import gguf_files
 from specdec_fast.cli import main
 from specdec_fast.loading import MissingExtra, auto_dtype, load_model, load_tokenizer
 from specdec_fast.text import encode_prompt
@@ -197,7 +197,7 @@ def test_gguf_file_gives_the_folder_model(model_dir, tmp_path, capsys):
 def test_gguf_without_the_extra_names_it(monkeypatch, tmp_path, capsys):
     path = tmp_path / "model.gguf"
     path.write_bytes(b"GGUF")
-    monkeypatch.setattr(loading.importlib.util, "find_spec", lambda name: None)
+    monkeypatch.setattr(gguf_files.importlib.util, "find_spec", lambda name: None)
     with pytest.raises(MissingExtra, match=r"needs gguf and accelerate: pip install"):
         load_model(str(path), torch.device("cpu"))
     code, _, err = cli_in_process(capsys, "generate", "--model", str(path), "--prompt", "x")

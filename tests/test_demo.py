@@ -1,6 +1,7 @@
-"""`specdec-fast demo`: the bundled pair with every bundled drafter, and a user's own model (chat
-prompts when it has a template); both checks (greedy speculation equals plain decoding, sampled
-speculation with deterministic drafts equals plain sampling) set the exit status."""
+"""`specdec-fast demo --model tiny-code`: the bundled pair with every bundled drafter, and a
+user's own model (chat prompts when it has a template); both checks (greedy speculation equals
+plain decoding, sampled speculation with deterministic drafts equals plain sampling) set the exit
+status. The default demo, on the real chat target: tests/test_chat_target.py."""
 
 import pytest
 import torch
@@ -43,7 +44,19 @@ def table(out: str) -> dict[str, list[str]]:
 
 @pytest.mark.skipif("tiny-code" not in bundled.available(), reason="no bundled target")
 def test_demo_on_the_bundled_pair(capsys):
-    code = main(["demo", "--prompts", "1", "--max-new-tokens", str(NEW_TOKENS), "--device", "cpu"])
+    code = main(
+        [
+            "demo",
+            "--model",
+            "tiny-code",
+            "--prompts",
+            "1",
+            "--max-new-tokens",
+            str(NEW_TOKENS),
+            "--device",
+            "cpu",
+        ]
+    )
     out = capsys.readouterr().out
     rows = table(out)
     assert list(rows) == ["plain", *(spec.label() for spec in bundled_specs())]

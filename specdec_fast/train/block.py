@@ -51,6 +51,7 @@ from .generated import (
     training_stream,
 )
 from .heads import (
+    HELDOUT_ROWS,
     HeadLoss,
     heldout_rows,
     heldout_top1,
@@ -174,7 +175,9 @@ def block_loss(options: BlockOptions, module, target, rows, anchors) -> HeadLoss
     if options.flavour == "dflash":
         features, teacher = target_pass(target, rows, module.hidden_layers)
         outputs = dflash_block_outputs(module, target, features, rows, anchors)
-        logits = target.get_output_embeddings()(outputs[:, :, 1:])
+        lm_head = target.get_output_embeddings()
+        # The head is fp32; a bfloat16 target's LM head multiplies in its own precision.
+        logits = lm_head(outputs[:, :, 1:].to(lm_head.weight.dtype)).float()
         # Block position j learns the target's distribution at anchor + j - 1.
         index = anchors[..., None] + torch.arange(size - 1, device=rows.device)
         per_depth = [
@@ -300,7 +303,9 @@ def _run_block(args) -> int:
     )
     args.lr = DEFAULT_LR[options.flavour] if args.lr is None else args.lr
     settings = run_settings(args)
-    target_dir, target, stream = training_target(args.target, args.data_dir)
+    target_dir, target, stream = training_target(
+        args.target, args.data_dir, args.target_dtype, args.data
+    )
     stream = training_stream(options, settings, target, target_dir, stream, args.data_dir)
     module, steps_done = train_block(
         options, settings, target, stream, args.run_dir, resume=args.resume, stop_at=args.stop_at
@@ -308,7 +313,7 @@ def _run_block(args) -> int:
     if steps_done < settings.steps or args.out is None:
         return 0
     tokens = steps_done * settings.batch_size * settings.seq_len
-    rows = heldout_rows(args, target_dir)
+    rows = heldout_rows(args, target_dir, target)
     agreement = heldout_block_top1(options, module, target, rows)
     out_dir = Path(args.out)
     export_block(options, module, target_dir, out_dir)
@@ -324,7 +329,8 @@ def _run_block(args) -> int:
             seed=settings.seed,
             max_nodes=EVAL_NODES,
         ).to_dict()
-    prompts = eval_prompts(args.target, args.eval_prompts)
+    chat = options.data == "chat"
+    prompts = eval_prompts(args.target, args.eval_prompts, chat)
     layers = list(module.target_layers) if options.flavour == "dflash" else []
     info = {
         "command": command_line(),
@@ -340,7 +346,11 @@ def _run_block(args) -> int:
         "heldout_top1": agreement,
         "heldout_windows": len(rows),
         "calibration": calibration,
-        "engine": engine_acceptance(out_dir, target, prompts),
+        "heldout": HELDOUT_ROWS[chat],
+        "engine": {
+            **engine_acceptance(out_dir, target, prompts),
+            "source": "held-out chat prompts" if chat else "held-out code prompts",
+        },
         "parameters": sum(p.numel() for p in module.parameters()),
         "bytes": sum(p.stat().st_size for p in out_dir.glob("*.safetensors")),
     }

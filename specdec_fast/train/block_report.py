@@ -13,12 +13,22 @@ EVAL_NODES = 16
 EVAL_NEW_TOKENS = 64
 
 
-def eval_prompts(target_name: str, count: int) -> list[list[int]]:
-    """The first `count` held-out code prompts, encoded for the target (BOS first)."""
+def eval_prompts(target_name: str, count: int, chat: bool = False) -> list[list[int]]:
+    """The first `count` held-out code prompts, encoded for the target (BOS first), or with
+    `chat` the first `count` held-out chat prompts through its chat template."""
     from specdec_fast.loading import load_tokenizer
     from specdec_fast.prompts import load_code_prompts
 
     tokenizer = load_tokenizer(target_name)
+    if chat:
+        from specdec_fast.text import encode_prompt
+
+        from .chat_data import chat_prompts
+
+        return [
+            encode_prompt(tokenizer, messages=messages, chat=True)
+            for messages in chat_prompts("heldout", count)
+        ]
     return [
         [tokenizer.bos_token_id, *tokenizer.encode(r["prompt"], add_special_tokens=False)]
         for r in load_code_prompts(count)
@@ -62,10 +72,12 @@ def write_readme(out_dir: Path, info: dict) -> None:
         f"Trained with:\n\n```\n{info['command']}\n```\n\n"
         f"Data: {info['data']}.\n\n"
         f"Held-out top-1 agreement with the target's greedy token per block depth "
-        f"({info['heldout_windows']} windows of held-out modules): {agreement}.\n\n"
+        f"({info['heldout_windows']} windows of {info.get('heldout', 'held-out modules')}): "
+        f"{agreement}.\n\n"
         f"{calibration_line(info.get('calibration'))}"
         f"Greedy speculation with a {engine['nodes']}-node best-first tree on "
-        f"{engine['prompts']} held-out code prompts x {engine['new_tokens']} tokens: "
+        f"{engine['prompts']} {engine.get('source', 'held-out code prompts')} x "
+        f"{engine['new_tokens']} tokens: "
         f"{engine['mean_accepted_per_step']:.2f} tokens per step (bonus included); "
         f"acceptance by position: {positions}; output identical to plain decoding: "
         f"{'yes' if engine['identical'] else 'NO'}.\n"

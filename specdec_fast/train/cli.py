@@ -134,6 +134,12 @@ def register_prompts(sub) -> None:
     register(sub)
 
 
+def register_chat_data(sub) -> None:
+    from .chat_data import register_chat_data_command
+
+    register_chat_data_command(sub)
+
+
 REGISTRARS: list[Callable] = [
     register_tokenizer,
     register_lm,
@@ -143,6 +149,7 @@ REGISTRARS: list[Callable] = [
     register_calibrate,
     register_unlikelihood,
     register_prompts,
+    register_chat_data,
 ]
 
 

@@ -61,3 +61,14 @@ def batch_at_step(
     starts = order[index * batch_size : (index + 1) * batch_size] * seq_len
     rows = np.stack([stream[start : start + seq_len + 1] for start in starts])
     return torch.from_numpy(rows.astype(np.int64))
+
+
+def weights_digest(model_dir: str | Path) -> str:
+    """A short hash of a model folder's safetensors files (the generated data's cache key)."""
+    files = sorted(Path(model_dir).glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"{model_dir}: no safetensors weights to key the generated data with")
+    digest = hashlib.sha256()
+    for path in files:
+        digest.update(path.name.encode() + path.read_bytes())
+    return digest.hexdigest()[:16]

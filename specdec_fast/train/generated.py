@@ -27,11 +27,13 @@ import torch
 from specdec_fast.progress import Progress
 
 from . import corpus
+from .data import weights_digest
+from .options import TARGET_DTYPES
 from .progress import LOG_EVERY_S
 from .prompts import training_prompts
 from .tokenizer import load_tokenizer
 
-DATA_SOURCES = ("corpus", "generated")
+DATA_SOURCES = ("corpus", "generated", "chat")
 PROMPT_SOURCES = ("code", "windows")
 GENERATE_BATCH = 64
 # Prompt windows are drawn from a stream separate from the batches' and anchors' (seed offsets).
@@ -60,17 +62,26 @@ class GeneratedData:
 @dataclasses.dataclass(kw_only=True)
 class DataOptions:
     """What a drafter command trains on, recorded with its other options (a resumed run must
-    match): `data` "corpus" (windows of the training split) or "generated" (the target's greedy
-    continuations of `sequences` prompts of `prompt_len` tokens from `prompts`)."""
+    match): `data` "corpus" (windows of the training split), "generated" (the target's greedy
+    continuations of `sequences` prompts of `prompt_len` tokens from `prompts`) or "chat" (the
+    target's answers of up to `answer_tokens` tokens to `sequences` chat prompts,
+    `specdec_fast.train.chat_data`); target_dtype: the precision the target runs in (its
+    features and labels: bfloat16 is the faster on a CPU with bfloat16 units)."""
 
     data: str = DATA_SOURCES[0]
     sequences: int = GeneratedData.count
     prompt_len: int = GeneratedData.prompt_len
     prompts: str = GeneratedData.prompts
+    answer_tokens: int = 192
+    target_dtype: str = TARGET_DTYPES[0]
 
     def __post_init__(self):
         if self.data not in DATA_SOURCES:
             raise ValueError(f"data: expected one of {DATA_SOURCES}, got {self.data!r}")
+        if self.target_dtype not in TARGET_DTYPES:
+            raise ValueError(
+                f"target_dtype: expected one of {TARGET_DTYPES}, got {self.target_dtype!r}"
+            )
 
 
 def data_options(args) -> dict:
@@ -97,6 +108,17 @@ def generated_data(options: DataOptions, settings) -> GeneratedData:
 
 def data_description(options: DataOptions, settings, tokens: int) -> str:
     """What a README says of a run's data."""
+    if options.data == "chat":
+        from .chat_data import SHAPES
+
+        return (
+            f"{tokens:,} tokens trained over the target's own greedy answers (up to "
+            f"{options.answer_tokens} tokens, in {options.target_dtype}) to {options.sequences:,} "
+            f"chat prompts made from the docstrings of the training split's functions (the "
+            f"Python standard library without its held-out modules), in the shapes "
+            f"{', '.join(SHAPES)}, each prompt and answer packed end to end, labelled by the "
+            f"target itself"
+        )
     if options.data == "generated":
         data = generated_data(options, settings)
         prompts = {
@@ -119,13 +141,27 @@ def data_description(options: DataOptions, settings, tokens: int) -> str:
 
 
 def add_data_arguments(parser) -> None:
-    """`--data`, `--sequences`, `--prompts`, `--prompt-len` (read back with `data_options`)."""
+    """`--data`, `--sequences`, `--prompts`, `--prompt-len`, `--answer-tokens`,
+    `--target-dtype` (read back with `data_options`)."""
     defaults = GeneratedData()
     parser.add_argument(
         "--data",
         choices=DATA_SOURCES,
         default=DATA_SOURCES[0],
-        help="train on corpus windows or on the target's greedy continuations of them",
+        help="train on corpus windows, on the target's greedy continuations of them, or on its "
+        "answers to chat prompts",
+    )
+    parser.add_argument(
+        "--answer-tokens",
+        type=int,
+        default=DataOptions.answer_tokens,
+        help="chat: the longest answer generated per prompt",
+    )
+    parser.add_argument(
+        "--target-dtype",
+        choices=TARGET_DTYPES,
+        default=TARGET_DTYPES[0],
+        help="the target's precision while training",
     )
     parser.add_argument("--sequences", type=int, default=defaults.count, help="generated: how many")
     parser.add_argument(
@@ -146,9 +182,15 @@ def training_stream(
     options: DataOptions, settings, target, target_dir, stream, cache_dir
 ) -> np.ndarray:
     """The token stream a drafter command trains on: the corpus' `stream` itself, or the
-    target's greedy continuations of prompts from it (generated once, cached)."""
+    target's greedy continuations of prompts from it, or its answers to chat prompts (generated
+    once, cached)."""
     if options.data == "corpus":
         return stream
+    if options.data == "chat":
+        from .chat_data import ChatData, chat_stream
+
+        data = ChatData(options.sequences, options.answer_tokens, settings.seed)
+        return chat_stream(target, target_dir, data, cache_dir)
     return generated_stream(
         target, target_dir, stream, generated_data(options, settings), cache_dir
     )
@@ -189,17 +231,6 @@ def heldback_prompts(tokenizer, prompt_len: int, count: int, used: int, seed: in
             f"{count} held back from the {used} a run trains on need {used + count}"
         )
     return rows.numpy()[rng.permutation(len(rows))[len(rows) - count :]]
-
-
-def weights_digest(model_dir: str | Path) -> str:
-    """A short hash of a model folder's safetensors files (the generated data's cache key)."""
-    files = sorted(Path(model_dir).glob("*.safetensors"))
-    if not files:
-        raise ValueError(f"{model_dir}: no safetensors weights to key the generated data with")
-    digest = hashlib.sha256()
-    for path in files:
-        digest.update(path.name.encode() + path.read_bytes())
-    return digest.hexdigest()[:16]
 
 
 def greedy_sequences(target, prompts: np.ndarray, new_tokens: int) -> np.ndarray:

@@ -400,6 +400,9 @@ def export_heads(head: nn.Module, out_dir: str | Path, info: dict) -> None:
     out_dir = Path(out_dir)
     bf16 = copy.deepcopy(head).to(device="cpu", dtype=torch.bfloat16)
     bf16.save_pretrained(out_dir)
+    # safetensors writes 0600; installed package data must be readable by every user.
+    for weights in out_dir.glob("*.safetensors"):
+        weights.chmod(0o644)
     info = {**info, "parameters": sum(p.numel() for p in head.parameters())}
     write_info(out_dir, info)
     accuracy = ", ".join(
@@ -413,9 +416,12 @@ def export_heads(head: nn.Module, out_dir: str | Path, info: dict) -> None:
         f"Trained with:\n\n```\n{info['command']}\n```\n\n"
         f"Data: {info['data']}.\n\n"
         f"Held-out top-1 agreement with the target's greedy token ({info['heldout_tokens']:,} "
-        f"tokens of held-out modules): {accuracy}.\n"
+        f"tokens of {info.get('heldout', 'held-out modules')}): {accuracy}.\n"
     )
 
+
+# What the held-out rows are cut from (`heldout_rows`), with chat data or without.
+HELDOUT_ROWS = {True: "the target's answers to held-out chat prompts", False: "held-out modules"}
 
 DESCRIPTIONS = {
     "medusa": "Medusa-1 heads ({num_heads} heads of {num_layers} residual block(s), {projection})",
@@ -424,29 +430,41 @@ DESCRIPTIONS = {
 }
 
 
-def fp32_target(name: str) -> tuple[str, nn.Module]:
-    """(folder, fp32 model on the GPU when there is one) of a training command's model
-    (`--target`, a folder or bundled name)."""
+def fp32_target(name: str, dtype: str = "float32") -> tuple[str, nn.Module]:
+    """(folder, model on the GPU when there is one, fp32 unless `dtype` says otherwise) of a
+    training command's model (`--target`, a folder or bundled name)."""
     from specdec_fast.loading import load_model, resolve_path
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return resolve_path(name), load_model(name, device, torch.float32)
+    return resolve_path(name), load_model(name, device, dtype)
 
 
-def training_target(name: str, data_dir: str) -> tuple[str, nn.Module, np.ndarray]:
-    """`fp32_target` and the training split's token stream (cached in `--data-dir`)."""
+def training_target(
+    name: str, data_dir: str, dtype: str = "float32", data: str = "corpus"
+) -> tuple[str, nn.Module, np.ndarray | None]:
+    """`fp32_target` (in `dtype`) and the training split's token stream (cached in `data_dir`;
+    None for `data` "chat", which does not read it)."""
     from .data import token_stream
 
-    target_dir, target = fp32_target(name)
+    target_dir, target = fp32_target(name, dtype)
+    if data == "chat":
+        return target_dir, target, None
     return target_dir, target, token_stream("train", target_dir, data_dir)
 
 
-def heldout_rows(args, target_dir: str) -> list[torch.Tensor]:
-    """`--eval-windows` held-out token rows of `--seq-len` + 1 tokens."""
+def heldout_rows(args, target_dir: str, target=None) -> list[torch.Tensor]:
+    """`--eval-windows` held-out token rows of `--seq-len` + 1 tokens: of the corpus' held-out
+    split, or with `--data chat` of the target's answers to held-out chat prompts (one per
+    window: `chat_data.heldout_stream`)."""
     from .data import token_stream
     from .evaluate import _windows
 
-    stream = token_stream("heldout", target_dir, args.data_dir)
+    if args.data == "chat":
+        from .chat_data import heldout_stream
+
+        stream = heldout_stream(target, target_dir, args, args.data_dir)
+    else:
+        stream = token_stream("heldout", target_dir, args.data_dir)
     return _windows(stream, args.seq_len, args.eval_windows)
 
 
@@ -461,7 +479,9 @@ def _run_heads(args) -> int:
         **data_options(args),
     )
     settings = run_settings(args)
-    target_dir, target, stream = training_target(args.target, args.data_dir)
+    target_dir, target, stream = training_target(
+        args.target, args.data_dir, args.target_dtype, args.data
+    )
     stream = training_stream(options, settings, target, target_dir, stream, args.data_dir)
     head, steps_done = train_heads(
         options, settings, target, stream, args.run_dir, resume=args.resume, stop_at=args.stop_at
@@ -469,7 +489,7 @@ def _run_heads(args) -> int:
     if steps_done < settings.steps or args.out is None:
         return 0
     tokens = steps_done * settings.batch_size * settings.seq_len
-    rows = heldout_rows(args, target_dir)
+    rows = heldout_rows(args, target_dir, target)
     accuracy = heldout_accuracy(options, head, target, rows)
     description = DESCRIPTIONS[options.kind].format(
         **dataclasses.asdict(options),
@@ -487,6 +507,7 @@ def _run_heads(args) -> int:
         "data": data_description(options, settings, tokens),
         "heldout_top1": accuracy,
         "heldout_tokens": sum(row.numel() - 1 for row in rows),
+        "heldout": HELDOUT_ROWS[options.data == "chat"],
     }
     export_heads(head, args.out, info)
     print(json.dumps({"heldout_top1": accuracy}), flush=True)

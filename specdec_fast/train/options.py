@@ -5,6 +5,9 @@ import argparse
 import shlex
 import sys
 
+# The precisions a training command can run its (frozen) target in.
+TARGET_DTYPES = ("float32", "bfloat16")
+
 
 def command_line() -> str:
     """The running training command, as recorded with an exported model."""
