@@ -83,9 +83,10 @@ PARD_TYPE = "pard"
 DEFAULT_PARD_BLOCK = 8
 # Random stream of the sampled chains' draws (verify uses 0 and 1, draft models 2).
 STREAM_BLOCK = 3
-# The DFlash steps' compiled code by (kind, head config, dtype, device): drafters built anew
-# around heads of one shape (a benchmark's cells, a server's routes) share the graphs.
-_COMPILED_STEPS: dict[tuple[str, tuple[str, str, str]], CompiledStep] = {}
+# The block steps' compiled code by (kind, signature: a DFlash head's config, dtype and device):
+# drafters built anew around heads of one shape (a benchmark's cells, a server's routes) share
+# the graphs.
+_COMPILED_STEPS: dict[tuple[str, tuple[str, ...]], CompiledStep] = {}
 # Pending context entries per row a DFlash step takes at least (pads past a row's count): the
 # compiler keeps width 1 apart from the rest, and a one- or two-token prompt would compile anew.
 MIN_CONTEXT_WIDTH = 2
@@ -205,6 +206,73 @@ def cast_copy(weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return copy
 
 
+@dataclass(frozen=True)
+class BlockShape:
+    """How a block's distributions become a proposal: `tree` ("ddtree" or "chain"), the budget
+    `max_nodes` (root included), the deepest position used `depth` and the best-first tree's
+    `depth_scale`. The flavours' compiled steps run it after their forward, so that the tree
+    is built in the same graph (the best-first pops as device rounds, no host read); a compiled
+    step per shape (`kind`)."""
+
+    tree: str
+    max_nodes: int
+    depth: int
+    depth_scale: float
+
+    def kind(self, sampled: bool) -> str:
+        chain = "sampled chain" if sampled else "chain"
+        what = (
+            f"ddtree N={self.max_nodes} s={self.depth_scale:g}" if self.tree == "ddtree" else chain
+        )
+        return f"{what} D={self.depth}"
+
+    def propose(
+        self,
+        logits: torch.Tensor,
+        roots: torch.Tensor,
+        temperature: torch.Tensor | None = None,
+        seed: torch.Tensor | None = None,
+        root_positions: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """int64 `(tokens, parents)` `[B, n]` and the chain's draft probabilities `[B, n, V]`
+        when sampled (else None) from fp32 block logits `[B, >= depth, V]` and the roots
+        `[B]`; a sampled chain takes the rows' temperature `[B]`, seed `[B]` and the roots'
+        positions `[B]` (`sampled_block_chain`), a greedy one none of them."""
+        logits = logits[:, : self.depth]
+        if self.tree == "ddtree":
+            log_probs = torch.log_softmax(logits, dim=-1)
+            return (*best_first_tree(log_probs, roots, self.max_nodes, self.depth_scale), None)
+        if temperature is None:
+            return (*block_chain(logits, roots, self.depth), None)
+        return sampled_block_chain(
+            logits, roots, self.depth, temperature, seed, root_positions, STREAM_BLOCK
+        )
+
+
+def _sampling(state: DraftState, shape: BlockShape) -> tuple[torch.Tensor, ...]:
+    """What a sampled chain's draws take beyond the logits (`BlockShape.propose`): the rows'
+    temperatures and seeds and their roots' positions (uploaded); nothing for a greedy chain
+    or a tree."""
+    if shape.tree == "ddtree" or state.greedy:
+        return ()
+    root_positions = to_device([len(row) - 1 for row in state.tokens], state.device)
+    return state.temperature, state.seed, root_positions
+
+
+def _run_step(kind: str, signature: tuple, step, *args):
+    """`step(*args)` (a bound method of a flavour) through a `CompiledStep` of its function
+    shared by every drafter of that `kind` and `signature` (`_COMPILED_STEPS`), made on first
+    use; the calls that compiled a graph are logged as the runners' are."""
+    key = (kind, signature)
+    compiled = _COMPILED_STEPS.get(key)
+    if compiled is None:
+        compiled = _COMPILED_STEPS[key] = CompiledStep(step.__func__, f"the {kind} step")
+    out, seconds = compiled(step.__self__, *args)
+    if seconds is not None:
+        record_compile(f"{kind} B={args[0].shape[0]}", seconds)
+    return out
+
+
 @dataclass
 class _Context:
     """Context entries not yet in the head's cache: target features `[B, n, H]` per target
@@ -255,6 +323,7 @@ class _FeatureBlock:
     def __init__(self, head: DFlashHead):
         self.head = head
         self.positions = head.block_size - 1
+        self.shape: BlockShape | None = None  # set by the drafter
         self.hidden_layers = head.hidden_layers
         self._cache: SpecKVCache | None = None
         self._lengths: list[int] = []  # committed context entries per row (host mirror)
@@ -286,19 +355,11 @@ class _FeatureBlock:
         )
 
     def _run(self, kind: str, step, *args):
-        """`step(*args)`, through its compiled version when compiling (a `CompiledStep` shared
-        by every drafter over heads of this shape, made on first use; the calls that compiled a
-        graph are logged as the runners' are)."""
+        """`step(*args)`, through its compiled version when compiling (`_run_step`), shared by
+        every drafter over heads of this shape."""
         if not self._compile:
             return step(*args)
-        key = (kind, self._signature)
-        compiled = _COMPILED_STEPS.get(key)
-        if compiled is None:
-            compiled = _COMPILED_STEPS[key] = CompiledStep(step.__func__, f"the DFlash {kind} step")
-        out, seconds = compiled(self, *args)
-        if seconds is not None:
-            record_compile(f"dflash {kind} B={args[0].shape[0]}", seconds)
-        return out
+        return _run_step(f"dflash {kind}", self._signature, step, *args)
 
     def _prompt_context(self, state: DraftState) -> _Context:
         """The context entries of every row's cached prompt tokens (all but its root)."""
@@ -351,7 +412,9 @@ class _FeatureBlock:
         self._commit(context.counts, counts)
         return out
 
-    def block_logits(self, state: DraftState) -> torch.Tensor:
+    def propose(self, state: DraftState) -> tuple[torch.Tensor, ...]:
+        """The proposal's `(tokens, parents, draft_probs)` (`BlockShape.propose`) from one
+        forward of the block, the tree built in the same compiled step."""
         pending, batch = self._pending, state.batch_size
         if pending is None:  # nothing verified since the last block: pad entries only
             none = self.head.fc.weight.new_zeros(batch, 0, self.head.config.hidden_size)
@@ -364,9 +427,22 @@ class _FeatureBlock:
                 length + count for length, count in zip(self._lengths, pending.counts, strict=True)
             )
             slots = torch.arange(span + self.head.block_size, device=state.device)
-        logits = self._take(pending, "block", self._block_step, state.roots, slots)
+        sampling = _sampling(state, self.shape)
+        kind = f"block {self.shape.kind(bool(sampling))}"
+        proposal = self._take(pending, kind, self._proposal_step, state.roots, slots, *sampling)
         self._pending = None
-        return logits
+        return proposal
+
+    def _proposal_step(
+        self, roots: torch.Tensor, slots: torch.Tensor | None, *args: torch.Tensor
+    ) -> tuple[torch.Tensor, ...]:
+        """`_block_step`'s logits made a proposal (`BlockShape.propose`); `args` are a sampled
+        chain's `(temperature, seed, root_positions)` if any, then `_block_step`'s `counts`
+        and features."""
+        taken = 1 + len(self.hidden_layers)  # `_take` appends the counts and the features
+        sampling, (counts, *features) = args[:-taken], args[-taken:]
+        logits = self._block_step(roots, slots, counts, *features)
+        return self.shape.propose(logits, roots, *sampling)
 
     def _block_step(
         self, roots: torch.Tensor, slots: torch.Tensor | None, counts: torch.Tensor, *features
@@ -477,6 +553,7 @@ class _StandaloneBlock:
     def __init__(self, draft: PardDraft):
         self.draft = draft
         self.positions = draft.block_size
+        self.shape: BlockShape | None = None  # set by the drafter
         self.runner: ModelRunner | None = None
         self._cached: list[int] = []  # tokens in the draft's cache per row (host mirror)
 
@@ -486,11 +563,15 @@ class _StandaloneBlock:
         self.runner = open_draft_runner(
             self.draft.model, target, max_cache_len + depth + self.draft.block_size
         )
+        self._compile = compile_by_default()
 
     def begin(self, state: DraftState) -> None:
         self._cached = prefill_draft(self.runner, state)
 
-    def block_logits(self, state: DraftState) -> torch.Tensor:
+    def propose(self, state: DraftState) -> tuple[torch.Tensor, ...]:
+        """The proposal's `(tokens, parents, draft_probs)` (`BlockShape.propose`): one forward
+        of the draft's runner, then the tree from the block's logits in a compiled step of its
+        own."""
         size, device = self.draft.block_size, state.device
         # Per row: the tokens after the cache up to the root, then the masks (host data).
         fed = [row[cached:] for row, cached in zip(state.tokens, self._cached, strict=True)]
@@ -506,16 +587,26 @@ class _StandaloneBlock:
             to_device(parents, device),
             to_device(q_lens, device, torch.int32),
         ).logits
-        if min(roots) == max(roots):
-            block = logits[:, roots[0] : roots[0] + size]  # a view: every row's block lines up
+        sampling = _sampling(state, self.shape)
+        args = (logits, to_device(roots, device), state.roots, *sampling)
+        if self._compile:
+            proposal = _run_step(f"pard {self.shape.kind(bool(sampling))}", (), self._tree, *args)
         else:
-            index = to_device(roots, device)[:, None] + torch.arange(size, device=device)
-            block = logits.gather(1, index[..., None].expand(-1, -1, logits.shape[-1]))
+            proposal = self._tree(*args)
         # The root is committed with the tokens before it; the masks' K/V are dropped.
         lengths = [len(row) for row in state.tokens]
         self.runner.cache.commit_lengths(to_device(lengths, device, torch.int32), max(lengths))
         self._cached = lengths
-        return block
+        return proposal
+
+    def _tree(
+        self, logits: torch.Tensor, starts: torch.Tensor, roots: torch.Tensor, *sampling
+    ) -> tuple[torch.Tensor, ...]:
+        """`BlockShape.propose` of the block of each row: fp32 `logits` `[B, W, V]` at rows
+        `starts[b]` (int64 `[B]`, the root's node) to `starts[b] + b - 1`."""
+        index = starts[:, None] + torch.arange(self.draft.block_size, device=logits.device)
+        block = logits.gather(1, index[..., None].expand(-1, -1, logits.shape[-1]))
+        return self.shape.propose(block, roots, *sampling)
 
     def update(self, state: DraftState, outcome: StepOutcome) -> None:
         """Nothing to follow: the next step feeds the accepted drafts."""
@@ -579,6 +670,7 @@ class BlockDrafter(Drafter):
         super().__init__(max_nodes, min(positions, max_nodes - 1))
         self.model, self.tree, self.depth_scale = model, tree, depth_scale
         self.hidden_layers = self.flavour.hidden_layers
+        self.flavour.shape = BlockShape(tree, max_nodes, self.max_depth, depth_scale)
 
     @classmethod
     def from_pretrained(
@@ -612,26 +704,7 @@ class BlockDrafter(Drafter):
 
     @torch.no_grad()
     def propose(self, state: DraftState) -> Proposal:
-        logits = self.flavour.block_logits(state)[:, : self.max_depth]
-        if self.tree == "ddtree":
-            log_probs = torch.log_softmax(logits, dim=-1)
-            return Proposal(
-                *best_first_tree(log_probs, state.roots, self.max_nodes, self.depth_scale)
-            )
-        if state.greedy:
-            return Proposal(*block_chain(logits, state.roots, self.max_depth))
-        root_positions = to_device([len(row) - 1 for row in state.tokens], state.device)
-        return Proposal(
-            *sampled_block_chain(
-                logits,
-                state.roots,
-                self.max_depth,
-                state.temperature,
-                state.seed,
-                root_positions,
-                STREAM_BLOCK,
-            )
-        )
+        return Proposal(*self.flavour.propose(state))
 
     @torch.no_grad()
     def update(self, state: DraftState, outcome: StepOutcome) -> None:
