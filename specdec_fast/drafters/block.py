@@ -275,34 +275,53 @@ def _run_step(kind: str, signature: tuple, step, *args):
 
 @dataclass
 class _Context:
-    """Context entries not yet in the head's cache: target features `[B, n, H]` per target
-    layer, of which row r's first `counts[r]` are real (the rest pads a ragged batch)."""
+    """Context entries not yet in the head's cache, picked on the device inside the step that
+    takes them: per target layer the features `[B, M, H]` they come from, at columns `index`
+    (int `[B, n]`; -1 picks column 0, a pad entry), of which row r's first `counts[r]` are real
+    (the rest pads a ragged batch); `last` is `counts - 1` on the device (int32 `[B]`). A step's
+    accepted path is such a pick of its verified nodes (no op outside the step)."""
 
     features: list[torch.Tensor]
+    index: torch.Tensor
+    last: torch.Tensor
     counts: list[int]
+
+    @classmethod
+    def whole(cls, features: list[torch.Tensor], counts: list[int]) -> _Context:
+        """Every column of `features`, padded to `MIN_CONTEXT_WIDTH` columns if narrower."""
+        pad = MIN_CONTEXT_WIDTH - features[0].shape[1]
+        if pad > 0:
+            features = [
+                torch.cat([f, f.new_zeros(f.shape[0], pad, f.shape[2])], 1) for f in features
+            ]
+        batch, width, device = features[0].shape[0], features[0].shape[1], features[0].device
+        index = torch.arange(width, device=device).expand(batch, -1)
+        last = to_device([count - 1 for count in counts], device, torch.int32)
+        return cls(features, index, last, counts)
 
     @property
     def width(self) -> int:
-        return self.features[0].shape[1]
+        return self.index.shape[1]
 
     def rows(self, rows: list[int]) -> _Context:
-        index = to_device(rows, self.features[0].device)
-        return _Context([f[index] for f in self.features], [self.counts[r] for r in rows])
+        index = to_device(rows, self.index.device)
+        features = [f[index] for f in self.features]
+        return _Context(
+            features, self.index[index], self.last[index], [self.counts[r] for r in rows]
+        )
 
     def extended(self, count: int) -> _Context:
         """This context with `count` rows of pad entries after its rows."""
         features = [torch.cat([f, f.new_zeros(count, *f.shape[1:])]) for f in self.features]
-        return _Context(features, self.counts + [0] * count)
+        index = torch.cat([self.index, self.index.new_zeros(count, self.width)])
+        last = torch.cat([self.last, self.last.new_full((count,), -1)])
+        return _Context(features, index, last, self.counts + [0] * count)
 
-    def widened(self) -> _Context:
-        """This context with pad entries past `MIN_CONTEXT_WIDTH` - width, if narrower."""
-        pad = MIN_CONTEXT_WIDTH - self.width
-        if pad <= 0:
-            return self
-        pads = [f.new_zeros(f.shape[0], pad, f.shape[2]) for f in self.features]
-        return _Context(
-            [torch.cat(pair, dim=1) for pair in zip(self.features, pads, strict=True)], self.counts
-        )
+
+def _picked(last: torch.Tensor, index: torch.Tensor, features) -> tuple[torch.Tensor, list]:
+    """A `_Context`'s counts (int32 `[B]`) and entries (`[B, n, H]` per layer), on the device."""
+    index = index.long().clamp(min=0)
+    return last + 1, [gather_rows(f, index) for f in features]
 
 
 class _FeatureBlock:
@@ -364,7 +383,7 @@ class _FeatureBlock:
     def _prompt_context(self, state: DraftState) -> _Context:
         """The context entries of every row's cached prompt tokens (all but its root)."""
         counts = [len(row) - 1 for row in state.tokens]
-        return _Context([state.hidden[layer] for layer in self.hidden_layers], counts).widened()
+        return _Context.whole([state.hidden[layer] for layer in self.hidden_layers], counts)
 
     def begin(self, state: DraftState) -> None:
         head, device = self.head, state.device
@@ -378,12 +397,6 @@ class _FeatureBlock:
         self._lengths = [0] * state.batch_size
         self._pending = self._prompt_context(state)
 
-    def _commit(self, counts: list[int], on_device: torch.Tensor) -> None:
-        self._cache.cache_lens.add_(on_device)
-        self._lengths = [
-            length + count for length, count in zip(self._lengths, counts, strict=True)
-        ]
-
     def _context_slots(self, counts: torch.Tensor, width: int) -> torch.Tensor:
         """int64 `[B, width]`: where the context entries go, `cache_lens + i`, except that a
         row's pad entries (i >= its count) go past the block, which never reads them."""
@@ -391,25 +404,29 @@ class _FeatureBlock:
         slots = self._cache.cache_lens[:, None].long() + offsets
         return torch.where(offsets < counts[:, None], slots, slots + self.head.block_size)
 
-    def _context_step(self, counts: torch.Tensor, *features: torch.Tensor) -> None:
-        """Write the context entries of `[B, n, H]` features past the committed ones."""
+    def _context_step(self, last: torch.Tensor, index: torch.Tensor, *features) -> None:
+        """Write and commit the entries of a `_Context` (`last`, `index`, `features`) past the
+        committed ones."""
         head, cache = self.head, self._cache
-        slots = self._context_slots(counts, features[0].shape[1])
+        counts, features = _picked(last, index, features)
+        slots = self._context_slots(counts, index.shape[1])
         cache.write_slots = slots
         for layer, (keys, values) in zip(
             cache.layers, head.context(head.fuse(features), slots), strict=True
         ):
             layer.update(keys, values)
+        cache.cache_lens.add_(counts)
 
     def _take(self, context: _Context, kind: str, step, *args):
-        """`step(*args, counts, *features)` of `context` (compiled as `kind`), which writes its
-        entries; they are then committed."""
+        """`step(*args, last, index, *features)` of `context` (compiled as `kind`), which writes
+        and commits its entries."""
         cache = self._cache
         cache.bound_lengths(max(self._lengths))
         cache.ensure_room(context.width + self.head.block_size)
-        counts = to_device(context.counts, cache.kv.device, torch.int32)
-        out = self._run(kind, step, *args, counts, *context.features)
-        self._commit(context.counts, counts)
+        out = self._run(kind, step, *args, context.last, context.index, *context.features)
+        self._lengths = [
+            length + count for length, count in zip(self._lengths, context.counts, strict=True)
+        ]
         return out
 
     def propose(self, state: DraftState) -> tuple[torch.Tensor, ...]:
@@ -418,7 +435,7 @@ class _FeatureBlock:
         pending, batch = self._pending, state.batch_size
         if pending is None:  # nothing verified since the last block: pad entries only
             none = self.head.fc.weight.new_zeros(batch, 0, self.head.config.hidden_size)
-            pending = _Context([none] * len(self.hidden_layers), [0] * batch).widened()
+            pending = _Context.whole([none] * len(self.hidden_layers), [0] * batch)
         slots = None
         if state.device.type == "cpu":
             # The slots the block's attention reads there: the committed entries, the pending ones
@@ -437,26 +454,31 @@ class _FeatureBlock:
         self, roots: torch.Tensor, slots: torch.Tensor | None, *args: torch.Tensor
     ) -> tuple[torch.Tensor, ...]:
         """`_block_step`'s logits made a proposal (`BlockShape.propose`); `args` are a sampled
-        chain's `(temperature, seed, root_positions)` if any, then `_block_step`'s `counts`
-        and features."""
-        taken = 1 + len(self.hidden_layers)  # `_take` appends the counts and the features
-        sampling, (counts, *features) = args[:-taken], args[-taken:]
-        logits = self._block_step(roots, slots, counts, *features)
+        chain's `(temperature, seed, root_positions)` if any, then `_block_step`'s context."""
+        taken = 2 + len(self.hidden_layers)  # `_take` appends its context's tensors
+        sampling, (last, index, *features) = args[:-taken], args[-taken:]
+        logits = self._block_step(roots, slots, last, index, *features)
         return self.shape.propose(logits, roots, *sampling)
 
     def _block_step(
-        self, roots: torch.Tensor, slots: torch.Tensor | None, counts: torch.Tensor, *features
+        self,
+        roots: torch.Tensor,
+        slots: torch.Tensor | None,
+        last: torch.Tensor,
+        index: torch.Tensor,
+        *features: torch.Tensor,
     ) -> torch.Tensor:
         """fp32 logits `[B, b - 1, V]` of the block `[root, MASK x (b - 1)]`, bidirectional
-        within the block, above the committed context and the `counts` pending entries of
-        `features` (written first, committed by the caller); the block is written past them and
-        never committed. On the CPU, `slots` (`arange` of the longest row's entries and block)
-        bounds what the attention reads, SDPA under a length mask there: the block's visibility
-        needs no tree, and the custom op's planning cost more than the attention. Elsewhere it
-        is None and the tree-attention kernel reads each row's own span."""
+        within the block, above the committed context and the pending entries of a `_Context`
+        (`last`, `index`, `features`: written first, then committed); the block is written past
+        them and never committed. On the CPU, `slots` (`arange` of the longest row's entries and
+        block) bounds what the attention reads, SDPA under a length mask there: the block's
+        visibility needs no tree, and the custom op's planning cost more than the attention.
+        Elsewhere it is None and the tree-attention kernel reads each row's own span."""
         head, cache = self.head, self._cache
         size, batch = head.block_size, roots.shape[0]
-        context_slots = self._context_slots(counts, features[0].shape[1])
+        counts, features = _picked(last, index, features)
+        context_slots = self._context_slots(counts, index.shape[1])
         context = head.context(head.fuse(features), context_slots)
         committed = cache.cache_lens + counts
         positions = committed[:, None].long() + torch.arange(size, device=roots.device)
@@ -492,6 +514,7 @@ class _FeatureBlock:
 
         embeds = self._embed(tokens).to(head.fc.weight.dtype)
         outputs = head(embeds, positions, attend)
+        cache.cache_lens.add_(counts)
         return F.linear(outputs[:, 1:], self._lm_weight, self._lm_bias).float()
 
     def _write_layer(self, context, layer: int, keys, values):
@@ -505,9 +528,12 @@ class _FeatureBlock:
     def update(self, state: DraftState, outcome: StepOutcome) -> None:
         if self._pending is not None:  # a step without a block (not the engine's order)
             self._take(self._pending, "context", self._context_step)
-        nodes = outcome.accepted_nodes[:, : self._depth + 1].long().clamp(min=0)
-        features = [gather_rows(outcome.hidden[layer], nodes) for layer in self.hidden_layers]
-        self._pending = _Context(features, [len(path) + 1 for path in outcome.accepted_paths])
+        self._pending = _Context(
+            [outcome.hidden[layer] for layer in self.hidden_layers],
+            outcome.accepted_nodes[:, : self._depth + 1],
+            outcome.num_accepted,
+            [len(path) + 1 for path in outcome.accepted_paths],
+        )
 
     def keep(self, rows: list[int]) -> None:
         self._cache.select(rows)
