@@ -255,6 +255,9 @@ class DraftModelDrafter(Drafter):
             root + 1 + sum(1 for node in nodes if node < fed)
             for root, nodes in zip(roots, outcome.accepted_paths, strict=True)
         ]
+        # The host knows the lengths: without this, each step's room check would grow the
+        # cache's bound by the tree's width until it read the device to tighten it.
+        self.runner.cache.bound_lengths(max(self._cached))
 
 
 def _chain_loop(
