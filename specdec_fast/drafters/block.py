@@ -220,11 +220,10 @@ class BlockShape:
     depth_scale: float
 
     def kind(self, sampled: bool) -> str:
-        chain = "sampled chain" if sampled else "chain"
-        what = (
-            f"ddtree N={self.max_nodes} s={self.depth_scale:g}" if self.tree == "ddtree" else chain
-        )
-        return f"{what} D={self.depth}"
+        """What a compiled step of this shape is named (and keyed) by."""
+        if self.tree == "ddtree":
+            return f"ddtree N={self.max_nodes} D={self.depth} s={self.depth_scale:g}"
+        return f"{'sampled ' if sampled else ''}chain D={self.depth}"
 
     def propose(
         self,
@@ -616,7 +615,8 @@ class _StandaloneBlock:
         sampling = _sampling(state, self.shape)
         args = (logits, to_device(roots, device), state.roots, *sampling)
         if self._compile:
-            proposal = _run_step(f"pard {self.shape.kind(bool(sampling))}", (), self._tree, *args)
+            kind = f"pard {self.shape.kind(bool(sampling))} b={size}"
+            proposal = _run_step(kind, (), self._tree, *args)
         else:
             proposal = self._tree(*args)
         # The root is committed with the tokens before it; the masks' K/V are dropped.
