@@ -2,8 +2,8 @@
 
 On a GPU every device-to-host read stalls the host until the device catches up, so the engine
 reads once per step (`specdec_fast.transfer.to_host`) and nothing else in the step loop reads
-device tensors; a drafter may read once more where host work beats device launches (the draft
-model's and EAGLE's trees, the block drafters' best-first heap). This machine has no GPU, so
+device tensors; a drafter may read once more where host work beats device launches (EAGLE's
+trees, and the block drafters' best-first heap when they run eagerly). This machine has no GPU, so
 the test patches the transfer points instead: `to_host`, `to_host_array`, and every implicit
 read a tensor offers (`tolist`, `item`, `bool(t)`, `int(t)`, ...) when called from the engine
 or a drafter (kernel implementations are device work, and reads inside torch or transformers
