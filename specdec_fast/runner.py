@@ -560,6 +560,12 @@ class ModelRunner:
             *self._run(_step_kind(tokens), self._verify_step, tokens, parents, q_lens)
         )
 
+    def tree_logits(self, tokens: torch.Tensor, parents: torch.Tensor) -> torch.Tensor:
+        """fp32 logits `[B, N, V]` of `verify`'s forward, its device ops alone: not compiled nor
+        checked, for a caller's own compiled step that runs several forwards (a draft model's
+        loop), which checks room first (`cache.ensure_room`)."""
+        return self._verify_step(tokens, parents, None)[0]
+
     def verify_width(self, batch: int, nodes: int, widest: int) -> int:
         """How many nodes to verify a `[batch, nodes]` tree at, padding nodes added: for a
         drafted tree under CUDA graphs, `widest` (the caller's largest tree), so that each batch

@@ -487,9 +487,10 @@ def best_first_tree(
     the candidate pushed first. Rows whose candidates run out are padded (parent -2).
 
     log_probs: float `[B, D, V]`, log q_d at position d - 1 (-inf allowed); roots: int `[B]`.
-    Returns int64 `(tokens, parents)` `[B, max_nodes]`, on `log_probs`' device. The pops run on
-    a heap per row on the host (`_best_first_on_host`); on an accelerator after one read of the
-    top-K candidates (the drafter's one host read a step).
+    Returns int64 `(tokens, parents)` `[B, max_nodes]`, on `log_probs`' device. Traced by
+    `torch.compile` (a block drafter's compiled step), the pops are device rounds inside the
+    graph (`best_first_on_device`): no read. Eagerly, they run on a heap per row on the host
+    (`_best_first_on_host`); on an accelerator after one read of the top-K candidates.
     """
     if max_nodes < 2:
         raise ValueError(f"max_nodes must be >= 2 (the root and a draft node), got {max_nodes}")
@@ -501,14 +502,16 @@ def best_first_tree(
     values = top.values
     if depth_scale != 1.0:
         values = torch.cat([values[:, :1], values[:, 1:] * depth_scale], dim=1)
+    if torch.compiler.is_compiling():
+        return best_first_on_device(values, top.indices, roots, max_nodes)
     if host_resident(log_probs):
         return _best_first_on_host(values, top.indices, roots, max_nodes)
-    # On an accelerator the heap runs on the host too, after one read of the top-K (values and
-    # candidates packed, both exact in float64) and before one upload. The batched tensor form
-    # this replaced launched about 45 small kernels a node: 675 for 16 nodes, 3.6 ms of
-    # dispatch alone at B = 1, which made the block drafters' GPU steps 8-10 ms against 0.6 for
-    # plain decoding (bench/NOTES.md, 2026-12-04); the heap takes 0.02 ms at B = 1 and
-    # 2.4 ms at B = 64 for 16 nodes.
+    # Eagerly on an accelerator the heap runs on the host, after one read of the top-K (values
+    # and candidates packed, both exact in float64) and before one upload: the device rounds
+    # launch about 10 small kernels a node outside a graph (the batched form before them, 45 a
+    # node, made the block drafters' eager GPU steps 8-10 ms against 0.6 for plain decoding,
+    # bench/NOTES.md, 2026-12-04); the heap takes 0.02 ms at B = 1 and 2.4 ms at B = 64 for
+    # 16 nodes.
     packed = to_host_array(torch.stack([values.double(), top.indices.double()]))
     scores, ids = packed[0].astype(np.float32), packed[1].astype(np.int64)
     placeholder = np.zeros(roots.shape[0], dtype=np.int64)
@@ -516,6 +519,57 @@ def best_first_tree(
     tokens, parents = to_device(np.stack(tree), log_probs.device).unbind(0)
     tokens[:, 0] = roots
     return tokens, parents
+
+
+def best_first_on_device(
+    values: torch.Tensor, candidates: torch.Tensor, roots: torch.Tensor, max_nodes: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`_best_first_heaps`'s pops as `max_nodes - 1` rounds of device ops of static shapes, for
+    a compiled step: no host read, the same trees (ties and padding included).
+
+    The heap becomes a frontier of `2 * max_nodes - 1` fixed slots per row: the first holds the
+    top candidate of position 1, and round n (the pop of node n) writes the child it pushes to
+    slot `2n - 1` and the sibling to slot `2n`, so slot order is push order and a round's
+    argmax (first index among equal scores) pops what the heap pops. A pop of an empty frontier
+    (every slot -inf) lands on the first slot, whose token pads the row as the heap's does.
+
+    values: float32 `[B, D, K]`, each position's top-K log-probabilities in decreasing order
+    (finite; scaled by the depth scale past position 1); candidates: int64 `[B, D, K]`, their
+    tokens; roots: int `[B]`. Returns int64 `(tokens, parents)` `[B, max_nodes]`.
+    """
+    batch, depth, width = values.shape
+    cells = depth * width
+    flat_values, flat_ids = values.flatten(1), candidates.flatten(1)  # [B, D * K]
+    slots = 2 * max_nodes - 1
+    # Per slot: the candidate's score, its parent's score, its cell (level * K + rank) and its
+    # parent node.
+    score = values.new_full((batch, slots), -torch.inf)
+    score[:, 0] = flat_values[:, 0]
+    base = torch.zeros_like(score)
+    cell = torch.zeros(batch, slots, dtype=torch.int64, device=values.device)
+    parent = torch.zeros_like(cell)
+    tokens, parents = [roots.long()[:, None]], [torch.full_like(cell[:, :1], -1)]
+    for node in range(1, max_nodes):
+        best = score.argmax(dim=1, keepdim=True)
+        best_score, best_base = score.gather(1, best), base.gather(1, best)
+        best_cell, best_parent = cell.gather(1, best), parent.gather(1, best)
+        found = best_score > -torch.inf
+        tokens.append(flat_ids.gather(1, best_cell))
+        parents.append(torch.where(found, best_parent, PAD_NODE))
+        score = score.scatter(1, best, -torch.inf)
+        # The first child (rank 0 one level deeper) and the next sibling (rank + 1).
+        child_cell = best_cell - best_cell % width + width
+        sibling_cell = best_cell + 1
+        pushed_cell = torch.cat([child_cell, sibling_cell], dim=1)  # [B, 2]
+        allowed = found & torch.cat([child_cell < cells, sibling_cell % width != 0], dim=1)
+        pushed_base = torch.cat([best_score, best_base], dim=1)
+        gained = flat_values.gather(1, pushed_cell.clamp(max=cells - 1))
+        pushed = slice(2 * node - 1, 2 * node + 1)
+        score[:, pushed] = torch.where(allowed, pushed_base + gained, -torch.inf)
+        base[:, pushed] = pushed_base
+        cell[:, pushed] = pushed_cell
+        parent[:, pushed] = torch.cat([torch.full_like(best_parent, node), best_parent], dim=1)
+    return torch.cat(tokens, dim=1), torch.cat(parents, dim=1)
 
 
 def check_depth_scale(depth_scale: float) -> None:

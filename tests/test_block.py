@@ -105,15 +105,26 @@ class RecordingDrafter(BlockDrafter):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.steps = []
-        block_logits = self.flavour.block_logits
+        self.flavour.shape = RecordingShape(self.flavour.shape, self)
 
-        def recorded(state):
-            logits = block_logits(state)
-            rows = zip(state.tokens, logits, strict=True)
-            self.steps.extend((list(tokens), row.clone()) for tokens, row in rows)
-            return logits
+    def propose(self, state):
+        self.tokens = state.tokens
+        return super().propose(state)
 
-        self.flavour.block_logits = recorded
+
+class RecordingShape:
+    """A `BlockShape` that hands its drafter each step's block logits, per row."""
+
+    def __init__(self, shape, drafter):
+        self.shape, self.drafter = shape, drafter
+
+    def __getattr__(self, name):
+        return getattr(self.shape, name)
+
+    def propose(self, logits, roots, *sampling):
+        rows = zip(self.drafter.tokens, logits, strict=True)
+        self.drafter.steps.extend((list(tokens), row.clone()) for tokens, row in rows)
+        return self.shape.propose(logits, roots, *sampling)
 
 
 def from_scratch(model, target, tokens):

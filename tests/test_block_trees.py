@@ -22,6 +22,7 @@ from specdec_fast.kernels import verify
 from specdec_fast.trees import (
     PAD_NODE,
     _best_first_on_host,
+    best_first_on_device,
     best_first_tree,
     block_chain,
     sample_draft_tokens,
@@ -197,6 +198,58 @@ def test_best_first_tree_on_the_host_equals_the_batched_tensor_form(seed):
         device = batched_best_first(top.values, top.indices, roots, nodes)
         assert torch.equal(host[0], device[0]) and torch.equal(host[1], device[1]), nodes
         assert host[0].dtype == host[1].dtype == torch.int64
+
+
+def forced_ties(generator, batch, depth, vocab):
+    """Log-probabilities `[B, D, V]` full of ties: a few distinct values, equal siblings, zero
+    log-probabilities (a child as likely as its parent), and rows of -inf (candidates running
+    out at different nodes per row)."""
+    log_probs = torch.log_softmax(torch.randn(batch, depth, vocab, generator=generator), -1)
+    log_probs = (log_probs * 2).round() / 2
+    log_probs[:, 1:, 0] = 0.0
+    for row in range(0, batch, 2):
+        log_probs[row, :, : 1 + row % vocab] = -torch.inf
+    return log_probs
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_best_first_tree_on_the_device_equals_the_heap(seed):
+    """The device rounds (`best_first_on_device`, what a compiled block step runs) give the
+    heap's trees token for token, over odd sizes (depth 1 to 7, vocabularies smaller and larger
+    than the budget, budgets of 2 to 33 nodes), ragged rows whose candidates run out at
+    different nodes, forced ties and depth scales."""
+    generator = torch.Generator().manual_seed(seed)
+    for depth, vocab, nodes in itertools.product((1, 2, 5, 7), (3, 11), (2, 5, 16, 33)):
+        batch = 1 + (depth + vocab + seed) % 5
+        if (depth + nodes + seed) % 2:
+            log_probs = forced_ties(generator, batch, depth, vocab)
+        else:
+            log_probs = torch.log_softmax(
+                3 * torch.randn(batch, depth, vocab, generator=generator), -1
+            )
+        scale = (1.0, 0.5, 1.7)[(seed + depth) % 3]
+        width = min(nodes - 1, vocab)
+        top = log_probs.clamp(min=-1e30).topk(width, dim=-1)
+        values = torch.cat([top.values[:, :1], top.values[:, 1:] * scale], dim=1)
+        roots = torch.randint(vocab, (batch,), generator=generator)
+        host = _best_first_on_host(values, top.indices, roots, nodes)
+        device = best_first_on_device(values, top.indices, roots, nodes)
+        case = (depth, vocab, nodes, batch, scale)
+        assert torch.equal(device[0], host[0]) and torch.equal(device[1], host[1]), case
+        assert device[0].dtype == device[1].dtype == torch.int64
+
+
+def test_best_first_tree_under_torch_compile_is_the_device_rounds():
+    """Traced by `torch.compile` (as inside a block drafter's compiled step) the tree comes from
+    the device rounds, with no read, and equals the heap's; ties and padding included."""
+    generator = torch.Generator().manual_seed(5)
+    log_probs = forced_ties(generator, 3, 2, 2)  # 2 + 4 paths for 8 draft nodes: padding
+    roots = torch.tensor([1, 0, 1])
+    want = best_first_tree(log_probs, roots, 9, 0.5)
+    with mock.patch("specdec_fast.trees.to_host_array", side_effect=AssertionError("a read")):
+        got = torch.compile(best_first_tree, fullgraph=True)(log_probs, roots, 9, 0.5)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    assert (want[1] == PAD_NODE).any()
 
 
 @pytest.mark.parametrize("batch", [1, 3])

@@ -2,8 +2,8 @@
 
 On a GPU every device-to-host read stalls the host until the device catches up, so the engine
 reads once per step (`specdec_fast.transfer.to_host`) and nothing else in the step loop reads
-device tensors; a drafter may read once more where host work beats device launches (the draft
-model's and EAGLE's trees, the block drafters' best-first heap). This machine has no GPU, so
+device tensors; a drafter may read once more where host work beats device launches (EAGLE's
+trees, and the block drafters' best-first heap when they run eagerly). This machine has no GPU, so
 the test patches the transfer points instead: `to_host`, `to_host_array`, and every implicit
 read a tensor offers (`tolist`, `item`, `bool(t)`, `int(t)`, ...) when called from the engine
 or a drafter (kernel implementations are device work, and reads inside torch or transformers
@@ -20,6 +20,7 @@ from unittest import mock
 import pytest
 import torch
 import transformers
+from drafter_wrappers import AttachedUnder
 
 import specdec_fast
 from specdec_fast import BlockDrafter, PardDraft, bundled, generate, transfer
@@ -43,12 +44,13 @@ DRAFTERS = [
     ("ngram:8", 0),
     ("suffix:16", 0),
     ("medusa:tiny-code-medusa:8", 0),
-    ("draft:tiny-code-draft:4", 1),
-    ("draft-tree:tiny-code-draft:8", 1),
+    ("draft:tiny-code-draft:4", 0),
+    ("draft-tree:tiny-code-draft:8", 0),
     ("eagle:tiny-code-eagle:8", 1),
     ("eagle:tiny-code-eagle3:8", 1),
     # Block drafters over untrained checkpoints in the bundled layouts (written by `blocks`):
-    # their best-first trees read the block's top-K once (the heap runs on the host).
+    # run eagerly, their best-first trees read the block's top-K once (the heap runs on the
+    # host); compiled, they read nothing (`test_compiled_block_trees_read_nothing_more`).
     ("block:{dflash}:8", 1),
     ("block:{pard}:8", 1),
 ]
@@ -164,6 +166,18 @@ def test_sampled_block_chains_read_nothing_more(setup, blocks, flavour):
     model = load_block_model(blocks[flavour], target)
     per_step, records, _ = reads_per_step(
         target, prompt, lambda: BlockDrafter(model, max_nodes=5, tree="chain"), 0.8
+    )
+    assert per_step <= 1, records[-20:]
+
+
+@pytest.mark.parametrize("flavour", ["dflash", "pard"])
+def test_compiled_block_trees_read_nothing_more(setup, blocks, flavour):
+    """Compiled, a block drafter's best-first tree is built inside its compiled step (device
+    rounds): the step's one read-back is the only read."""
+    target, prompt = setup
+    model = load_block_model(blocks[flavour], target)
+    per_step, records, _ = reads_per_step(
+        target, prompt, lambda: AttachedUnder(BlockDrafter(model, max_nodes=8), True), 0.0
     )
     assert per_step <= 1, records[-20:]
 

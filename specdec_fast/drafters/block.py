@@ -83,9 +83,10 @@ PARD_TYPE = "pard"
 DEFAULT_PARD_BLOCK = 8
 # Random stream of the sampled chains' draws (verify uses 0 and 1, draft models 2).
 STREAM_BLOCK = 3
-# The DFlash steps' compiled code by (kind, head config, dtype, device): drafters built anew
-# around heads of one shape (a benchmark's cells, a server's routes) share the graphs.
-_COMPILED_STEPS: dict[tuple[str, tuple[str, str, str]], CompiledStep] = {}
+# The block steps' compiled code by (kind, signature: a DFlash head's config, dtype and device):
+# drafters built anew around heads of one shape (a benchmark's cells, a server's routes) share
+# the graphs.
+_COMPILED_STEPS: dict[tuple[str, tuple[str, ...]], CompiledStep] = {}
 # Pending context entries per row a DFlash step takes at least (pads past a row's count): the
 # compiler keeps width 1 apart from the rest, and a one- or two-token prompt would compile anew.
 MIN_CONTEXT_WIDTH = 2
@@ -205,36 +206,121 @@ def cast_copy(weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return copy
 
 
+@dataclass(frozen=True)
+class BlockShape:
+    """How a block's distributions become a proposal: `tree` ("ddtree" or "chain"), the budget
+    `max_nodes` (root included), the deepest position used `depth` and the best-first tree's
+    `depth_scale`. The flavours' compiled steps run it after their forward, so that the tree
+    is built in the same graph (the best-first pops as device rounds, no host read); a compiled
+    step per shape (`kind`)."""
+
+    tree: str
+    max_nodes: int
+    depth: int
+    depth_scale: float
+
+    def kind(self, sampled: bool) -> str:
+        """What a compiled step of this shape is named (and keyed) by."""
+        if self.tree == "ddtree":
+            return f"ddtree N={self.max_nodes} D={self.depth} s={self.depth_scale:g}"
+        return f"{'sampled ' if sampled else ''}chain D={self.depth}"
+
+    def propose(
+        self,
+        logits: torch.Tensor,
+        roots: torch.Tensor,
+        temperature: torch.Tensor | None = None,
+        seed: torch.Tensor | None = None,
+        root_positions: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """int64 `(tokens, parents)` `[B, n]` and the chain's draft probabilities `[B, n, V]`
+        when sampled (else None) from fp32 block logits `[B, >= depth, V]` and the roots
+        `[B]`; a sampled chain takes the rows' temperature `[B]`, seed `[B]` and the roots'
+        positions `[B]` (`sampled_block_chain`), a greedy one none of them."""
+        logits = logits[:, : self.depth]
+        if self.tree == "ddtree":
+            log_probs = torch.log_softmax(logits, dim=-1)
+            return (*best_first_tree(log_probs, roots, self.max_nodes, self.depth_scale), None)
+        if temperature is None:
+            return (*block_chain(logits, roots, self.depth), None)
+        return sampled_block_chain(
+            logits, roots, self.depth, temperature, seed, root_positions, STREAM_BLOCK
+        )
+
+
+def _sampling(state: DraftState, shape: BlockShape) -> tuple[torch.Tensor, ...]:
+    """What a sampled chain's draws take beyond the logits (`BlockShape.propose`): the rows'
+    temperatures and seeds and their roots' positions (uploaded); nothing for a greedy chain
+    or a tree."""
+    if shape.tree == "ddtree" or state.greedy:
+        return ()
+    root_positions = to_device([len(row) - 1 for row in state.tokens], state.device)
+    return state.temperature, state.seed, root_positions
+
+
+def _run_step(kind: str, signature: tuple, step, *args):
+    """`step(*args)` (a bound method of a flavour) through a `CompiledStep` of its function
+    shared by every drafter of that `kind` and `signature` (`_COMPILED_STEPS`), made on first
+    use; the calls that compiled a graph are logged as the runners' are."""
+    key = (kind, signature)
+    compiled = _COMPILED_STEPS.get(key)
+    if compiled is None:
+        compiled = _COMPILED_STEPS[key] = CompiledStep(step.__func__, f"the {kind} step")
+    out, seconds = compiled(step.__self__, *args)
+    if seconds is not None:
+        record_compile(f"{kind} B={args[0].shape[0]}", seconds)
+    return out
+
+
 @dataclass
 class _Context:
-    """Context entries not yet in the head's cache: target features `[B, n, H]` per target
-    layer, of which row r's first `counts[r]` are real (the rest pads a ragged batch)."""
+    """Context entries not yet in the head's cache, picked on the device inside the step that
+    takes them: per target layer the features `[B, M, H]` they come from, at columns `index`
+    (int `[B, n]`; -1 picks column 0, a pad entry), of which row r's first `counts[r]` are real
+    (the rest pads a ragged batch); `last` is `counts - 1` on the device (int32 `[B]`). A step's
+    accepted path is such a pick of its verified nodes (no op outside the step)."""
 
     features: list[torch.Tensor]
+    index: torch.Tensor
+    last: torch.Tensor
     counts: list[int]
+
+    @classmethod
+    def whole(cls, features: list[torch.Tensor], counts: list[int]) -> _Context:
+        """Every column of `features`, padded to `MIN_CONTEXT_WIDTH` columns if narrower."""
+        pad = MIN_CONTEXT_WIDTH - features[0].shape[1]
+        if pad > 0:
+            features = [
+                torch.cat([f, f.new_zeros(f.shape[0], pad, f.shape[2])], 1) for f in features
+            ]
+        batch, width, device = features[0].shape[0], features[0].shape[1], features[0].device
+        index = torch.arange(width, device=device).expand(batch, -1)
+        last = to_device([count - 1 for count in counts], device, torch.int32)
+        return cls(features, index, last, counts)
 
     @property
     def width(self) -> int:
-        return self.features[0].shape[1]
+        return self.index.shape[1]
 
     def rows(self, rows: list[int]) -> _Context:
-        index = to_device(rows, self.features[0].device)
-        return _Context([f[index] for f in self.features], [self.counts[r] for r in rows])
+        index = to_device(rows, self.index.device)
+        features = [f[index] for f in self.features]
+        return _Context(
+            features, self.index[index], self.last[index], [self.counts[r] for r in rows]
+        )
 
     def extended(self, count: int) -> _Context:
         """This context with `count` rows of pad entries after its rows."""
         features = [torch.cat([f, f.new_zeros(count, *f.shape[1:])]) for f in self.features]
-        return _Context(features, self.counts + [0] * count)
+        index = torch.cat([self.index, self.index.new_zeros(count, self.width)])
+        last = torch.cat([self.last, self.last.new_full((count,), -1)])
+        return _Context(features, index, last, self.counts + [0] * count)
 
-    def widened(self) -> _Context:
-        """This context with pad entries past `MIN_CONTEXT_WIDTH` - width, if narrower."""
-        pad = MIN_CONTEXT_WIDTH - self.width
-        if pad <= 0:
-            return self
-        pads = [f.new_zeros(f.shape[0], pad, f.shape[2]) for f in self.features]
-        return _Context(
-            [torch.cat(pair, dim=1) for pair in zip(self.features, pads, strict=True)], self.counts
-        )
+
+def _picked(last: torch.Tensor, index: torch.Tensor, features) -> tuple[torch.Tensor, list]:
+    """A `_Context`'s counts (int32 `[B]`) and entries (`[B, n, H]` per layer), on the device."""
+    index = index.long().clamp(min=0)
+    return last + 1, [gather_rows(f, index) for f in features]
 
 
 class _FeatureBlock:
@@ -255,6 +341,7 @@ class _FeatureBlock:
     def __init__(self, head: DFlashHead):
         self.head = head
         self.positions = head.block_size - 1
+        self.shape: BlockShape | None = None  # set by the drafter
         self.hidden_layers = head.hidden_layers
         self._cache: SpecKVCache | None = None
         self._lengths: list[int] = []  # committed context entries per row (host mirror)
@@ -286,24 +373,16 @@ class _FeatureBlock:
         )
 
     def _run(self, kind: str, step, *args):
-        """`step(*args)`, through its compiled version when compiling (a `CompiledStep` shared
-        by every drafter over heads of this shape, made on first use; the calls that compiled a
-        graph are logged as the runners' are)."""
+        """`step(*args)`, through its compiled version when compiling (`_run_step`), shared by
+        every drafter over heads of this shape."""
         if not self._compile:
             return step(*args)
-        key = (kind, self._signature)
-        compiled = _COMPILED_STEPS.get(key)
-        if compiled is None:
-            compiled = _COMPILED_STEPS[key] = CompiledStep(step.__func__, f"the DFlash {kind} step")
-        out, seconds = compiled(self, *args)
-        if seconds is not None:
-            record_compile(f"dflash {kind} B={args[0].shape[0]}", seconds)
-        return out
+        return _run_step(f"dflash {kind}", self._signature, step, *args)
 
     def _prompt_context(self, state: DraftState) -> _Context:
         """The context entries of every row's cached prompt tokens (all but its root)."""
         counts = [len(row) - 1 for row in state.tokens]
-        return _Context([state.hidden[layer] for layer in self.hidden_layers], counts).widened()
+        return _Context.whole([state.hidden[layer] for layer in self.hidden_layers], counts)
 
     def begin(self, state: DraftState) -> None:
         head, device = self.head, state.device
@@ -317,12 +396,6 @@ class _FeatureBlock:
         self._lengths = [0] * state.batch_size
         self._pending = self._prompt_context(state)
 
-    def _commit(self, counts: list[int], on_device: torch.Tensor) -> None:
-        self._cache.cache_lens.add_(on_device)
-        self._lengths = [
-            length + count for length, count in zip(self._lengths, counts, strict=True)
-        ]
-
     def _context_slots(self, counts: torch.Tensor, width: int) -> torch.Tensor:
         """int64 `[B, width]`: where the context entries go, `cache_lens + i`, except that a
         row's pad entries (i >= its count) go past the block, which never reads them."""
@@ -330,32 +403,38 @@ class _FeatureBlock:
         slots = self._cache.cache_lens[:, None].long() + offsets
         return torch.where(offsets < counts[:, None], slots, slots + self.head.block_size)
 
-    def _context_step(self, counts: torch.Tensor, *features: torch.Tensor) -> None:
-        """Write the context entries of `[B, n, H]` features past the committed ones."""
+    def _context_step(self, last: torch.Tensor, index: torch.Tensor, *features) -> None:
+        """Write and commit the entries of a `_Context` (`last`, `index`, `features`) past the
+        committed ones."""
         head, cache = self.head, self._cache
-        slots = self._context_slots(counts, features[0].shape[1])
+        counts, features = _picked(last, index, features)
+        slots = self._context_slots(counts, index.shape[1])
         cache.write_slots = slots
         for layer, (keys, values) in zip(
             cache.layers, head.context(head.fuse(features), slots), strict=True
         ):
             layer.update(keys, values)
+        cache.cache_lens.add_(counts)
 
     def _take(self, context: _Context, kind: str, step, *args):
-        """`step(*args, counts, *features)` of `context` (compiled as `kind`), which writes its
-        entries; they are then committed."""
+        """`step(*args, last, index, *features)` of `context` (compiled as `kind`), which writes
+        and commits its entries."""
         cache = self._cache
         cache.bound_lengths(max(self._lengths))
         cache.ensure_room(context.width + self.head.block_size)
-        counts = to_device(context.counts, cache.kv.device, torch.int32)
-        out = self._run(kind, step, *args, counts, *context.features)
-        self._commit(context.counts, counts)
+        out = self._run(kind, step, *args, context.last, context.index, *context.features)
+        self._lengths = [
+            length + count for length, count in zip(self._lengths, context.counts, strict=True)
+        ]
         return out
 
-    def block_logits(self, state: DraftState) -> torch.Tensor:
+    def propose(self, state: DraftState) -> tuple[torch.Tensor, ...]:
+        """The proposal's `(tokens, parents, draft_probs)` (`BlockShape.propose`) from one
+        forward of the block, the tree built in the same compiled step."""
         pending, batch = self._pending, state.batch_size
         if pending is None:  # nothing verified since the last block: pad entries only
             none = self.head.fc.weight.new_zeros(batch, 0, self.head.config.hidden_size)
-            pending = _Context([none] * len(self.hidden_layers), [0] * batch).widened()
+            pending = _Context.whole([none] * len(self.hidden_layers), [0] * batch)
         slots = None
         if state.device.type == "cpu":
             # The slots the block's attention reads there: the committed entries, the pending ones
@@ -364,23 +443,41 @@ class _FeatureBlock:
                 length + count for length, count in zip(self._lengths, pending.counts, strict=True)
             )
             slots = torch.arange(span + self.head.block_size, device=state.device)
-        logits = self._take(pending, "block", self._block_step, state.roots, slots)
+        sampling = _sampling(state, self.shape)
+        kind = f"block {self.shape.kind(bool(sampling))}"
+        proposal = self._take(pending, kind, self._proposal_step, state.roots, slots, *sampling)
         self._pending = None
-        return logits
+        return proposal
+
+    def _proposal_step(
+        self, roots: torch.Tensor, slots: torch.Tensor | None, *args: torch.Tensor
+    ) -> tuple[torch.Tensor, ...]:
+        """`_block_step`'s logits made a proposal (`BlockShape.propose`); `args` are a sampled
+        chain's `(temperature, seed, root_positions)` if any, then `_block_step`'s context."""
+        taken = 2 + len(self.hidden_layers)  # `_take` appends its context's tensors
+        sampling, (last, index, *features) = args[:-taken], args[-taken:]
+        logits = self._block_step(roots, slots, last, index, *features)
+        return self.shape.propose(logits, roots, *sampling)
 
     def _block_step(
-        self, roots: torch.Tensor, slots: torch.Tensor | None, counts: torch.Tensor, *features
+        self,
+        roots: torch.Tensor,
+        slots: torch.Tensor | None,
+        last: torch.Tensor,
+        index: torch.Tensor,
+        *features: torch.Tensor,
     ) -> torch.Tensor:
         """fp32 logits `[B, b - 1, V]` of the block `[root, MASK x (b - 1)]`, bidirectional
-        within the block, above the committed context and the `counts` pending entries of
-        `features` (written first, committed by the caller); the block is written past them and
-        never committed. On the CPU, `slots` (`arange` of the longest row's entries and block)
-        bounds what the attention reads, SDPA under a length mask there: the block's visibility
-        needs no tree, and the custom op's planning cost more than the attention. Elsewhere it
-        is None and the tree-attention kernel reads each row's own span."""
+        within the block, above the committed context and the pending entries of a `_Context`
+        (`last`, `index`, `features`: written first, then committed); the block is written past
+        them and never committed. On the CPU, `slots` (`arange` of the longest row's entries and
+        block) bounds what the attention reads, SDPA under a length mask there: the block's
+        visibility needs no tree, and the custom op's planning cost more than the attention.
+        Elsewhere it is None and the tree-attention kernel reads each row's own span."""
         head, cache = self.head, self._cache
         size, batch = head.block_size, roots.shape[0]
-        context_slots = self._context_slots(counts, features[0].shape[1])
+        counts, features = _picked(last, index, features)
+        context_slots = self._context_slots(counts, index.shape[1])
         context = head.context(head.fuse(features), context_slots)
         committed = cache.cache_lens + counts
         positions = committed[:, None].long() + torch.arange(size, device=roots.device)
@@ -416,6 +513,7 @@ class _FeatureBlock:
 
         embeds = self._embed(tokens).to(head.fc.weight.dtype)
         outputs = head(embeds, positions, attend)
+        cache.cache_lens.add_(counts)
         return F.linear(outputs[:, 1:], self._lm_weight, self._lm_bias).float()
 
     def _write_layer(self, context, layer: int, keys, values):
@@ -429,9 +527,12 @@ class _FeatureBlock:
     def update(self, state: DraftState, outcome: StepOutcome) -> None:
         if self._pending is not None:  # a step without a block (not the engine's order)
             self._take(self._pending, "context", self._context_step)
-        nodes = outcome.accepted_nodes[:, : self._depth + 1].long().clamp(min=0)
-        features = [gather_rows(outcome.hidden[layer], nodes) for layer in self.hidden_layers]
-        self._pending = _Context(features, [len(path) + 1 for path in outcome.accepted_paths])
+        self._pending = _Context(
+            [outcome.hidden[layer] for layer in self.hidden_layers],
+            outcome.accepted_nodes[:, : self._depth + 1],
+            outcome.num_accepted,
+            [len(path) + 1 for path in outcome.accepted_paths],
+        )
 
     def keep(self, rows: list[int]) -> None:
         self._cache.select(rows)
@@ -477,6 +578,7 @@ class _StandaloneBlock:
     def __init__(self, draft: PardDraft):
         self.draft = draft
         self.positions = draft.block_size
+        self.shape: BlockShape | None = None  # set by the drafter
         self.runner: ModelRunner | None = None
         self._cached: list[int] = []  # tokens in the draft's cache per row (host mirror)
 
@@ -486,11 +588,15 @@ class _StandaloneBlock:
         self.runner = open_draft_runner(
             self.draft.model, target, max_cache_len + depth + self.draft.block_size
         )
+        self._compile = compile_by_default()
 
     def begin(self, state: DraftState) -> None:
         self._cached = prefill_draft(self.runner, state)
 
-    def block_logits(self, state: DraftState) -> torch.Tensor:
+    def propose(self, state: DraftState) -> tuple[torch.Tensor, ...]:
+        """The proposal's `(tokens, parents, draft_probs)` (`BlockShape.propose`): one forward
+        of the draft's runner, then the tree from the block's logits in a compiled step of its
+        own."""
         size, device = self.draft.block_size, state.device
         # Per row: the tokens after the cache up to the root, then the masks (host data).
         fed = [row[cached:] for row, cached in zip(state.tokens, self._cached, strict=True)]
@@ -506,16 +612,27 @@ class _StandaloneBlock:
             to_device(parents, device),
             to_device(q_lens, device, torch.int32),
         ).logits
-        if min(roots) == max(roots):
-            block = logits[:, roots[0] : roots[0] + size]  # a view: every row's block lines up
+        sampling = _sampling(state, self.shape)
+        args = (logits, to_device(roots, device), state.roots, *sampling)
+        if self._compile:
+            kind = f"pard {self.shape.kind(bool(sampling))} b={size}"
+            proposal = _run_step(kind, (), self._tree, *args)
         else:
-            index = to_device(roots, device)[:, None] + torch.arange(size, device=device)
-            block = logits.gather(1, index[..., None].expand(-1, -1, logits.shape[-1]))
+            proposal = self._tree(*args)
         # The root is committed with the tokens before it; the masks' K/V are dropped.
         lengths = [len(row) for row in state.tokens]
         self.runner.cache.commit_lengths(to_device(lengths, device, torch.int32), max(lengths))
         self._cached = lengths
-        return block
+        return proposal
+
+    def _tree(
+        self, logits: torch.Tensor, starts: torch.Tensor, roots: torch.Tensor, *sampling
+    ) -> tuple[torch.Tensor, ...]:
+        """`BlockShape.propose` of the block of each row: fp32 `logits` `[B, W, V]` at rows
+        `starts[b]` (int64 `[B]`, the root's node) to `starts[b] + b - 1`."""
+        index = starts[:, None] + torch.arange(self.draft.block_size, device=logits.device)
+        block = logits.gather(1, index[..., None].expand(-1, -1, logits.shape[-1]))
+        return self.shape.propose(block, roots, *sampling)
 
     def update(self, state: DraftState, outcome: StepOutcome) -> None:
         """Nothing to follow: the next step feeds the accepted drafts."""
@@ -579,6 +696,7 @@ class BlockDrafter(Drafter):
         super().__init__(max_nodes, min(positions, max_nodes - 1))
         self.model, self.tree, self.depth_scale = model, tree, depth_scale
         self.hidden_layers = self.flavour.hidden_layers
+        self.flavour.shape = BlockShape(tree, max_nodes, self.max_depth, depth_scale)
 
     @classmethod
     def from_pretrained(
@@ -612,26 +730,7 @@ class BlockDrafter(Drafter):
 
     @torch.no_grad()
     def propose(self, state: DraftState) -> Proposal:
-        logits = self.flavour.block_logits(state)[:, : self.max_depth]
-        if self.tree == "ddtree":
-            log_probs = torch.log_softmax(logits, dim=-1)
-            return Proposal(
-                *best_first_tree(log_probs, state.roots, self.max_nodes, self.depth_scale)
-            )
-        if state.greedy:
-            return Proposal(*block_chain(logits, state.roots, self.max_depth))
-        root_positions = to_device([len(row) - 1 for row in state.tokens], state.device)
-        return Proposal(
-            *sampled_block_chain(
-                logits,
-                state.roots,
-                self.max_depth,
-                state.temperature,
-                state.seed,
-                root_positions,
-                STREAM_BLOCK,
-            )
-        )
+        return Proposal(*self.flavour.propose(state))
 
     @torch.no_grad()
     def update(self, state: DraftState, outcome: StepOutcome) -> None:

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 import torch
+from torch.utils.weak import WeakIdKeyDictionary
 from transformers import PreTrainedModel
 
+from specdec_fast.compiled import CompiledStep, record_compile
 from specdec_fast.kernels.tree_attention import MAX_TREE_NODES
 from specdec_fast.runner import ModelRunner
 from specdec_fast.transfer import to_device
@@ -143,6 +146,8 @@ class DraftModelDrafter(Drafter):
         self._cached: list[int] = []  # draft-cached tokens per row (host mirror)
         self._root_lens: torch.Tensor | None = None  # int32 [B]: the draft cache at the root
         self._tree_index: _TreeIndex | None = None
+        # The chain's or tree's whole draft loop as one compiled step (when the runner compiles).
+        self._compiled: CompiledStep | None = None
 
     def __repr__(self) -> str:
         mode = f"tree={self.tree.num_nodes} nodes" if self.tree else f"num_tokens={self.num_tokens}"
@@ -153,6 +158,9 @@ class DraftModelDrafter(Drafter):
         self.runner = open_draft_runner(
             self.draft_model, target, max_cache_len, self.draft_tokenizer, self.target_tokenizer
         )
+        if self.runner.compile:
+            mode = "tree" if self.tree is not None else "chain"
+            self._compiled = _loop_step(self.draft_model, mode, self.runner.freeze)
 
     def begin(self, state: DraftState) -> None:
         self._cached = prefill_draft(self.runner, state)
@@ -170,6 +178,7 @@ class DraftModelDrafter(Drafter):
             self.runner.close()
             self.runner = None
         self._tree_index = None
+        self._compiled = None
 
     def _commit(self, lengths: torch.Tensor, host_lengths: list[int]) -> None:
         """Set the draft cache's lengths (int `[B]` on the device) and their host mirror."""
@@ -196,53 +205,30 @@ class DraftModelDrafter(Drafter):
         self._root_lens = self.runner.cache.cache_lens.clone()
 
     def propose(self, state: DraftState) -> Proposal:
+        """The chain or tree from one run of the draft loop (`_chain_loop`, `_tree_loop`): one
+        compiled call when the runner compiles, no read."""
         self._catch_up(state)
         if self.tree is None:
-            return self._propose_chain(state)
-        return self._propose_tree(state)
-
-    def _propose_chain(self, state: DraftState) -> Proposal:
-        batch = state.batch_size
-        cache = self.runner.cache
-        current = state.roots
-        root_parent = torch.full((batch, 1), -1, dtype=torch.int64, device=state.device)
-        tokens, probs = [current], []
-        for depth in range(1, self.num_tokens + 1):
-            # The draft token drawn here sits at the fed token's position + 1.
-            position = cache.cache_lens.long() + 1
-            logits = self.runner.verify(current[:, None], root_parent).logits[:, :1]
-            if state.greedy:
-                current = logits[:, 0].argmax(dim=-1)
-            else:
-                drawn, dist = sample_draft_tokens(
-                    logits, state.temperature, state.seed, position[:, None], STREAM_DRAFT
-                )
-                current = drawn[:, 0]
-                probs.append(dist[:, 0])
-            tokens.append(current)
-            if depth < self.num_tokens:
-                # Commit the node just fed so the next one attends to it.
-                cache.cache_lens += 1
-                self._cached = [c + 1 for c in self._cached]
-        parents = torch.arange(-1, self.num_tokens, device=state.device).expand(batch, -1)
-        draft_probs = None
-        if probs:
-            draft_probs = torch.stack([torch.zeros_like(probs[0]), *probs], dim=1)
-        return Proposal(torch.stack(tokens, dim=1), parents.contiguous(), draft_probs)
-
-    def _propose_tree(self, state: DraftState) -> Proposal:
-        tree, batch = self.tree, state.batch_size
+            # The chain commits each fed node but the last: k - 1 more entries, k written.
+            self.runner.cache.ensure_room(self.num_tokens)
+            self._cached = [c + self.num_tokens - 1 for c in self._cached]
+            sampling = () if state.greedy else (state.temperature, state.seed)
+            return Proposal(*self._loop(_chain_loop, state.roots, *sampling))
         if self._tree_index is None:
-            self._tree_index = _TreeIndex.build(tree, state.device)
-        index = self._tree_index
-        tokens = torch.zeros(batch, tree.num_nodes, dtype=torch.int64, device=state.device)
-        tokens[:, 0] = state.roots
-        parents = index.parents.expand(batch, -1).contiguous()
-        for fed, level in zip(index.fed, index.levels, strict=True):
-            logits = self.runner.verify(tokens[:, :fed], parents[:, :fed]).logits
-            top = logits.topk(tree.max_rank, dim=-1).indices  # [B, fed, R]
-            tokens[:, level] = top[:, index.parents[level], index.ranks[level]]
-        return Proposal(tokens, parents)
+            self._tree_index = _TreeIndex.build(self.tree, state.device)
+        self.runner.cache.ensure_room(self._tree_index.fed[-1])
+        return Proposal(*self._loop(_tree_loop, state.roots))
+
+    def _loop(self, loop, *args: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """`loop(self, *args)` under no grad, through the compiled step when compiling."""
+        with torch.no_grad():
+            if self._compiled is None:
+                return loop(self, *args)
+            out, seconds = self._compiled(self, *args)
+        if seconds is not None:
+            what = f"tree N={self.tree.num_nodes}" if self.tree else f"chain k={self.num_tokens}"
+            record_compile(f"draft loop {what} B={args[0].shape[0]}", seconds)
+        return out
 
     def update(self, state: DraftState, outcome: StepOutcome) -> None:
         # `state.tokens` already holds the emitted tokens; the root was at len - emitted - 1.
@@ -269,6 +255,78 @@ class DraftModelDrafter(Drafter):
             root + 1 + sum(1 for node in nodes if node < fed)
             for root, nodes in zip(roots, outcome.accepted_paths, strict=True)
         ]
+        # The host knows the lengths: without this, each step's room check would grow the
+        # cache's bound by the tree's width until it read the device to tighten it.
+        self.runner.cache.bound_lengths(max(self._cached))
+
+
+def _chain_loop(
+    drafter: DraftModelDrafter,
+    roots: torch.Tensor,
+    temperature: torch.Tensor | None = None,
+    seed: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, ...]:
+    """The chain's k draft forwards, one token each: int64 `(tokens, parents)` `[B, k + 1]` and,
+    when sampling (`temperature`, `seed` `[B]`), the draft probabilities `[B, k + 1, V]` (row 0
+    zeros), else None. Each fed node but the last is committed to the draft cache so that the
+    next one attends to it (device ops only)."""
+    runner, k = drafter.runner, drafter.num_tokens
+    cache = runner.cache
+    current = roots.long()
+    root_parent = torch.full_like(current[:, None], -1)
+    tokens, probs = [current], []
+    for depth in range(1, k + 1):
+        # The draft token drawn here sits at the fed token's position + 1.
+        position = cache.cache_lens.long() + 1
+        logits = runner.tree_logits(current[:, None], root_parent)[:, :1]
+        if temperature is None:
+            current = logits[:, 0].argmax(dim=-1)
+        else:
+            drawn, dist = sample_draft_tokens(
+                logits, temperature, seed, position[:, None], STREAM_DRAFT
+            )
+            current = drawn[:, 0]
+            probs.append(dist[:, 0])
+        tokens.append(current)
+        if depth < k:
+            cache.cache_lens += 1
+    parents = torch.arange(-1, k, device=roots.device).expand(roots.shape[0], -1)
+    draft_probs = None
+    if probs:
+        draft_probs = torch.stack([torch.zeros_like(probs[0]), *probs], dim=1)
+    return torch.stack(tokens, dim=1), parents.contiguous(), draft_probs
+
+
+def _tree_loop(drafter: DraftModelDrafter, roots: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """The static tree's level-by-level expansion: per depth, one draft forward over the tree
+    so far (written past the cache, not committed), its top-R, then the level's tokens.
+    Returns int64 `(tokens, parents)` `[B, N]` and None (no draft probabilities)."""
+    tree, index, runner = drafter.tree, drafter._tree_index, drafter.runner
+    batch = roots.shape[0]
+    parents = index.parents.expand(batch, -1)
+    tokens = roots.long()[:, None].expand(batch, tree.num_nodes)
+    for fed, level in zip(index.fed, index.levels, strict=True):
+        logits = runner.tree_logits(tokens[:, :fed], parents[:, :fed].contiguous())
+        top = logits.topk(tree.max_rank, dim=-1).indices  # [B, fed, R]
+        drawn = top[:, index.parents[level], index.ranks[level]]  # [B, level's nodes]
+        tokens = tokens.index_copy(1, level, drawn)
+    return tokens, parents.contiguous(), None
+
+
+# The draft loops' compiled steps by draft model, then by mode: drafters over one draft model
+# (one per `generate` call in the benchmarks) share the graphs.
+_LOOP_STEPS: WeakIdKeyDictionary = WeakIdKeyDictionary()
+
+
+def _loop_step(model: PreTrainedModel, mode: str, frozen: bool) -> CompiledStep:
+    """The compiled step of `mode`'s loop ("chain" or "tree") over `model`, made on first use;
+    with inductor's freezing of the model's weights when its runner freezes its own steps."""
+    steps = _LOOP_STEPS.setdefault(model, {})
+    if (mode, frozen) not in steps:
+        loop = _chain_loop if mode == "chain" else _tree_loop
+        weights = (lambda: itertools.chain(model.parameters(), model.buffers())) if frozen else None
+        steps[mode, frozen] = CompiledStep(loop, f"the draft model's {mode} loop", weights)
+    return steps[mode, frozen]
 
 
 @dataclass(frozen=True)

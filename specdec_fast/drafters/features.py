@@ -6,7 +6,7 @@ import torch
 
 from specdec_fast.transfer import to_device
 
-from .base import DraftState, StepOutcome
+from .base import DraftState
 
 
 def gather_rows(hidden: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
@@ -24,10 +24,3 @@ def last_cached_hidden(state: DraftState, layer: int) -> torch.Tensor:
         return hidden.new_zeros(batch, size)
     last = gather_rows(hidden, (cached - 1).clamp(min=0)[:, None])[:, 0]
     return torch.where((cached > 0)[:, None], last, torch.zeros_like(last))
-
-
-def last_accepted_hidden(outcome: StepOutcome, layer: int) -> torch.Tensor:
-    """`[B, H]`: the hidden state of each row's last accepted node (whose next token is the next
-    root), from the verify step's `[B, N, H]`."""
-    last = outcome.accepted_nodes.long().gather(1, outcome.num_accepted.long()[:, None])
-    return gather_rows(outcome.hidden[layer], last)[:, 0]

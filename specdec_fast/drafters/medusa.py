@@ -5,15 +5,19 @@ from __future__ import annotations
 import os
 
 import torch
+from torch.utils.weak import WeakIdKeyDictionary
 
+from specdec_fast.compiled import CompiledStep, compile_by_default, record_compile
 from specdec_fast.heads.medusa import MedusaHeads, load_medusa_heads
 from specdec_fast.transfer import to_device
 from specdec_fast.trees import TreeSpec, default_tree, parse_tree
 
 from .base import Drafter, DraftState, Proposal, StepOutcome
-from .features import last_accepted_hidden, last_cached_hidden
+from .features import gather_rows, last_cached_hidden
 
 FINAL_NORM = -1
+# The heads' compiled steps by heads module: drafters around one set of heads share the graphs.
+_COMPILED_STEPS: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
 
 class MedusaDrafter(Drafter):
@@ -22,7 +26,9 @@ class MedusaDrafter(Drafter):
     Each step, head d ranks the tokens d + 1 levels below the root from the target's final normed
     hidden state at the node that produced the root; the static tree's node at depth d with rank
     r receives head d - 1's r-th token. No draft forward beyond the heads themselves: the hidden
-    state comes with verification.
+    state comes with verification. The pick of that state (the last accepted node, chosen on
+    the device from the step's outcome), the heads, their top-k and the tree's gather run as one
+    compiled step when the call compiles (`compile_by_default`).
 
     Args:
         heads: Medusa heads for the target.
@@ -48,7 +54,10 @@ class MedusaDrafter(Drafter):
         self.heads = heads
         self.tree = tree
         self._lm_head = None
-        self._hidden: torch.Tensor | None = None  # [B, H], the root-producing node's state
+        # Whence the root-producing node's hidden state: the states `[B, M, H]`, the accepted
+        # nodes int `[B, M]` and their counts int `[B]` (the node at `nodes[b, counts[b]]`).
+        self._source: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+        self._compiled: CompiledStep | None = None
         # The tree's depths, ranks and parents on the device, uploaded once per call.
         self._tree_index: tuple[torch.Tensor, ...] | None = None
 
@@ -68,32 +77,74 @@ class MedusaDrafter(Drafter):
         self.heads.check_target(target)
         self.heads.to(device=target.device, dtype=target.dtype).eval()
         self._lm_head = target.get_output_embeddings()
+        self._compiled = None
+        if compile_by_default():
+            self._compiled = _COMPILED_STEPS.get(self.heads)
+            if self._compiled is None:
+                self._compiled = CompiledStep(_medusa_step, "the Medusa heads' step")
+                _COMPILED_STEPS[self.heads] = self._compiled
 
     def begin(self, state: DraftState) -> None:
-        self._hidden = last_cached_hidden(state, FINAL_NORM)
+        self._source = _cached_source(state)
 
     @torch.no_grad()
     def propose(self, state: DraftState) -> Proposal:
-        tree, device, batch = self.tree, state.device, state.batch_size
-        logits = self.heads(self._hidden, self._lm_head)  # [B, heads, V]
-        top = logits.topk(tree.max_rank, dim=-1).indices  # [B, heads, R]
         if self._tree_index is None:
             self._tree_index = tuple(
-                to_device(values, device) for values in (tree.depths, tree.ranks, tree.node_parents)
+                to_device(values, state.device)
+                for values in (self.tree.depths, self.tree.ranks, self.tree.node_parents)
             )
-        depths, ranks, parents = self._tree_index
-        tokens = torch.cat([state.roots[:, None], top[:, depths - 1, ranks]], dim=1)
-        return Proposal(tokens, parents.expand(batch, -1).contiguous())
+        if self._compiled is None:
+            return Proposal(*_medusa_step(self, state.roots, *self._source))
+        out, seconds = self._compiled(self, state.roots, *self._source)
+        if seconds is not None:
+            record_compile(f"medusa heads B={state.batch_size}", seconds)
+        return Proposal(*out)
 
     def update(self, state: DraftState, outcome: StepOutcome) -> None:
-        self._hidden = last_accepted_hidden(outcome, FINAL_NORM)
+        self._source = (outcome.hidden[FINAL_NORM], outcome.accepted_nodes, outcome.num_accepted)
 
     def keep(self, rows: list[int]) -> None:
-        self._hidden = self._hidden[to_device(rows, self._hidden.device)]
+        index = to_device(rows, self._source[0].device)
+        self._source = tuple(tensor[index] for tensor in self._source)
 
     def join(self, state: DraftState) -> None:
-        self._hidden = torch.cat([self._hidden, last_cached_hidden(state, FINAL_NORM)])
+        hidden = torch.cat([_picked(*self._source), _cached_source(state)[0][:, 0]])
+        self._source = _single_source(hidden)
 
     def end(self) -> None:
-        self._hidden = None
+        self._source = None
         self._tree_index = None
+
+
+def _picked(hidden: torch.Tensor, nodes: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """`[B, H]`: `hidden[b, nodes[b, counts[b]]]`, the state of each row's last accepted node."""
+    last = nodes.long().gather(1, counts.long()[:, None])
+    return gather_rows(hidden, last)[:, 0]
+
+
+def _single_source(hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The source (`MedusaDrafter._source`) that picks the states `[B, H]` themselves."""
+    zeros = torch.zeros(hidden.shape[0], dtype=torch.int32, device=hidden.device)
+    return hidden[:, None], zeros[:, None], zeros
+
+
+def _cached_source(state: DraftState) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The source of a new batch: each row's last cached prompt token's state."""
+    return _single_source(last_cached_hidden(state, FINAL_NORM))
+
+
+def _medusa_step(
+    drafter: MedusaDrafter,
+    roots: torch.Tensor,
+    hidden: torch.Tensor,
+    nodes: torch.Tensor,
+    counts: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The static tree filled from the heads: int64 `(tokens, parents)` `[B, N]`, from the
+    roots `[B]` and the root-producing states' source (`_picked`)."""
+    logits = drafter.heads(_picked(hidden, nodes, counts), drafter._lm_head)  # [B, heads, V]
+    top = logits.topk(drafter.tree.max_rank, dim=-1).indices  # [B, heads, R]
+    depths, ranks, parents = drafter._tree_index
+    tokens = torch.cat([roots.long()[:, None], top[:, depths - 1, ranks]], dim=1)
+    return tokens, parents.expand(roots.shape[0], -1).contiguous()
