@@ -24,6 +24,8 @@ once-per-call work (prefill, the drafter's attach and begin, argument checks) ca
 tests/test_step_budget.py holds every built-in drafter to one read and `MAX_EAGER_OPS` per step.
 
     python bench/step_ops.py 1 none ngram:8 eagle:tiny-code-eagle:8     # compiled, batch 1
+
+prints the guard's counts (its prompts and runs) with each drafter's top operators and read sites.
 """
 
 from __future__ import annotations
@@ -47,6 +49,9 @@ from specdec_fast import transfer
 # The limits of issue 44 for every built-in drafter, at batch 1 and 8 in compiled mode.
 MAX_READS = 1
 MAX_EAGER_OPS = 30
+# The guard's runs: code prompts cut to PROMPT_TOKENS, short and long runs of new tokens.
+PROMPT_TOKENS = 48
+SHORT, LONG = 6, 20
 
 # Operators that launch no kernel: views, aliases, metadata and allocation without a fill.
 NO_KERNEL = frozenset(
@@ -259,7 +264,7 @@ class StepCounts:
         return f"{self.ops_per_step:.1f} | {self.reads_per_step:.2f} | {top} | {sites}"
 
 
-def step_counts(run: Callable[[int], object], short: int = 6, long: int = 30) -> StepCounts:
+def step_counts(run: Callable[[int], object], short: int = SHORT, long: int = LONG) -> StepCounts:
     """Eager operators and host reads per steady-state step of `run(max_new_tokens)` (which
     returns a `GenerateOutput`), counted as on an accelerator (`counting`)."""
     measured = []
@@ -295,6 +300,7 @@ def main(argv: list[str]) -> None:
         [tokenizer.bos_token_id, *tokenizer.encode(r["prompt"], add_special_tokens=False)]
         for r in load_code_prompts(batch)
     ]
+    prompts = [prompt[:PROMPT_TOKENS] for prompt in prompts]
     print(f"| drafter (B={batch}) | eager ops | reads | top ops per step | read sites per step |")
     print("|---|---|---|---|---|")
     for spec in specs:
@@ -310,7 +316,7 @@ def main(argv: list[str]) -> None:
                 compile=True,
             )
 
-        run(30)  # compiles
+        run(LONG)  # compiles
         print(f"| {spec} | {step_counts(run).row()} |", flush=True)
 
 
