@@ -7,13 +7,17 @@ host-resident shortcuts off); on CUDA the `gpu` test runs steady-state steps und
 `torch.cuda.set_sync_debug_mode("error")`, which catches the syncs hidden inside torch operators
 (`nonzero`, boolean indexing) that no count on the CPU sees.
 
-Cost: each drafter compiles its step shapes once per batch class (1, 2+), about 10-25 s each on
-this CPU; the target's compiled steps are kept on the module's model and shared by every drafter
-with the same hooks, a drafter's models by its batch sizes and temperatures (one factory each).
-The counted runs are short (6 and 20 new tokens, 48-token prompts).
+Cost: each drafter compiles its step shapes once per batch class (1, 2+); the target's compiled
+steps are kept on the module's model and shared by every drafter with the same hooks, a
+drafter's models by its batch sizes and temperatures (one factory each). Dynamo captures the
+graphs as `generate(compile=True)` does, and `aot_eager` runs them (`graphs_without_codegen`):
+with inductor the module took 49 minutes on a machine loaded 5x (about 9 CPU minutes). The
+counted runs are short (6 and 20 new tokens, 48-token prompts).
 """
 
+import functools
 import sys
+from unittest import mock
 
 import numpy as np
 import pytest
@@ -56,6 +60,16 @@ BATCHES = [1, 8]
 pytestmark = pytest.mark.skipif(
     "tiny-code" not in bundled.available(), reason="the bundled checkpoints are not installed"
 )
+
+
+@pytest.fixture(scope="module", autouse=True)
+def graphs_without_codegen():
+    """Compiled mode, dynamo's graphs run by `aot_eager` rather than inductor: which operators
+    run inside a compiled region and which outside is dynamo's capture (graph breaks, guards,
+    the regions' boundaries), the same for any backend; inductor's code generation, most of a
+    compile's 10-25 s per step shape on this CPU, would only make the regions faster."""
+    with mock.patch.object(torch, "compile", functools.partial(torch.compile, backend="aot_eager")):
+        yield
 
 
 @pytest.fixture(scope="module")
