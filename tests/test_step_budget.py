@@ -11,8 +11,9 @@ Cost: each drafter compiles its step shapes once per batch class (1, 2+); the ta
 steps are kept on the module's model and shared by every drafter with the same hooks, a
 drafter's models by its batch sizes and temperatures (one factory each). Dynamo captures the
 graphs as `generate(compile=True)` does, and `aot_eager` runs them (`graphs_without_codegen`):
-with inductor the module took 49 minutes on a machine loaded 5x (about 9 CPU minutes). The
-counted runs are short (6 and 20 new tokens, 48-token prompts).
+the module costs about 400 CPU seconds (14 minutes on a machine loaded 5-10x; with inductor
+49 minutes, the same counts). The counted runs are short (6 and 20 new tokens, 48-token
+prompts).
 """
 
 import functools
