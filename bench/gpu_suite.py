@@ -1,19 +1,27 @@
 """The one prepared GPU script (shared GPU.md): every device check, sized for the lease.
 
-Parts, in order (`--part NAME`, repeatable; all but the opt-in ones by default):
-    tests           versions and the GPU, then the `gpu`-marked tests (compiled kernels against
-                    their references, CUDA graphs)
-    tree_attention  bench/bench_tree_attention.py (peers side by side; N = 64/65 and 32/33)
-    verify          bench/bench_verify.py
-    kv_compact      bench/bench_kv_compact.py
-    step            bench/bench_step.py (8B-shaped Llama decode and verify steps, our eager
-                    steps under CUDA graphs; HF's compiled decode in the full plan)
-    compiled_step   bench/bench_step.py --compile (our compiled steps under CUDA graphs)
+Parts, in order (`--part NAME`, repeatable), issue 44's first (shared GPU.md): a run without
+`--part` runs the default ones (e2e, overhead, draft_loop: about 8 minutes, one device command);
+the opt-in ones follow by name in a second command.
     e2e             bench/bench_e2e_tiny.py (the bundled pair at N = 16, three rounds)
-    overhead        opt-in: bench/bench_overhead.py on the bundled pair (a step's time split into
-                    forward, sampler, compaction, drafter and engine; ours against HF's peers)
-`--quick` runs each part's quick plan (all parts predicted under 8 minutes); without it each part
-runs its full plan (each predicted under 4 minutes, so run them one `--part` at a time).
+    overhead        bench/bench_overhead.py on the bundled pair: per drafter (all built-in ones
+                    at batch 1; plain, n-gram and DFlash at 1 and 8), the step split into
+                    forward, sampler, compaction, drafter and engine, the host's share, tokens/s
+                    against plain decoding, eager operators and host reads per step; ours against
+                    HF's peers
+    draft_loop      bench/bench_draft_loop.py: the 8B-shaped target with an EAGLE-3 and a DFlash
+                    head (random weights), the draft loop against the verify forward, and the
+                    speed-up the bundled pair's tokens per step (the overhead part's) would give
+    tests           opt-in: versions and the GPU, then the `gpu`-marked tests (compiled kernels
+                    against their references, CUDA graphs, steady steps without syncs)
+    tree_attention  opt-in: bench/bench_tree_attention.py (peers side by side; N = 64/65, 32/33)
+    verify          opt-in: bench/bench_verify.py
+    kv_compact      opt-in: bench/bench_kv_compact.py
+    step            opt-in: bench/bench_step.py (8B-shaped Llama decode and verify steps, our
+                    eager steps under CUDA graphs; HF's compiled decode in the full plan)
+    compiled_step   opt-in: bench/bench_step.py --compile (our compiled steps under CUDA graphs)
+`--quick` runs each part's quick plan (the default parts predicted under 8 minutes); without it
+each part runs its full plan (each predicted under 4 minutes, so run them one `--part` at a time).
 
 Each part runs in its own process under a timeout (twice its estimate, at most PART_LIMIT_S),
 its output streamed as it comes (the benchmarks print a row per finished case). The suite starts
@@ -24,9 +32,11 @@ estimates, per part: status, seconds, the last lines and the JSON results it wro
 however the run ends.
 
 `--dry-run` plays the same plan on the CPU with tiny shapes (each benchmark at its CPU sizes,
-the GPU tests collected only) and prints the estimated device time per part, from each part's
-GPU plan and the cost model `COSTS` (seconds per unit of work on the H200 machine: leads, set
-before any GPU run; bench/NOTES.md has the arithmetic). CI runs it.
+the GPU tests collected only, every step eager: compiling each tiny shape would cost the CPU
+minutes, and tests/test_compiled_step.py tests the compiled steps) and prints the estimated
+device time per part, from each part's GPU plan and the cost model `COSTS` (seconds per unit of
+work on the H200 machine: leads, set before any GPU run; bench/NOTES.md has the arithmetic).
+CI runs it.
 
     python3 -m pip install -e . --no-deps --no-build-isolation
     python3 bench/gpu_suite.py --quick
@@ -36,7 +46,6 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import importlib.util
 import json
 import os
 import shutil
@@ -82,6 +91,7 @@ COSTS = {
     "gpu_test": 2.0,  # one gpu-marked test, its kernel compiles included
     "e2e_run": 12.0,  # one drafter (or HF mode) on the tiny pair: compiles, graphs, first round
     "e2e_token": 0.004,  # each generated token of the tiny pair in a later round
+    "step_8b": 0.02,  # one speculative step of the 8B-shaped target with its host work (lead)
 }
 
 
@@ -140,9 +150,20 @@ def kernel_bench_plan(module_name: str, inductor_peer: str | None = None):
     return plan
 
 
+GPU_MARK = "pytest.mark.gpu"
+
+
+def gpu_test_files() -> list[str]:
+    """The test modules that hold `gpu`-marked tests: collecting the whole suite costs a CPU
+    half a minute (every module imported), and the server's test modules import packages the
+    device image lacks."""
+    tests = sorted((ROOT / "tests").glob("test_*.py"))
+    return [str(path.relative_to(ROOT)) for path in tests if GPU_MARK in path.read_text()]
+
+
 def tests_plan(quick: bool) -> dict[str, float]:
     collected = subprocess.run(
-        [PYTHON, "-m", "pytest", "tests", "-m", "gpu", "--collect-only", "-q"],
+        [PYTHON, "-m", "pytest", *gpu_test_files(), "-m", "gpu", "--collect-only", "-q"],
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -199,25 +220,46 @@ def e2e_plan(quick: bool) -> dict[str, float]:
     return {"process": COSTS["process"], f"{peers} peers x {E2E_ROUNDS} rounds": peers * per_peer}
 
 
-OVERHEAD_COMPILES = 2  # the operator counts' compiled runner, decode and verify
+# A breakdown's runs after its first: timed, untimed, and the step counts' short and long runs.
+BREAKDOWN_RUNS = 4
 
 
 def overhead_plan(quick: bool) -> dict[str, float]:
     """bench_overhead.py on the bundled pair: each breakdown's first run compiles and captures
     like a tiny-pair peer; each comparison runs both sides 1 + repeats times."""
     bench = _bench_module("bench_overhead")
-    # Plain, n-gram and DFlash, and on a GPU the other model drafters, at each batch.
-    breakdowns = (3 + len(bench.GPU_SPECS)) * len(bench.BATCHES)
+    # Plain, n-gram and DFlash at each batch, every other built-in drafter at the GPU's batches.
+    breakdowns = 3 * len(bench.BATCHES) + len(bench.GPU_SPECS) * len(bench.GPU_BATCHES)
     # Plain against HF generate at each batch, n-gram against prompt lookup, the draft chain.
     comparisons = len(bench.BATCHES) + len(bench.NGRAM_VS_LOOKUP) + 1
     repeats, tokens = bench.run_size(tiny=False, quick=quick)
-    runs = comparisons * 2 * (1 + repeats)
+    runs = comparisons * 2 * (1 + repeats) + breakdowns * BREAKDOWN_RUNS
     return {
         "process": COSTS["process"],
         f"{breakdowns} breakdowns": breakdowns * COSTS["e2e_run"],
         f"{runs} timed runs": runs * tokens * COSTS["e2e_token"],
-        f"{OVERHEAD_COMPILES} compiles": OVERHEAD_COMPILES * COSTS["e2e_run"],
     }
+
+
+def draft_loop_plan(quick: bool) -> dict[str, float]:
+    """bench_draft_loop.py: the 8B-shaped target, a compile for its decode step and for each
+    drafter's hooked verify step (and the DFlash head's block step), every breakdown's runs."""
+    bench = _bench_module("bench_draft_loop")
+    configs = 1 + len(bench.TAU_CONFIGS)
+    steps = configs * (1 + BREAKDOWN_RUNS) * bench.NEW_TOKENS[False]
+    return {
+        "process": COSTS["process"],
+        "model and heads": COSTS["model_build"],
+        f"{configs} compiles": configs * COSTS["runner_compile"],
+        "the DFlash head's one-layer step": COSTS["runner_graph"],
+        f"{steps} steps": steps * COSTS["step_8b"],
+    }
+
+
+def draft_loop_command(work: Path, quick: bool, dry_run: bool) -> list[str]:
+    size = ["--tiny"] if dry_run else []
+    paths = ["--tau-json", str(work / "overhead.json"), "--json", str(work / "draft_loop.json")]
+    return [PYTHON, "bench/bench_draft_loop.py", *size, *paths]
 
 
 def overhead_command(work: Path, quick: bool, dry_run: bool) -> list[str]:
@@ -237,16 +279,9 @@ def bench_command(script: str, json_name: str, *options: str):
     return command
 
 
-# Test modules that import the server's packages at collection; they hold no gpu tests, and the
-# device image has none of those packages (the whole collection would stop at their import).
-SERVER_TEST_MODULES = ("test_serving.py", "test_engine_process.py")
-SERVER_PACKAGES = ("fastapi", "uvicorn", "openai")
-
-
 def tests_command(work: Path, quick: bool, dry_run: bool) -> list[str]:
-    command = [PYTHON, "-m", "pytest", "tests", "-m", "gpu", "-q", "-p", "no:cacheprovider"]
-    if not all(importlib.util.find_spec(name) for name in SERVER_PACKAGES):
-        command += [f"--ignore=tests/{module}" for module in SERVER_TEST_MODULES]
+    command = [PYTHON, "-m", "pytest", *gpu_test_files(), "-m", "gpu", "-q"]
+    command += ["-p", "no:cacheprovider"]
     return command + (["--collect-only"] if dry_run else [f"--junitxml={work / 'gpu_tests.xml'}"])
 
 
@@ -263,44 +298,51 @@ def _json_files(*names: str):
     return lambda work: [work / name for name in names]
 
 
+# In the order of shared GPU.md: what only a GPU can show first (each drafter's step split and
+# tokens/s against plain decoding, then the 8B-shaped draft loop against its verify forward, which
+# reads the bundled pair's tokens per step from the overhead part's JSON), then the rest.
 PARTS = {
     part.name: part
     for part in (
-        Part("tests", tests_command, tests_plan),
+        Part("e2e", e2e_command, e2e_plan, _json_files("e2e.json")),
+        Part("overhead", overhead_command, overhead_plan, _json_files("overhead.json")),
+        Part("draft_loop", draft_loop_command, draft_loop_plan, _json_files("draft_loop.json")),
+        Part("tests", tests_command, tests_plan, default=False),
         Part(
             "tree_attention",
             bench_command("bench_tree_attention.py", "tree_attention.json"),
             kernel_bench_plan("bench_tree_attention"),
             _json_files("tree_attention.json"),
+            default=False,
         ),
         Part(
             "verify",
             bench_command("bench_verify.py", "verify.json"),
             kernel_bench_plan("bench_verify", inductor_peer="torch.compile"),
             _json_files("verify.json"),
+            default=False,
         ),
         Part(
             "kv_compact",
             bench_command("bench_kv_compact.py", "kv_compact.json"),
             kernel_bench_plan("bench_kv_compact"),
             _json_files("kv_compact.json"),
+            default=False,
         ),
         Part(
             "step",
             bench_command("bench_step.py", "bench_step.json"),
             step_plan,
             _json_files("bench_step.json"),
+            default=False,
         ),
         Part(
             "compiled_step",
             bench_command("bench_step.py", "bench_step_compiled.json", "--compile"),
             partial(step_plan, compiled=True),
             _json_files("bench_step_compiled.json"),
+            default=False,
         ),
-        Part("e2e", e2e_command, e2e_plan, _json_files("e2e.json")),
-        # Where a drafter's step goes on the GPU (the tree drafters ran 6.6-10x slower than plain
-        # decoding there, 2026-12-04): opt-in, as the quick plan has no room for it.
-        Part("overhead", overhead_command, overhead_plan, _json_files("overhead.json"), False),
     )
 }
 
@@ -447,8 +489,10 @@ def main(argv: list[str] | None = None) -> int:
             env = None
             if args.dry_run:
                 timeout = PART_LIMIT_S  # the CPU plays tiny shapes, at its own pace
-                # Compiling every step shape would take the CPU minutes: it plays them eagerly.
-                env = {**os.environ, "SPECDEC_COMPILE": "0"}
+                # Compiling every step shape would take the CPU minutes: it plays them eagerly,
+                # those of a benchmark that asks for compiled steps too (TORCHDYNAMO_DISABLE:
+                # bench_step.py --compile alone compiled for two of the dry run's five minutes).
+                env = {**os.environ, "SPECDEC_COMPILE": "0", "TORCHDYNAMO_DISABLE": "1"}
             command = part.command(work, args.quick, args.dry_run)
             result = run_part(part, command, work, timeout, env)
             result["results"] = {

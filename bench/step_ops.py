@@ -1,20 +1,57 @@
-"""Eager operators outside compiled graphs: what a step would launch one by one on a GPU.
+"""What one steady-state step would launch one by one, and read back, on a GPU: counted on the CPU.
 
 A compiled step (inductor's graph, or a CUDA graph replay on a GPU) costs one dispatch; every
-aten operator called outside one costs a kernel launch (5-10 us on a GPU) unless it only
-reshapes metadata. `eager_ops(fn)` profiles one call of `fn` and counts the top-level operators
-outside `Torch-Compiled Region`s whose call tree does work (a copy, arithmetic, an allocation
-that fills memory); views, detaches and no-op conversions are free and not counted.
-`ops_per_step` takes the difference between a short and a long `generate` so that the
+operator called outside one costs a kernel launch (5-10 us on a GPU) unless it only reshapes
+metadata, and every blocking device-to-host read drains the device's queue. This machine has no
+GPU, so `counting()` runs `generate` as an accelerator would and counts:
+
+- **Eager operators**: the top-level aten operators outside `Torch-Compiled Region`s whose call
+  tree does work (a copy, arithmetic, an allocation that fills memory); views, detaches and
+  no-op conversions are free and not counted. Three substitutions make the CPU's count what a
+  GPU step launches:
+  * our kernels called eagerly count as their Triton launches (`LAUNCHES`: verify's statistics
+    and walk kernels, kv_compact's one), not as the aten operators of their CPU implementations;
+  * `transfer.to_device` counts as one operator, the host-to-device copy, whatever the CPU
+    dispatches to build the host tensor (there, the host tensor is the result, no copy);
+  * the CPU shortcuts that read host-resident tensors (`transfer.host_resident`) are off, so
+    the step takes the accelerator's path.
+- **Blocking host reads**: `transfer.to_host` and `to_host_array`, and every implicit read a
+  tensor offers (`tolist`, `item`, `bool(t)`, `int(t)`, ...) when made by the engine or a
+  drafter; reads inside our kernels (device work on a GPU), torch or transformers are theirs.
+
+`step_counts(run)` takes the difference between a short and a long `generate` so that the
 once-per-call work (prefill, the drafter's attach and begin, argument checks) cancels out.
+tests/test_step_budget.py holds every built-in drafter to one read and `MAX_EAGER_OPS` per step.
+
+    python bench/step_ops.py 1 none ngram:8 eagle:tiny-code-eagle:8     # compiled, batch 1
+
+prints the guard's counts (its prompts and runs) with each drafter's top operators and read sites.
 """
 
 from __future__ import annotations
 
+import sys
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass
+from functools import wraps
+from pathlib import Path
+from unittest import mock
 
-from torch.profiler import ProfilerActivity, profile
+import torch
+import transformers
+from torch.profiler import ProfilerActivity, profile, record_function
+
+import specdec_fast
+from specdec_fast import transfer
+
+# The limits of issue 44 for every built-in drafter, at batch 1 and 8 in compiled mode.
+MAX_READS = 1
+MAX_EAGER_OPS = 30
+# The guard's runs: code prompts cut to PROMPT_TOKENS, short and long runs of new tokens.
+PROMPT_TOKENS = 48
+SHORT, LONG = 6, 20
 
 # Operators that launch no kernel: views, aliases, metadata and allocation without a fill.
 NO_KERNEL = frozenset(
@@ -66,6 +103,30 @@ NO_KERNEL = frozenset(
 )
 COMPILED_REGION = "Torch-Compiled Region"
 OPERATOR_PREFIXES = ("aten::", "specdec_fast::")
+# Functions that a GPU step runs as a fixed number of device operations, whatever their CPU
+# implementation dispatches: (module, name) -> operators counted per call.
+LAUNCHES = {
+    ("specdec_fast.kernels.verify", "run_verify"): 2,  # statistics kernel, walk kernel
+    ("specdec_fast.kernels.kv_compact", "run_kv_compact"): 1,
+    ("specdec_fast.kernels.tree_attention", "run_tree_attention"): 1,
+    ("specdec_fast.transfer", "to_device"): 1,  # the host-to-device copy
+}
+LAUNCH_PREFIX = "specdec_fast::launch."
+# Reads made from these are not the engine's: our kernels (device work), the transfer module
+# (its reads are counted as `to_host`), and the libraries underneath.
+NOT_ENGINE = tuple(
+    Path(module.__file__).resolve().parent for module in (specdec_fast.kernels, torch, transformers)
+)
+TRANSFER = Path(transfer.__file__).resolve()
+IMPLICIT_READS = ("tolist", "item", "cpu", "numpy", "__bool__", "__int__", "__float__", "__index__")
+
+
+@dataclass
+class Read:
+    """One blocking host read: its kind (`to_host`, `tolist`, ...) and the calling line."""
+
+    kind: str
+    where: str
 
 
 def _does_work(event) -> bool:
@@ -87,9 +148,88 @@ def _outside_compiled(event) -> bool:
     return True
 
 
+def _library_modules() -> list:
+    """Loaded modules of the library (kernels included), whose globals may hold a function that
+    `counting` replaces."""
+    return [
+        module
+        for name, module in list(sys.modules.items())
+        if module is not None and name.split(".")[0] == "specdec_fast"
+    ]
+
+
+def patch_everywhere(stack: ExitStack, original, replacement) -> None:
+    """Replace `original` in every library module that holds it (a module that imported the
+    name holds its own reference)."""
+    for module in _library_modules():
+        for attribute, value in list(vars(module).items()):
+            if value is original:
+                stack.enter_context(mock.patch.object(module, attribute, replacement))
+
+
+def _as_launch(function, name: str):
+    @wraps(function)
+    def launch(*args, **kwargs):
+        with record_function(LAUNCH_PREFIX + name):
+            return function(*args, **kwargs)
+
+    return launch
+
+
+@contextmanager
+def counting() -> Iterator[list[Read]]:
+    """Run the library as on an accelerator (the substitutions of the module docstring) and
+    record its blocking host reads; yields the list of `Read`s, filled as they happen. Eager
+    operators are counted by `eager_ops` around the call."""
+    reads: list[Read] = []
+    originals = {name: getattr(torch.Tensor, name) for name in IMPLICIT_READS}
+
+    def implicit(name, original):
+        def method(self, *args, **kwargs):
+            frame = sys._getframe(1)
+            caller = Path(frame.f_code.co_filename).resolve()
+            if caller != TRANSFER and not any(caller.is_relative_to(p) for p in NOT_ENGINE):
+                reads.append(Read(name, f"{caller.name}:{frame.f_lineno}"))
+            return original(self, *args, **kwargs)
+
+        return method
+
+    def explicit(name, convert):
+        def read(tensor):
+            frame = sys._getframe(1)
+            reads.append(Read(name, f"{Path(frame.f_code.co_filename).name}:{frame.f_lineno}"))
+            return convert(tensor)
+
+        return read
+
+    with ExitStack() as stack:
+        for name, original in originals.items():
+            stack.enter_context(mock.patch.object(torch.Tensor, name, implicit(name, original)))
+        for (module, name), _ in LAUNCHES.items():
+            function = getattr(sys.modules[module], name)
+            patch_everywhere(stack, function, _as_launch(function, name))
+        patch_everywhere(
+            stack, transfer.to_host, explicit("to_host", lambda t: originals["tolist"](t))
+        )
+        patch_everywhere(
+            stack,
+            transfer.to_host_array,
+            explicit("to_host_array", lambda t: originals["numpy"](originals["cpu"](t))),
+        )
+        patch_everywhere(stack, transfer.host_resident, lambda tensor: False)
+        yield reads
+
+
+def _weight(name: str) -> int:
+    if not name.startswith(LAUNCH_PREFIX):
+        return 1
+    short = name.removeprefix(LAUNCH_PREFIX)
+    return next(count for (_, function), count in LAUNCHES.items() if function == short)
+
+
 def eager_ops(fn: Callable[[], object]) -> tuple[Counter, object]:
-    """Operators that `fn()` dispatches outside compiled graphs and that do work, by name, and
-    `fn`'s result."""
+    """Operators that `fn()` dispatches outside compiled graphs and that do work, by name (a
+    `LAUNCHES` function by its name, weighted by its launches), and `fn`'s result."""
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         result = fn()
     counts: Counter = Counter()
@@ -99,21 +239,86 @@ def eager_ops(fn: Callable[[], object]) -> tuple[Counter, object]:
             and _outside_compiled(event)
             and _does_work(event)
         ):
-            counts[event.name] += 1
+            counts[event.name] += _weight(event.name)
     return counts, result
 
 
-def ops_per_step(
-    run: Callable[[int], object], short: int = 6, long: int = 30
-) -> tuple[float, Counter]:
-    """Eager operators per steady-state step of `run(max_new_tokens)` (which returns a
-    `GenerateOutput`), from a short and a long run; and the long run's counts less the short's,
-    by name."""
-    short_counts, short_out = eager_ops(lambda: run(short))
-    long_counts, long_out = eager_ops(lambda: run(long))
+@dataclass
+class StepCounts:
+    """Per steady-state step: eager operators and blocking host reads (means over the steps
+    the long run took beyond the short one), the operators by name and the reads by calling
+    line (long run less short run), the steps they are spread over, and what compiled during
+    the counted runs (nothing, once the runs were warmed)."""
+
+    ops_per_step: float
+    reads_per_step: float
+    ops: Counter
+    reads: Counter
+    steps: int
+    compiled: dict
+
+    def row(self) -> str:
+        steps = self.steps
+        top = ", ".join(f"{name} {count / steps:.1f}" for name, count in self.ops.most_common(6))
+        sites = ", ".join(f"{where} {count / steps:.1f}" for where, count in self.reads.items())
+        return f"{self.ops_per_step:.1f} | {self.reads_per_step:.2f} | {top} | {sites}"
+
+
+def step_counts(run: Callable[[int], object], short: int = SHORT, long: int = LONG) -> StepCounts:
+    """Eager operators and host reads per steady-state step of `run(max_new_tokens)` (which
+    returns a `GenerateOutput`), counted as on an accelerator (`counting`)."""
+    measured = []
+    for new_tokens in (short, long):
+        with counting() as reads:
+            ops, out = eager_ops(lambda n=new_tokens: run(n))
+        measured.append((ops, Counter(f"{r.kind} {r.where}" for r in reads), out))
+    (short_ops, short_reads, short_out), (long_ops, long_reads, long_out) = measured
     steps = long_out.stats.steps - short_out.stats.steps
     if steps <= 0:
         raise ValueError("the long run took no more steps than the short one")
-    difference = long_counts - short_counts
-    total = sum(long_counts.values()) - sum(short_counts.values())
-    return total / steps, difference
+    return StepCounts(
+        (sum(long_ops.values()) - sum(short_ops.values())) / steps,
+        (sum(long_reads.values()) - sum(short_reads.values())) / steps,
+        long_ops - short_ops,
+        long_reads - short_reads,
+        steps,
+        {**short_out.stats.compiled, **long_out.stats.compiled},
+    )
+
+
+def main(argv: list[str]) -> None:
+    from specdec_fast import generate
+    from specdec_fast.drafters.registry import DrafterSpec
+    from specdec_fast.loading import load_model, load_tokenizer
+    from specdec_fast.prompts import load_code_prompts
+
+    torch.set_num_threads(1)
+    batch, specs = int(argv[0]), argv[1:]
+    target = load_model("tiny-code", torch.device("cpu"))
+    tokenizer = load_tokenizer("tiny-code")
+    prompts = [
+        [tokenizer.bos_token_id, *tokenizer.encode(r["prompt"], add_special_tokens=False)]
+        for r in load_code_prompts(batch)
+    ]
+    prompts = [prompt[:PROMPT_TOKENS] for prompt in prompts]
+    print(f"| drafter (B={batch}) | eager ops | reads | top ops per step | read sites per step |")
+    print("|---|---|---|---|---|")
+    for spec in specs:
+        make = (lambda: None) if spec == "none" else DrafterSpec.parse(spec).factory(target)
+
+        def run(new_tokens, make=make):
+            return generate(
+                target,
+                prompts,
+                drafter=make(),
+                max_new_tokens=new_tokens,
+                eos_token_id=[],
+                compile=True,
+            )
+
+        run(LONG)  # compiles
+        print(f"| {spec} | {step_counts(run).row()} |", flush=True)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

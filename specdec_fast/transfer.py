@@ -1,12 +1,11 @@
 """The engine's transfers between host and device, in one place.
 
 `to_host` is the blocking read: the engine calls it once per step (the emitted tokens), and
-nothing else in the step loop reads device tensors; a drafter reads at most once more
-(`to_host`, or `to_host_array` for arrays), where host work costs less than the launches it
-replaces (tests/test_transfers.py counts). `to_device` uploads host data (lists, numpy arrays)
-without making the host wait: on CUDA through pinned memory with a non-blocking copy, on the
-CPU as is. `host_resident` is the condition of the CPU shortcuts that read tensors because,
-there, reading costs no transfer.
+nothing else in a compiled step reads device tensors (tests/test_step_budget.py counts; an eager
+block drafter still reads its block's top-K once, `to_host_array`, for its best-first heap).
+`to_device` uploads host data (lists, numpy arrays) without making the host wait: on CUDA
+through pinned memory with a non-blocking copy, on the CPU as is. `host_resident` is the
+condition of the CPU shortcuts that read tensors because, there, reading costs no transfer.
 """
 
 from __future__ import annotations
@@ -38,5 +37,5 @@ def to_device(data, device: torch.device, dtype: torch.dtype = torch.int64) -> t
 
 def host_resident(tensor: torch.Tensor) -> bool:
     """Whether `tensor` lives in host memory, where reading it back costs no transfer (the CPU
-    shortcuts' condition; tests/test_transfers.py turns it off to count an accelerator's reads)."""
+    shortcuts' condition; the step's budget test turns it off to count an accelerator's reads)."""
     return tensor.device.type == "cpu"

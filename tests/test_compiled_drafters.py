@@ -4,7 +4,7 @@ accepted state, the heads, their top-k and the tree's gather) draft what the eag
 draft, and the output stays HF's greedy output. The target runs eagerly (conftest); only the
 drafters' steps compile, attached under a compile choice of on. The block drafters' compiled
 steps are tests/test_block.py's (`test_compiled_dflash_steps_match_eager_and_compile_once`) and
-tests/test_transfers.py's."""
+tests/test_step_budget.py's."""
 
 import pytest
 from drafter_wrappers import AttachedUnder

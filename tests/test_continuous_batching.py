@@ -10,14 +10,15 @@ reads the device once, as `generate`'s does.
 """
 
 import random
+import sys
 import threading
 import time
 
 import pytest
 import torch
+from bench_smoke import BENCH_DIR
 from test_block import MODELS as BLOCK_MODELS
 from test_block import VOCAB as BLOCK_VOCAB
-from test_transfers import counted_reads
 from tiny_models import repetitive_prompts, tiny_llama
 from transformers import LlamaConfig
 
@@ -31,6 +32,9 @@ from specdec_fast.prompts import load_code_prompts
 from specdec_fast.runner import ModelRunner
 from specdec_fast.serving import QueueFull, Request, Scheduler
 from specdec_fast.serving.scheduler import FAILED
+
+sys.path.insert(0, str(BENCH_DIR))
+from step_ops import counting  # noqa: E402
 
 VOCAB = 96
 CONFIG = LlamaConfig(
@@ -629,7 +633,7 @@ def test_a_breached_acceptance_bound_moves_running_rows_to_plain():
         assert handle.completion.tokens == out.sequences[0][len(prompt) :].tolist()
 
 
-# (spec, reads per decode step allowed beyond the read-back), as in test_transfers.py
+# (spec, reads per decode step allowed beyond the read-back), counted as in test_step_budget.py
 READS = [
     ("none", 0),
     ("ngram:8", 0),
@@ -655,7 +659,7 @@ def test_one_host_read_per_decode_step(code_model, code_prompts, spec, extra):
             (step, {"prompt": code_prompts[i], "max_new_tokens": new_tokens, "route": "route"})
             for i, step in enumerate((0, 2, 3))
         ]
-        with counted_reads() as reads:
+        with counting() as reads:
             run_scripted(scheduler, arrivals)
         counts.append((len(reads), scheduler.steps, reads))
         scheduler.close()
@@ -663,7 +667,7 @@ def test_one_host_read_per_decode_step(code_model, code_prompts, spec, extra):
     assert long_steps > short_steps
     per_step = (long_reads - short_reads) / (long_steps - short_steps)
     assert per_step <= 1 + extra, records[-20:]
-    assert sum(1 for kind, _, _ in records if kind == "to_host") >= long_steps
+    assert sum(1 for read in records if read.kind == "to_host") >= long_steps
 
 
 @pytest.mark.slow

@@ -9,17 +9,15 @@ but the trees the drafter proposed and what the target accepted of them, step by
 """
 
 import pytest
-
-# The drafter specs and the untrained block checkpoints that test_transfers.py builds them from.
-from test_transfers import DRAFTERS, blocks, setup  # noqa: F401 - fixtures
+import torch
+from built_in_drafters import DRAFTERS, write_untrained_blocks
 
 from specdec_fast import bundled, generate
 from specdec_fast.drafters.registry import DrafterSpec
-from specdec_fast.loading import load_tokenizer
+from specdec_fast.loading import load_model, load_tokenizer
 from specdec_fast.prompts import load_code_prompts
 from specdec_fast.serving import Request, Scheduler
 
-SPECS = [spec for spec, _ in DRAFTERS]
 NEW_TOKENS = 16
 TEMPERATURES = [0.0, 0.8, 0.0]
 SEEDS = [11, 12, 13]
@@ -41,6 +39,16 @@ pytestmark = pytest.mark.skipif(
 
 
 @pytest.fixture(scope="module")
+def target():
+    return load_model("tiny-code", torch.device("cpu"))
+
+
+@pytest.fixture(scope="module")
+def blocks(target, tmp_path_factory):
+    return write_untrained_blocks(target, tmp_path_factory.mktemp("blocks"))
+
+
+@pytest.fixture(scope="module")
 def prompts():
     tokenizer = load_tokenizer("tiny-code")
     return [
@@ -53,9 +61,8 @@ def step_stats(stats) -> dict:
     return {name: getattr(stats, name) for name in STEP_FIELDS}
 
 
-@pytest.mark.parametrize("spec", SPECS)
-def test_served_requests_equal_generate(setup, prompts, blocks, spec):  # noqa: F811 - fixtures
-    target, _ = setup
+@pytest.mark.parametrize("spec", DRAFTERS)
+def test_served_requests_equal_generate(target, prompts, blocks, spec):
     make = DrafterSpec.parse(spec.format(**blocks)).factory(target)
     out = generate(
         target,

@@ -1,7 +1,7 @@
 """Checking a drafter's proposals before the target runs, and the error that names the drafter.
 
 Every proposal of a `generate` step is checked in two parts, neither of which reads the device
-(the step loop keeps its one read-back, tests/test_transfers.py):
+(the step loop keeps its one read-back, tests/test_step_budget.py):
 
 - its form (`check_form`), on host metadata only: tensors of int dtype on the target's device,
   `tokens` and `parents` `[B, N]` with `1 <= N <= max_nodes`, `draft_probs` None or float

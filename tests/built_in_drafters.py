@@ -1,0 +1,35 @@
+"""The built-in drafters as registry specs over the bundled tiny-code family, for tests that
+cover every drafter (the step's budget, served outputs against `generate`'s). The block drafters
+run over untrained checkpoints in the bundled layouts, written by `write_untrained_blocks`."""
+
+from pathlib import Path
+
+import torch
+
+from specdec_fast import PardDraft
+from specdec_fast.heads.block import DFlashHead
+from specdec_fast.loading import load_model
+
+DRAFTERS = [
+    "none",
+    "ngram:8",
+    "suffix:16",
+    "draft:tiny-code-draft:4",
+    "draft-tree:tiny-code-draft:8",
+    "medusa:tiny-code-medusa:8",
+    "eagle:tiny-code-eagle:8",
+    "eagle:tiny-code-eagle3:8",
+    "block:{dflash}:8",
+    "block:{pard}:8",
+]
+
+
+def write_untrained_blocks(target, folder: Path) -> dict[str, str]:
+    """A DFlash head for `target` (seeded) and the bundled draft model as a PARD model (its pad
+    token as the mask), saved under `folder`; returns the `{dflash}`/`{pard}` spec fields."""
+    torch.manual_seed(0)
+    dflash, pard = folder / "dflash", folder / "pard"
+    DFlashHead.for_target(target, num_layers=1, block_size=8).save_pretrained(dflash)
+    draft = load_model("tiny-code-draft", target.device)
+    PardDraft(draft, draft.config.pad_token_id).save_pretrained(pard)
+    return {"dflash": str(dflash), "pard": str(pard)}
