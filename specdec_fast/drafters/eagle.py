@@ -17,6 +17,15 @@ One step:
   features with the next token of the path, the last one paired with the sampled next token)
   are fed as a ragged chain and committed, so the head's cache stays in step with the target's;
   the last entry's output ranks the next root's children.
+
+Each of the two is one step function of device work only, with every shape fixed by the
+envelope (B, top_k, depth, max_nodes) chosen at attach: the tree levels are fed at widths
+k, 2k, ..., (depth - 1) k, the update at depth + 1 with the accepted counts masking the rest, and
+the tree is built by `DynamicTreeBuilder` on the device (a dynamic tree is dynamic in its
+contents only). In compiled mode each runs as one graph per batch size through the head's
+`CompiledSteps` (the machinery of the target's `ModelRunner`), so a step dispatches nothing of
+the drafter's outside them; the head's lengths live on the device and are bounded on the host
+from the token counts, so the drafter reads nothing back.
 """
 
 from __future__ import annotations
