@@ -219,3 +219,51 @@ class CompiledStep:
     def _take_weights(self) -> None:
         self._weight_list = list(self.weights())
         self._fingerprint = weights_fingerprint(self._weight_list)
+
+
+class CompiledSteps:
+    """One model's steps by kind (a prefill, a verify, a draft loop, ...), each through its own
+    `CompiledStep`, made on first use: the compile cache that the target's `ModelRunner` and the
+    drafters' heads share.
+
+    Args:
+        model: what the steps run, for labels and warnings (e.g. "llama").
+        compile: run the steps through `torch.compile`; when False, `run` calls them as they are.
+        weights: the weights the steps read, for inductor's freezing (`CompiledStep`'s
+            `weights`); None compiles unfrozen.
+
+    `compile_seconds` maps each label passed to `run` whose call compiled a graph to the
+    seconds it took; every compilation is also logged (`record_compile`).
+    """
+
+    def __init__(
+        self,
+        model: str,
+        compile: bool,
+        weights: Callable[[], Iterable[torch.Tensor]] | None = None,
+    ):
+        self.model = model
+        self.compile = compile
+        self.weights = weights
+        self.compile_seconds: dict[str, float] = {}
+        self._steps: dict[str, CompiledStep] = {}
+
+    def run(self, kind: str, label: str, step: Callable, *args) -> Any:
+        """`step(*args)` with no grad, through the compiled step of `kind` when compiling; a call
+        that compiled a graph is logged under `label`."""
+        with torch.no_grad():
+            if not self.compile:
+                return step(*args)
+            compiled = self._steps.get(kind)
+            if compiled is None:
+                what = f"the {kind} step of this {self.model} model"
+                compiled = self._steps[kind] = CompiledStep(step, what, self.weights)
+            out, seconds = compiled(*args)
+        if seconds is not None:
+            self.record(label, seconds)
+        return out
+
+    def record(self, label: str, seconds: float) -> None:
+        """Log a compilation or graph capture of this model's steps."""
+        self.compile_seconds[label] = seconds
+        record_compile(f"{self.model} {label}", seconds)

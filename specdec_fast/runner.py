@@ -80,12 +80,7 @@ from specdec_fast.attention import (
     register_attention,
 )
 from specdec_fast.cache import SpecKVCache, attention_windows
-from specdec_fast.compiled import (
-    CompiledStep,
-    compile_by_default,
-    freeze_by_default,
-    record_compile,
-)
+from specdec_fast.compiled import CompiledSteps, compile_by_default, freeze_by_default
 from specdec_fast.exact import switch_exact
 from specdec_fast.kernels import pack_tree_mask
 from specdec_fast.kernels.validation import check_tensor
@@ -168,11 +163,22 @@ class _Switched:
 
 # Models whose attention open runners switched. Runners of one thread nest (a model drafting
 # for itself has two); a runner of another thread is refused while any is open.
-_SWITCHED: "weakref.WeakKeyDictionary[PreTrainedModel, _Switched]" = weakref.WeakKeyDictionary()
+_SWITCHED: "weakref.WeakKeyDictionary[nn.Module, _Switched]" = weakref.WeakKeyDictionary()
 
 
-def _switch_attention(model: PreTrainedModel, on: bool) -> None:
-    """Switch `model` to our attention (`on`) or back to its own when the last runner closes."""
+def _set_attention(model: nn.Module, name: str) -> None:
+    setter = getattr(model, "set_attn_implementation", None)
+    if setter is None:
+        # A draft head: a module of decoder layers over an HF config, no PreTrainedModel.
+        model.config._attn_implementation = name
+    else:
+        setter(name)
+
+
+def switch_attention(model: nn.Module, on: bool) -> None:
+    """Switch `model` (an HF `PreTrainedModel`, or a draft head: a module whose layers read
+    `model.config`) to our attention (`on`), or back to its own when the last runner of it
+    closes. Runners of one thread nest; another thread's are refused while any is open."""
     model_type = model.config.model_type
     with _OPEN_LOCK:
         switched = _SWITCHED.get(model)
@@ -180,7 +186,7 @@ def _switch_attention(model: PreTrainedModel, on: bool) -> None:
             switched.runners -= 1
             if switched.runners == 0:
                 del _SWITCHED[model]
-                model.set_attn_implementation(switched.original)
+                _set_attention(model, switched.original)
             return
         if switched is not None:
             if switched.thread != threading.get_ident():
@@ -194,14 +200,33 @@ def _switch_attention(model: PreTrainedModel, on: bool) -> None:
             return
         original = model.config._attn_implementation
         register_attention()
-        model.set_attn_implementation(ATTENTION_NAME)
+        _set_attention(model, ATTENTION_NAME)
         if model.config._attn_implementation != ATTENTION_NAME:
-            model.set_attn_implementation(original)
+            _set_attention(model, original)
             raise ValueError(
                 f"{model_type}: the model does not route attention through transformers' "
                 f"AttentionInterface, so {ATTENTION_NAME!r} cannot be switched on"
             )
         _SWITCHED[model] = _Switched(threading.get_ident(), 1, original)
+
+
+def step_metadata(
+    cache: SpecKVCache,
+    num_new: int,
+    tree_mask: torch.Tensor | None,
+    q_lens: torch.Tensor | None,
+    max_cache_len: int,
+    **fields,
+) -> StepMetadata:
+    """Point `cache`'s next write at slots `cache_lens[b] + i`, i < `num_new`, and return the
+    attention's metadata for that forward (device ops only; `fields` are `StepMetadata`'s
+    optional ones). Every forward over our caches, the target's and the draft heads', is
+    prepared here.
+
+    tree_mask: None (causal) or packed int32 `[B, num_new, words]`; q_lens: None or int32 `[B]`.
+    """
+    cache.prepare_write(num_new)
+    return StepMetadata(cache.cache_lens, tree_mask, q_lens, max_cache_len, **fields)
 
 
 def _runner_options(
@@ -236,15 +261,16 @@ def kept_runner(
     return kept.get((str(model.device), compile, graphs, exact))
 
 
-class _KeptRunners(dict):
-    """A model's runners by (device, compile, CUDA graphs, exact), kept between calls. A copied or
-    pickled model starts with none (compiled steps belong to their model)."""
+class KeptSteps(dict):
+    """What a model keeps between calls, by options: its runners by (device, compile, CUDA
+    graphs, exact), a draft head its compiled steps. A copied or pickled model starts with none
+    (compiled steps belong to their model)."""
 
-    def __deepcopy__(self, memo) -> "_KeptRunners":
-        return _KeptRunners()
+    def __deepcopy__(self, memo) -> "KeptSteps":
+        return KeptSteps()
 
     def __reduce__(self):
-        return (_KeptRunners, ())
+        return (KeptSteps, ())
 
 
 def _decoder_modules(model: PreTrainedModel) -> tuple[nn.ModuleList, nn.Module | None]:
@@ -317,7 +343,6 @@ class ModelRunner:
         self._hooks: list[torch.utils.hooks.RemovableHandle] = []
         self._graphs: dict[tuple, _VerifyGraph] = {}
         self._graph_pool = None
-        self._compiled: dict[str, CompiledStep] = {}
         # Inductor's freezing on the CPU (`freeze_by_default`): the compiled steps take the
         # model's weights as constants, and compile anew when one of them changes.
         self.freeze = (
@@ -325,8 +350,11 @@ class ModelRunner:
             and self.device.type == "cpu"
             and freeze_by_default(sum(w.numel() * w.element_size() for w in self._weights()))
         )
+        self._steps = CompiledSteps(
+            model.config.model_type, self.compile, self._weights if self.freeze else None
+        )
         # Wall time of the calls that compiled a graph (or captured a CUDA graph), by step shape.
-        self.compile_seconds: dict[str, float] = {}
+        self.compile_seconds = self._steps.compile_seconds
         self._open = False
         self.open(max_cache_len)
 
@@ -346,9 +374,9 @@ class ModelRunner:
         itself), a second, transient one."""
         compile, graphs = _runner_options(model, use_cuda_graphs, compile, exact)
         kept = model.__dict__.get(RUNNER_ATTRIBUTE)
-        if not isinstance(kept, _KeptRunners):
+        if not isinstance(kept, KeptSteps):
             # In the instance dict, not through nn.Module.__setattr__: runners are no submodules.
-            kept = model.__dict__[RUNNER_ATTRIBUTE] = _KeptRunners()
+            kept = model.__dict__[RUNNER_ATTRIBUTE] = KeptSteps()
         key = (str(model.device), compile, graphs, exact)
         runner = kept.get(key)
         if runner is not None and runner.model is model and not runner._open:
@@ -375,7 +403,7 @@ class ModelRunner:
             # Before the attention switch: a model exact mode cannot serve leaves unchanged.
             switch_exact(self.model, on=True)
         try:
-            _switch_attention(self.model, on=True)
+            switch_attention(self.model, on=True)
         except BaseException:
             if self.exact:
                 switch_exact(self.model, on=False)
@@ -394,7 +422,7 @@ class ModelRunner:
         self._hooks.clear()
         self._capture_layers = ()
         try:
-            _switch_attention(self.model, on=False)
+            switch_attention(self.model, on=False)
         finally:
             if self.exact:
                 switch_exact(self.model, on=False)
@@ -731,32 +759,17 @@ class ModelRunner:
         return logits, hidden
 
     def _run(self, kind: str, step, *args):
-        """`step(*args)` with no grad, through its compiled version (a `CompiledStep` per kind,
-        made on first use) when compiling; the calls that compiled a graph are timed into
+        """`step(*args)` with no grad, through its compiled version (`CompiledSteps`, a
+        `CompiledStep` per kind) when compiling; the calls that compiled a graph are timed into
         `compile_seconds`."""
         # Emptied out here, not inside the step: a compiled step guards on the dict it mutates,
         # and one that found the previous step's entries would compile a second graph.
         self._captured.clear()
-        with torch.no_grad():
-            if not self.compile:
-                return step(*args)
-            compiled = self._compiled.get(kind)
-            if compiled is None:
-                what = f"the {kind} step of this {self.model.config.model_type} model"
-                weights = self._weights if self.freeze else None
-                compiled = self._compiled[kind] = CompiledStep(step, what, weights)
-            out, seconds = compiled(*args)
-        if seconds is not None:
-            shape = args[0].shape
-            self._record_compile(f"{kind} B={shape[0]} N={shape[1]}", seconds)
-        return out
+        shape = args[0].shape
+        return self._steps.run(kind, f"{kind} B={shape[0]} N={shape[1]}", step, *args)
 
     def _weights(self) -> Iterator[torch.Tensor]:
         return itertools.chain(self.model.parameters(), self.model.buffers())
-
-    def _record_compile(self, label: str, seconds: float) -> None:
-        self.compile_seconds[label] = seconds
-        record_compile(f"{self.model.config.model_type} {label}", seconds)
 
     def _verify_step(
         self, tokens: torch.Tensor, parents: torch.Tensor, q_lens: torch.Tensor | None
@@ -786,9 +799,9 @@ class ModelRunner:
         """One model forward writing K/V at `cache_lens[b] + i` of `cache` (default: the
         batch's); fp32 logits and hidden states."""
         cache = self.cache if cache is None else cache
-        cache.prepare_write(tokens.shape[1])
-        metadata = StepMetadata(
-            cache.cache_lens,
+        metadata = step_metadata(
+            cache,
+            tokens.shape[1],
             tree_mask,
             q_lens,
             self.max_cache_len,
@@ -823,7 +836,7 @@ class ModelRunner:
             start = time.perf_counter()
             captured = self._capture(tokens, parents, q_lens)
             self._graphs[key] = captured
-            self._record_compile(f"graph B={key[0][0]} N={key[0][1]}", time.perf_counter() - start)
+            self._steps.record(f"graph B={key[0][0]} N={key[0][1]}", time.perf_counter() - start)
         captured.tokens.copy_(tokens)
         captured.parents.copy_(parents)
         if q_lens is not None:

@@ -295,9 +295,13 @@ class DynamicTreeBuilder:
     `max_nodes - 1` best candidates overall and returns `(tokens, parents)`, int64
     `[B, max_nodes]` in topological order (by depth, then best first), node 0 being the root.
 
-    A child's cumulative score never exceeds its parent's, and ties go to the earlier (shallower)
-    candidate, so the kept set always contains every kept node's parent. Everything is batched
-    tensor work with shapes fixed by (B, k, depth, max_nodes): no host reads.
+    Candidates are numbered in the order they come: the root's k children, then per level the k
+    children of each frontier node in frontier order. A child's cumulative score never exceeds
+    its parent's, and ties go to the earlier (never deeper) candidate, in the frontier's choice
+    and the final one alike, so the kept set always contains every kept node's parent.
+    Everything is batched tensor work with shapes fixed by (B, k, depth, max_nodes): no host
+    reads, so the whole build runs inside a compiled draft step (`EagleDrafter`); the
+    plain-Python builder in tests/test_trees.py is its oracle.
     """
 
     def __init__(self, top_k: int, depth: int, max_nodes: int):
@@ -337,11 +341,13 @@ class DynamicTreeBuilder:
         self._parents.append(self._frontier.repeat_interleave(k, dim=1))
         self._levels += 1
         self._depths.append(torch.full_like(flat_tokens, self._levels))
-        best = cumulative.topk(k, dim=1)
-        self._frontier = self._count + best.indices
-        self._frontier_scores = best.values
+        # A stable sort, not topk (whose order among equal values is unspecified): ties go to
+        # the earlier candidate, on every device and in compiled graphs alike.
+        best = cumulative.sort(dim=1, descending=True, stable=True).indices[:, :k]
+        self._frontier = self._count + best
+        self._frontier_scores = cumulative.gather(1, best)
         self._count += k * k
-        return flat_tokens.gather(1, best.indices), best.indices // k
+        return flat_tokens.gather(1, best), best // k
 
     def finish(self, roots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The best `max_nodes - 1` candidates as a tree under `roots` (int `[B]`)."""

@@ -7,8 +7,10 @@ import json
 
 import pytest
 import torch
+from bench_smoke import import_bench
 from test_generate import NEW_TOKENS, VOCAB, hf_greedy
 from test_generate_sampling import P_MIN, chi_square_p, exact_pair_probs, sample_pairs
+from test_transfers import counted_reads
 from tiny_models import repetitive_prompts, tiny_llama
 
 from specdec_fast import EagleDrafter, generate
@@ -338,3 +340,56 @@ def test_bad_checkpoints_and_misfits_raise_clear_errors(target, tmp_path):
     other = tiny_llama(vocab_size=VOCAB + 1)
     with pytest.raises(ValueError, match="vocab_size is 96, the target's is 97"):
         generate(other, [[1, 2, 3]], drafter=EagleDrafter(make_head(1, target)), max_new_tokens=2)
+
+
+# --- compiled steps ---------------------------------------------------------------------------
+
+
+def test_compiled_steps_equal_hf_greedy_with_no_eager_draft_work(small_target, monkeypatch):
+    """In compiled mode the whole draft loop (head forwards, top-k, tree growth and selection)
+    and the update are one compiled graph each: outputs equal HF's greedy decoding, the call
+    reports both compilations, and a steady-state step dispatches no operator of the drafter's
+    outside them (bench/step_ops.py; the engine's own ops stay, within issue 44's 30)."""
+    step_ops = import_bench(monkeypatch, "step_ops")
+    # One row: batch 1 and 2+ are separate graphs, and rows finishing early would compile both.
+    prompts = repetitive_prompts([14], SMALL_VOCAB, seed=21)
+    head = make_head(3, small_target, seed=5)
+
+    def run(new_tokens):
+        drafter = EagleDrafter(head, max_nodes=8)
+        return generate(
+            small_target, prompts, drafter=drafter, max_new_tokens=new_tokens, compile=True,
+            eos_token_id=[],
+        )  # fmt: skip
+
+    out = run(NEW_TOKENS)
+    assert [s.tolist() for s in out.sequences] == hf_greedy(small_target, prompts)
+    assert out.stats.accepted_tokens > 0
+    labels = " ".join(out.stats.compiled)
+    assert "eagle3 draft B=1" in labels and "eagle3 update B=1" in labels, labels
+    per_step, counts = step_ops.ops_per_step(run, short=4, long=16)
+    # The drafter's eager work would show as the head's operators (linear, its norms' rsqrt)
+    # and the tree's (topk, sort): none may run outside the graphs.
+    drafter_ops = {"aten::linear", "aten::rsqrt", "aten::topk", "aten::sort", "aten::log_softmax"}
+    assert not drafter_ops & set(counts), counts
+    assert per_step <= 30, counts
+
+
+@pytest.mark.parametrize("version", [1, 3], ids=["eagle1", "eagle3"])
+def test_a_step_reads_back_nothing_but_the_engines_read(small_target, version):
+    """The head's lengths stay on the device (bounded on the host from the token counts): a
+    step's only blocking read is the engine's read-back (tests/test_transfers.py's counter;
+    the room checks used to read the head's lengths about every other step)."""
+    prompts = repetitive_prompts([12], SMALL_VOCAB, seed=8)
+    head = make_head(version, small_target, seed=3)
+    counts = []
+    for new_tokens in (6, 30):
+        with counted_reads() as reads:
+            out = generate(
+                small_target, prompts, drafter=EagleDrafter(head, max_nodes=8),
+                max_new_tokens=new_tokens, eos_token_id=[],
+            )  # fmt: skip
+        counts.append((len(reads), out.stats.steps, reads))
+    (short_reads, short_steps, _), (long_reads, long_steps, records) = counts
+    assert long_steps > short_steps
+    assert (long_reads - short_reads) / (long_steps - short_steps) == 1, records[-10:]

@@ -3,6 +3,7 @@ dynamic tree builder against a plain-Python reference."""
 
 import math
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
@@ -205,6 +206,120 @@ def test_dynamic_tree_matches_the_python_reference(batch, top_k, depth, seed, da
             max_nodes - 1,
         )
         assert token_paths(tokens[row].tolist(), row_parents) == expected
+
+
+def oracle_dynamic_tree(root_scores, root_tokens, level_scores, level_tokens, root, max_nodes):
+    """EAGLE-2 for one row on the host, node for node: (tokens, parents) lists of the tree of
+    `max_nodes` nodes, root included, as `DynamicTreeBuilder` lays it out. Scores are summed in
+    float32 as on the device, and every tie goes to the earlier candidate. NaN ranks last: it
+    counts as -inf, and -inf as the lowest finite float32 (`torch.nan_to_num`'s defaults)."""
+
+    def clean(score):
+        score = np.float32(score)
+        if np.isnan(score):
+            return np.float32(-np.inf)
+        return max(min(score, np.float32(0.0)), np.finfo(np.float32).min)
+
+    k = len(root_scores)
+    # (cumulative score, depth, parent candidate or -1, token); the index is the candidate order
+    candidates = [(clean(root_scores[i]), 1, -1, root_tokens[i]) for i in range(k)]
+    frontier = list(range(k))
+    for scores, tokens in zip(level_scores, level_tokens, strict=True):
+        first = len(candidates)
+        for i, parent in enumerate(frontier):
+            base, depth = candidates[parent][:2]
+            for j in range(k):
+                cumulative = np.float32(base + clean(scores[i][j]))
+                candidates.append((cumulative, depth + 1, parent, tokens[i][j]))
+        level = range(first, len(candidates))
+        frontier = sorted(level, key=lambda c: (-candidates[c][0], c))[:k]
+    chosen = sorted(range(len(candidates)), key=lambda c: (-candidates[c][0], c))[: max_nodes - 1]
+    chosen = sorted(chosen, key=lambda c: candidates[c][1])  # stable: best first per depth
+    node_of = {candidate: node for node, candidate in enumerate(chosen, start=1)}
+    tokens = [root] + [candidates[c][3] for c in chosen]
+    parents = [-1] + [node_of.get(candidates[c][2], 0) for c in chosen]
+    return tokens, parents
+
+
+TIE_VALUES = (0.0, -0.5, -1.0, -1.5, -math.inf, math.nan)
+
+
+def grow_tree(builder, root_scores, root_tokens, level_scores, level_tokens, roots):
+    """The device builder over given scores: start, one expand per level, finish."""
+    builder.start(root_scores, root_tokens)
+    for scores, tokens in zip(level_scores, level_tokens, strict=True):
+        builder.expand(scores, tokens)
+    return builder.finish(roots)
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+@pytest.mark.parametrize("top_k, depth", [(1, 1), (1, 4), (2, 1), (2, 3), (3, 4), (4, 5), (6, 6)])
+def test_device_tree_builder_equals_the_host_oracle_with_ties(batch, top_k, depth):
+    """Scores from a handful of values (-inf and NaN included), so that cumulative scores tie
+    across frontier slots, levels and depths; every budget the shape allows, node for node."""
+    generator = torch.Generator().manual_seed(top_k * 10 + depth + batch)
+    values = torch.tensor(TIE_VALUES)
+
+    def tied(*shape):
+        return values[torch.randint(len(TIE_VALUES), shape, generator=generator)]
+
+    candidates = top_k + (depth - 1) * top_k * top_k
+    for max_nodes in sorted(
+        {2, min(3, candidates + 1), max(candidates // 2 + 1, 2), candidates + 1}
+    ):
+        for _ in range(3):
+            root = (tied(batch, top_k), torch.randint(100, (batch, top_k), generator=generator))
+            levels = [
+                (tied(batch, top_k, top_k), torch.randint(100, (batch, top_k, top_k)))
+                for _ in range(depth - 1)
+            ]
+            level_scores = [s for s, _ in levels]
+            level_tokens = [t for _, t in levels]
+            roots = torch.arange(batch) + 1000
+            builder = DynamicTreeBuilder(top_k, depth, max_nodes)
+            tokens, parents = grow_tree(builder, *root, level_scores, level_tokens, roots)
+            for row in range(batch):
+                expected = oracle_dynamic_tree(
+                    root[0][row].tolist(),
+                    root[1][row].tolist(),
+                    [s[row].tolist() for s in level_scores],
+                    [t[row].tolist() for t in level_tokens],
+                    1000 + row,
+                    max_nodes,
+                )
+                assert (tokens[row].tolist(), parents[row].tolist()) == expected
+
+
+def test_compiled_tree_builder_equals_the_host_oracle_with_ties():
+    """The builder inside a compiled graph (as the EAGLE draft step runs it) keeps the same
+    ties: one shape, all-tied scores."""
+    top_k, depth, max_nodes, batch = 3, 3, 12, 2
+
+    def build(root_scores, root_tokens, level_scores, level_tokens, roots):
+        builder = DynamicTreeBuilder(top_k, depth, max_nodes)
+        return grow_tree(builder, root_scores, root_tokens, level_scores, level_tokens, roots)
+
+    compiled = torch.compile(build, fullgraph=True, dynamic=False)
+    generator = torch.Generator().manual_seed(5)
+    values = torch.tensor(TIE_VALUES[:3])
+    root_scores = values[torch.randint(3, (batch, top_k), generator=generator)]
+    level_scores = [values[torch.randint(3, (batch, top_k, top_k), generator=generator)]] * 2
+    root_tokens = torch.arange(batch * top_k).view(batch, top_k)
+    level_tokens = [
+        torch.arange(batch * top_k * top_k).view(batch, top_k, top_k) + 50 * i for i in (1, 2)
+    ]
+    roots = torch.tensor([7, 8])
+    tokens, parents = compiled(root_scores, root_tokens, level_scores, level_tokens, roots)
+    for row in range(batch):
+        expected = oracle_dynamic_tree(
+            root_scores[row].tolist(),
+            root_tokens[row].tolist(),
+            [s[row].tolist() for s in level_scores],
+            [t[row].tolist() for t in level_tokens],
+            7 + row,
+            max_nodes,
+        )
+        assert (tokens[row].tolist(), parents[row].tolist()) == expected
 
 
 def test_dynamic_tree_with_tied_scores_keeps_every_parent():

@@ -17,25 +17,64 @@ One step:
   features with the next token of the path, the last one paired with the sampled next token)
   are fed as a ragged chain and committed, so the head's cache stays in step with the target's;
   the last entry's output ranks the next root's children.
+
+Each of the two is one step function of device work only, with every shape fixed by the
+envelope (B, top_k, depth, max_nodes) chosen at attach: the tree levels are fed at widths
+k, 2k, ..., (depth - 1) k, the update at depth + 1 with the accepted counts masking the rest, and
+the tree is built by `DynamicTreeBuilder` on the device (a dynamic tree is dynamic in its
+contents only). In compiled mode each runs as one graph per batch size through the head's
+`CompiledSteps` (the machinery of the target's `ModelRunner`), so a step dispatches nothing of
+the drafter's outside them; the head's lengths live on the device and are bounded on the host
+from the token counts, so the drafter reads nothing back.
 """
 
 from __future__ import annotations
 
+import itertools
 import os
 
 import torch
 
-from specdec_fast.attention import ATTENTION_NAME, METADATA_KWARG, StepMetadata, register_attention
+from specdec_fast.arguments import CACHE_BLOCK
+from specdec_fast.attention import METADATA_KWARG
 from specdec_fast.cache import SpecKVCache
+from specdec_fast.compiled import CompiledSteps, compile_by_default, freeze_by_default
 from specdec_fast.heads.eagle import Eagle3Head, EagleHead, load_eagle_head
 from specdec_fast.kernels import pack_tree_mask
 from specdec_fast.kernels.tree_attention import MAX_TREE_NODES
+from specdec_fast.runner import KeptSteps, step_metadata, switch_attention
 from specdec_fast.transfer import to_device
-from specdec_fast.tree_mask import ancestor_mask, node_depths
 from specdec_fast.trees import DynamicTreeBuilder, check_dynamic_tree, dynamic_tree_shape
 
 from .base import Drafter, DraftState, Proposal, StepOutcome
 from .features import gather_rows
+
+# Where a head keeps its compiled steps between calls (as a model keeps its runners).
+STEPS_ATTRIBUTE = "_specdec_steps"
+
+
+def _head_steps(head: EagleHead | Eagle3Head) -> CompiledSteps:
+    """The head's compiled steps for the compile choice of the call in progress, kept on the
+    head: a later drafter over the same head (each `generate` call of a registry spec makes a
+    new one) compiles nothing. On the CPU the head's weights are frozen into the graphs as the
+    target's are (`freeze_by_default`); the target's embeddings and LM head, which the steps
+    read too, are guarded by identity."""
+    compile = compile_by_default()
+    weights = head.fc.weight
+    size = sum(w.numel() * w.element_size() for w in head.parameters())
+    freeze = compile and weights.device.type == "cpu" and freeze_by_default(size)
+    kept = head.__dict__.get(STEPS_ATTRIBUTE)
+    if not isinstance(kept, KeptSteps):
+        # In the instance dict, not through nn.Module.__setattr__: steps are no submodules.
+        kept = head.__dict__[STEPS_ATTRIBUTE] = KeptSteps()
+    key = (str(weights.device), weights.dtype, compile, freeze)
+    if key not in kept:
+
+        def head_weights():
+            return itertools.chain(head.parameters(), head.buffers())
+
+        kept[key] = CompiledSteps(f"eagle{head.version}", compile, head_weights if freeze else None)
+    return kept[key]
 
 
 class EagleDrafter(Drafter):
@@ -78,7 +117,7 @@ class EagleDrafter(Drafter):
         self._cache: SpecKVCache | None = None
         self._outputs: torch.Tensor | None = None  # [B, h]: output of each row's last entry
         self._attached = False
-        self._attention_before: str | None = None
+        self._steps: CompiledSteps | None = None
 
     @classmethod
     def from_pretrained(cls, name_or_path: str | os.PathLike, target, **tree_args) -> EagleDrafter:
@@ -93,26 +132,32 @@ class EagleDrafter(Drafter):
         )
 
     def attach(self, target, max_cache_len: int) -> None:
+        """Check the head against `target`, switch it to our attention, and fix the step's
+        envelope: every tensor of `propose` and `update` is shaped by (B, top_k, depth,
+        max_nodes), so each batch size runs one compiled draft graph and one update graph."""
         self.head.check_target(target)
         self.head.to(device=target.device, dtype=target.dtype).eval()
         self._embed = target.get_input_embeddings()
         self._lm_head = target.get_output_embeddings()
-        register_attention()
         if not self._attached:
-            self._attention_before = self.head.config._attn_implementation
+            switch_attention(self.head, on=True)
             self._attached = True
-        self.head.config._attn_implementation = ATTENTION_NAME
+        self._steps = _head_steps(self.head)
         # Entries past the committed length: the refed tree levels, or the accepted-path chain.
-        self._capacity = max_cache_len + max(self.top_k * (self.depth - 1), self.depth + 1)
+        self._draft_width = max(self.top_k * (self.depth - 1), 1)
+        needed = max_cache_len + max(self._draft_width, self.depth + 1)
+        # In whole blocks, as the target's storage: the compiled steps know the capacity as a
+        # constant, and calls of similar lengths then share their graphs.
+        self._capacity = -(-needed // CACHE_BLOCK) * CACHE_BLOCK
 
     def end(self) -> None:
         """Drop the head's cache and give the head its own attention back."""
         self._cache = self._outputs = None
         if self._attached:
-            self.head.config._attn_implementation = self._attention_before
+            switch_attention(self.head, on=False)
             self._attached = False
 
-    def _run(
+    def _forward(
         self,
         hidden: torch.Tensor,
         tokens: torch.Tensor,
@@ -120,11 +165,13 @@ class EagleDrafter(Drafter):
         tree_mask: torch.Tensor | None = None,
         q_lens: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Head outputs `[B, N, h]` for N entries written at slots `cache_lens[b] + i`."""
+        """Head outputs `[B, N, h]` for N entries written at slots `cache_lens[b] + i` of the
+        head's cache (device ops only): hidden `[B, N, h]`, tokens and positions int64 `[B, N]`,
+        tree_mask packed int32 `[B, N, words]` or None (causal), q_lens int32 `[B]` or None."""
         cache = self._cache
-        cache.ensure_room(tokens.shape[1])
-        cache.prepare_write(tokens.shape[1])
-        metadata = StepMetadata(cache.cache_lens, tree_mask, q_lens, cache.max_cache_len)
+        # The capacity as the host knows it: a compiled step reading `cache.kv`'s shape would
+        # guard on its batch size.
+        metadata = step_metadata(cache, tokens.shape[1], tree_mask, q_lens, self._capacity)
         return self.head(
             hidden,
             self._embed(tokens),
@@ -132,6 +179,19 @@ class EagleDrafter(Drafter):
             past_key_values=cache,
             **{METADATA_KWARG: metadata},
         )
+
+    def _run(self, kind: str, step, *args):
+        """`step(self, *args)` through the head's compiled steps (`CompiledSteps`, the
+        machinery of the target's runner), or as it is when not compiling."""
+        label = f"{kind} B={args[0].shape[0]}"
+        return self._steps.run(kind, label, step, self, *args)
+
+    def _bound_lengths(self, state: DraftState, num_new: int) -> None:
+        """Bound the head's committed lengths from the host's token counts (a row's head holds
+        one entry per cached token, fewer than its tokens) and check room for `num_new` more:
+        no device read."""
+        self._cache.bound_lengths(max(len(row) for row in state.tokens))
+        self._cache.ensure_room(num_new)
 
     @torch.no_grad()
     def begin(self, state: DraftState) -> None:
@@ -161,7 +221,7 @@ class EagleDrafter(Drafter):
     def _fill(self, state: DraftState) -> torch.Tensor:
         """Feed the rows' prompt entries into the head's cache (`self._cache`, one row per row of
         `state`) and commit them; returns the output of each row's last entry `[B, h]` (zeros
-        for a one-token prompt)."""
+        for a one-token prompt). Once per row, eagerly: prompt widths vary."""
         device, batch = state.device, state.batch_size
         lengths = [len(row) - 1 for row in state.tokens]
         width = max(lengths)
@@ -176,54 +236,105 @@ class EagleDrafter(Drafter):
             hidden = self.head.fuse([state.hidden[layer] for layer in self.hidden_layers])
             q_lens = to_device(lengths, device, torch.int32)
             positions = torch.arange(width, device=device).expand(batch, -1)
-            outputs = self._run(hidden, tokens.to(device), positions, None, q_lens)
+            self._cache.ensure_room(width)
+            outputs = self._forward(hidden, tokens.to(device), positions, None, q_lens)
             last = gather_rows(outputs, (q_lens.long() - 1).clamp(min=0)[:, None])[:, 0]
             last_outputs = torch.where((q_lens > 0)[:, None], last, last_outputs)
         self._cache.commit_lengths(to_device(lengths, device, torch.int32), width)
         return last_outputs
 
     def _top_k(self, outputs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Log-probabilities and target ids of the top-k next tokens after head outputs."""
+        """Log-probabilities (float32) and target ids (int64) of the top-k next tokens after
+        head outputs `[..., h]`: each `[..., k]`."""
         log_probs = torch.log_softmax(self.head.logits(outputs, self._lm_head).float(), dim=-1)
         best = log_probs.topk(self.top_k, dim=-1)
         return best.values, self.head.to_target_ids(best.indices)
 
     @torch.no_grad()
     def propose(self, state: DraftState) -> Proposal:
-        device, batch, k = state.device, state.batch_size, self.top_k
+        self._bound_lengths(state, self._draft_width)
+        return Proposal(*self._run("draft", EagleDrafter._draft_step, self._outputs, state.roots))
+
+    def _draft_step(
+        self, outputs: torch.Tensor, roots: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The whole draft loop, one compiled graph per batch size: the root's top-k children,
+        then per further level the head over every fed entry (the tree's levels so far, above
+        the committed entries, under their ancestor mask), the frontier's top-k children and
+        the builder's choice of the next frontier; then the builder's final selection.
+
+        outputs: `[B, h]`, each row's last committed entry's output; roots: int64 `[B]`.
+        Returns int64 `(tokens, parents)` `[B, max_nodes]`.
+        """
+        batch, k, device = outputs.shape[0], self.top_k, outputs.device
         builder = DynamicTreeBuilder(k, self.depth, self.max_nodes)
-        fed_tokens = builder.start(*self._top_k(self._outputs))
-        fed_hidden = self._outputs[:, None].expand(-1, k, -1)
-        fed_parents = torch.full((batch, k), -1, dtype=torch.long, device=device)
-        for _ in range(1, self.depth):
-            ancestors = ancestor_mask(fed_parents)
-            positions = self._cache.cache_lens[:, None].long() + node_depths(ancestors)
-            outputs = self._run(fed_hidden, fed_tokens, positions, pack_tree_mask(ancestors))
-            frontier = outputs[:, -k:]
-            scores, tokens = self._top_k(frontier)
-            new_tokens, source = builder.expand(scores, tokens)
-            fed_parents = torch.cat([fed_parents, fed_tokens.shape[1] - k + source], dim=1)
+        fed_tokens = builder.start(*self._top_k(outputs))
+        fed_hidden = outputs[:, None].expand(-1, k, -1)
+        # Entries are fed level by level, k per level: an entry's position is the committed
+        # length plus its level, and it sees its ancestors (one per earlier level) and itself.
+        own = torch.eye(k, dtype=torch.bool, device=device).expand(batch, -1, -1)
+        ancestors = own
+        for level in range(1, self.depth):
+            levels = torch.arange(level, device=device).repeat_interleave(k)
+            positions = self._cache.cache_lens[:, None].long() + levels
+            fed = self._forward(fed_hidden, fed_tokens, positions, pack_tree_mask(ancestors))
+            frontier = fed[:, -k:]
+            new_tokens, source = builder.expand(*self._top_k(frontier))
+            parent_rows = gather_rows(ancestors, source + (level - 1) * k)
+            ancestors = torch.cat(
+                [
+                    torch.cat([ancestors, ancestors.new_zeros(batch, level * k, k)], dim=2),
+                    torch.cat([parent_rows, own], dim=2),
+                ],
+                dim=1,
+            )
             fed_tokens = torch.cat([fed_tokens, new_tokens], dim=1)
             fed_hidden = torch.cat([fed_hidden, gather_rows(frontier, source)], dim=1)
-        return Proposal(*builder.finish(state.roots))
+        return builder.finish(roots)
 
     @torch.no_grad()
     def update(self, state: DraftState, outcome: StepOutcome) -> None:
-        width = self.depth + 1  # the root and at most `depth` accepted nodes
-        accepted = outcome.num_accepted.long()
-        nodes = outcome.accepted_nodes[:, :width].long().clamp(min=0)
-        path_tokens = outcome.proposal.tokens.gather(1, nodes)
-        step = torch.arange(width, device=nodes.device)
-        following = torch.cat([path_tokens[:, 1:], outcome.next_tokens[:, None]], dim=1)
-        tokens = torch.where(step < accepted[:, None], following, outcome.next_tokens[:, None])
-        hidden = self.head.fuse(
-            [gather_rows(outcome.hidden[layer], nodes) for layer in self.hidden_layers]
+        self._bound_lengths(state, self.depth + 1)
+        hidden = [outcome.hidden[layer] for layer in self.hidden_layers]
+        self._outputs = self._run(
+            "update",
+            EagleDrafter._update_step,
+            outcome.proposal.tokens,
+            outcome.accepted_nodes,
+            outcome.num_accepted,
+            outcome.next_tokens,
+            *hidden,
         )
+
+    def _update_step(
+        self,
+        tokens: torch.Tensor,
+        accepted_nodes: torch.Tensor,
+        num_accepted: torch.Tensor,
+        next_tokens: torch.Tensor,
+        *hidden: torch.Tensor,
+    ) -> torch.Tensor:
+        """Feed and commit the accepted path's entries at full width (depth + 1, the rows'
+        accepted counts masking the rest on the device), one compiled graph per batch size.
+
+        tokens: int64 `[B, N]`, the verified tree's tokens; accepted_nodes: int32 `[B, N]`;
+        num_accepted: int32 `[B]`; next_tokens: int64 `[B]`; hidden: the target's features of
+        the verified nodes, `[B, N, H]` per `hidden_layers`. Returns the output of each row's
+        last accepted entry, `[B, h]` (it ranks the next root's children).
+        """
+        width = self.depth + 1  # the root and at most `depth` accepted nodes
+        accepted = num_accepted.long()
+        nodes = accepted_nodes[:, :width].long().clamp(min=0)
+        path_tokens = tokens.gather(1, nodes)
+        step = torch.arange(width, device=nodes.device)
+        following = torch.cat([path_tokens[:, 1:], next_tokens[:, None]], dim=1)
+        entry_tokens = torch.where(step < accepted[:, None], following, next_tokens[:, None])
+        features = self.head.fuse([gather_rows(layer, nodes) for layer in hidden])
         positions = self._cache.cache_lens[:, None].long() + step
         q_lens = (accepted + 1).to(torch.int32)
-        outputs = self._run(hidden, tokens, positions, None, q_lens)
-        self._outputs = gather_rows(outputs, accepted[:, None])[:, 0]
+        outputs = self._forward(features, entry_tokens, positions, None, q_lens)
         self._cache.cache_lens.add_(q_lens)
+        return gather_rows(outputs, accepted[:, None])[:, 0]
 
     def keep(self, rows: list[int]) -> None:
         self._cache.select(rows)
