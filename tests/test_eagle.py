@@ -10,7 +10,6 @@ import torch
 from bench_smoke import import_bench
 from test_generate import NEW_TOKENS, VOCAB, hf_greedy
 from test_generate_sampling import P_MIN, chi_square_p, exact_pair_probs, sample_pairs
-from test_transfers import counted_reads
 from tiny_models import repetitive_prompts, tiny_llama
 
 from specdec_fast import EagleDrafter, generate
@@ -376,20 +375,19 @@ def test_compiled_steps_equal_hf_greedy_with_no_eager_draft_work(small_target, m
 
 
 @pytest.mark.parametrize("version", [1, 3], ids=["eagle1", "eagle3"])
-def test_a_step_reads_back_nothing_but_the_engines_read(small_target, version):
+def test_a_step_reads_back_nothing_but_the_engines_read(small_target, version, monkeypatch):
     """The head's lengths stay on the device (bounded on the host from the token counts): a
-    step's only blocking read is the engine's read-back (tests/test_transfers.py's counter;
-    the room checks used to read the head's lengths about every other step)."""
+    step's only blocking read is the engine's read-back (bench/step_ops.py's counter, as on an
+    accelerator; the room checks used to read the head's lengths about every other step)."""
+    step_ops = import_bench(monkeypatch, "step_ops")
     prompts = repetitive_prompts([12], SMALL_VOCAB, seed=8)
     head = make_head(version, small_target, seed=3)
-    counts = []
-    for new_tokens in (6, 30):
-        with counted_reads() as reads:
-            out = generate(
-                small_target, prompts, drafter=EagleDrafter(head, max_nodes=8),
-                max_new_tokens=new_tokens, eos_token_id=[],
-            )  # fmt: skip
-        counts.append((len(reads), out.stats.steps, reads))
-    (short_reads, short_steps, _), (long_reads, long_steps, records) = counts
-    assert long_steps > short_steps
-    assert (long_reads - short_reads) / (long_steps - short_steps) == 1, records[-10:]
+
+    def run(new_tokens):
+        drafter = EagleDrafter(head, max_nodes=8)
+        return generate(
+            small_target, prompts, drafter=drafter, max_new_tokens=new_tokens, eos_token_id=[]
+        )
+
+    counts = step_ops.step_counts(run, short=6, long=30)
+    assert counts.reads_per_step == 1, counts.reads.most_common()
