@@ -289,7 +289,7 @@ def timed(owner, name: str, bucket: dict[str, float], device: torch.device):
 
 
 def breakdown(setup: Model, config: str, make, batch: int, threads: int, tokens: int) -> Breakdown:
-    import specdec_fast.engine as engine
+    import specdec_fast.step as step
 
     device = setup.model.device
     run = ours(setup, make, batch, tokens)
@@ -304,7 +304,7 @@ def breakdown(setup: Model, config: str, make, batch: int, threads: int, tokens:
         for owner, name in (
             (runner, "verify"),
             (runner, "prefill"),
-            (engine, "run_verify"),
+            (step, "run_verify"),
             (SpecKVCache, "compact"),
         ):
             stack.enter_context(timed(owner, name, bucket, device))

@@ -29,8 +29,11 @@ from specdec_fast.train.export import read_info
 from specdec_fast.train.tokenizer import load_tokenizer
 
 TARGET, DRAFT = "tiny-code", "tiny-code-draft"
-# Seven checkpoints ship (target, draft, Medusa, EAGLE, EAGLE-3, DFlash, PARD): about 27 MB.
+# The tiny-code family ships seven checkpoints (target, draft, Medusa, EAGLE, EAGLE-3, DFlash,
+# PARD): about 27 MB. The real target is made from an installed package's GGUF and does not
+# ship; each drafter trained for it (bf16) is held to its own budget.
 BUDGET_BYTES = 30 * 10**6
+REAL_DRAFTER_BUDGET_BYTES = 25 * 10**6
 # The recorded losses come from fp32 evaluation on the development CPU; other BLAS builds and
 # thread counts move them in the 4th decimal, while a broken or swapped checkpoint costs tenths.
 LOSS_MARGIN = 0.02
@@ -111,10 +114,17 @@ def test_configs_follow_the_contract(models):
     assert draft_params <= 0.2 * target_params
 
 
+def _size(folder: Path) -> int:
+    return sum(path.stat().st_size for path in folder.rglob("*") if path.is_file())
+
+
 def test_all_bundled_files_fit_the_size_budget():
     root = Path(bundled.__file__).parent
-    total = sum(path.stat().st_size for path in root.rglob("*") if path.is_file())
-    assert total <= BUDGET_BYTES
+    real = [folder for folder in root.iterdir() if folder.name.startswith("smollm2-")]
+    assert real, "the drafters trained for the real target are bundled"
+    for folder in real:
+        assert _size(folder) <= REAL_DRAFTER_BUDGET_BYTES, folder.name
+    assert _size(root) - sum(_size(folder) for folder in real) <= BUDGET_BYTES
 
 
 @pytest.mark.parametrize("name", [TARGET, DRAFT])

@@ -11,6 +11,7 @@ import torch
 from torch.utils.weak import WeakIdKeyDictionary
 from transformers import PreTrainedModel
 
+from specdec_fast.arguments import CACHE_BLOCK
 from specdec_fast.compiled import CompiledStep, record_compile
 from specdec_fast.kernels.tree_attention import MAX_TREE_NODES
 from specdec_fast.runner import ModelRunner
@@ -69,11 +70,13 @@ def open_draft_runner(
     draft_model, target, max_cache_len: int, draft_tokenizer=None, target_tokenizer=None
 ) -> ModelRunner:
     """The draft model's runner for sequences of `max_cache_len` tokens, after checking that it
-    can draft for `target` (`check_compatible`, same device)."""
+    can draft for `target` (`check_compatible`, same device). Its cache is sized in whole
+    `CACHE_BLOCK`s, as the target's storage is: calls of similar lengths then share one cache
+    shape, and the compiled draft loops, which see it, compile once for them."""
     check_compatible(draft_model, target, draft_tokenizer, target_tokenizer)
     if draft_model.device != target.device:
         raise ValueError(f"draft model is on {draft_model.device}, the target on {target.device}")
-    return ModelRunner.for_model(draft_model, max_cache_len)
+    return ModelRunner.for_model(draft_model, -(-max_cache_len // CACHE_BLOCK) * CACHE_BLOCK)
 
 
 def prefill_draft(runner: ModelRunner, state: DraftState) -> list[int]:
