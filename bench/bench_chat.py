@@ -27,6 +27,7 @@ from pathlib import Path
 import torch
 from bench_overhead import Model, breakdown, fmt_breakdown
 from common import environment, write_results
+from e2e import add_per_depth
 
 from specdec_fast.demo_chat import (
     CHAT_DRAFTERS,
@@ -62,14 +63,7 @@ def per_depth(target, make, prompts, tokens: int, stop) -> list[float]:
         with torch.no_grad():
             out = generate(target, [ids], drafter=make(), max_new_tokens=tokens, eos_token_id=stop)
         for seq in out.stats.sequences:
-            for depth, (o, a) in enumerate(
-                zip(seq.position_offered, seq.position_accepted, strict=True)
-            ):
-                if depth == len(offered):
-                    offered.append(0)
-                    taken.append(0)
-                offered[depth] += o
-                taken[depth] += a
+            add_per_depth(offered, taken, seq)
     return [round(a / o, 4) if o else 0.0 for a, o in zip(taken, offered, strict=True)]
 
 

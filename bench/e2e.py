@@ -61,6 +61,18 @@ class E2ERecord:
         return asdict(self)
 
 
+def add_per_depth(offered: list[int], taken: list[int], seq) -> None:
+    """Add a sequence's drafted (`position_offered`) and accepted (`position_accepted`) counts
+    per tree depth to the running sums `offered` and `taken`, growing them as deeper levels
+    appear."""
+    for depth, (o, a) in enumerate(zip(seq.position_offered, seq.position_accepted, strict=True)):
+        if depth == len(offered):
+            offered.append(0)
+            taken.append(0)
+        offered[depth] += o
+        taken[depth] += a
+
+
 def run_ours(
     peer: str,
     target,
@@ -104,14 +116,7 @@ def run_ours(
             steps += seq.steps
             accepted += seq.accepted
             drafted += seq.drafted
-            for depth, (o, a) in enumerate(
-                zip(seq.position_offered, seq.position_accepted, strict=True)
-            ):
-                if depth == len(offered):
-                    offered.append(0)
-                    taken.append(0)
-                offered[depth] += o
-                taken[depth] += a
+            add_per_depth(offered, taken, seq)
     sync(target.device)
     seconds = time.perf_counter() - start
     record = E2ERecord(
