@@ -73,7 +73,8 @@ class StaticTree:
     @property
     def max_rank(self) -> int:
         """Candidates needed per node: 1 + the largest rank used."""
-        return max(self.ranks, default=-1) + 1
+        # No `max(..., default=)`: compiled draft loops read this, and dynamo cannot trace it.
+        return max(self.ranks) + 1 if self.ranks else 0
 
     def to_choices(self) -> list[list[int]]:
         return [list(path) for path in self.paths]
