@@ -68,3 +68,45 @@ def test_the_demo_prompts_cover_the_five_shapes():
     records = load_demo_prompts()
     assert [r["task"] for r in records] == ["code", "json", "explain", "rag", "multi-turn"]
     assert len(records[-1]["messages"]) == 3
+
+
+def test_answers_resume_from_their_store_and_extend(tmp_path, monkeypatch):
+    """An interrupted run keeps the batches it finished (the store), a rerun generates only the
+    rest, and what it returns equals an uninterrupted run's answers."""
+    from tiny_models import repetitive_prompts, tiny_llama
+
+    from specdec_fast import generate
+
+    monkeypatch.setattr(chat_data, "GENERATE_BATCH", 2)
+    target = tiny_llama(64, seed=3)
+    prompts = repetitive_prompts([5, 9, 7, 12, 6], 64, seed=2)
+    want = [
+        generate(target, [p], drafter=None, max_new_tokens=6, compile=False).sequences[0].tolist()
+        for p in prompts
+    ]
+    store = tmp_path / "answers.npz"
+    batches = []
+
+    def save_then_stop(answered):
+        chat_data._save_answers(store, answered)
+        batches.append(sorted(answered))
+        if len(batches) == 1:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        chat_data.answer_prompts(target, prompts, 6, [], on_batch=save_then_stop)
+    done = chat_data._load_answers(store)
+    assert sorted(done) == batches[0] and len(done) == 2  # the two shortest prompts
+    assert all(done[i] == want[i] for i in done)
+    generated = []
+    real_generate = generate
+
+    def counting(model, batch, **kwargs):
+        generated.extend(batch)
+        return real_generate(model, batch, **kwargs)
+
+    monkeypatch.setattr("specdec_fast.engine.generate", counting)
+    assert chat_data.answer_prompts(target, prompts, 6, [], done=done) == want
+    assert len(generated) == 3 and all(
+        p not in generated for i, p in enumerate(prompts) if i in done
+    )

@@ -20,8 +20,9 @@ import ast
 import dataclasses
 import hashlib
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import BinaryIO
 
 import numpy as np
 import torch
@@ -167,14 +168,24 @@ class ChatData:
 
 
 def answer_prompts(
-    target, prompts: list[list[int]], answer_tokens: int, stop: list[int]
+    target,
+    prompts: list[list[int]],
+    answer_tokens: int,
+    stop: list[int],
+    done: dict[int, list[int]] | None = None,
+    on_batch: Callable[[dict[int, list[int]]], None] | None = None,
 ) -> list[list[int]]:
     """Each prompt followed by the target's greedy answer (the engine's plain decoding, up to
-    `answer_tokens` tokens or its end-of-turn token included), in batches of similar length."""
+    `answer_tokens` tokens or its end-of-turn token included), in batches of similar length.
+
+    `done` holds sequences already answered, by prompt index (they are not generated again);
+    `on_batch` is called with every sequence answered so far after each batch (a store that
+    makes a long run resumable)."""
     from specdec_fast.engine import generate
 
-    order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
-    sequences: list[list[int]] = [[] for _ in prompts]
+    answered = dict(done or {})
+    todo = [i for i in range(len(prompts)) if i not in answered]
+    todo.sort(key=lambda i: len(prompts[i]))
     progress = Progress(
         len(prompts),
         desc="answer",
@@ -182,9 +193,10 @@ def answer_prompts(
         min_interval_s=LOG_EVERY_S,
         log_every_s=LOG_EVERY_S,
     )
+    progress.update(len(prompts) - len(todo))
     with torch.no_grad():
-        for start in range(0, len(order), GENERATE_BATCH):
-            batch = order[start : start + GENERATE_BATCH]
+        for start in range(0, len(todo), GENERATE_BATCH):
+            batch = todo[start : start + GENERATE_BATCH]
             out = generate(
                 target,
                 [prompts[i] for i in batch],
@@ -194,37 +206,86 @@ def answer_prompts(
                 compile=False,
             )
             for i, sequence in zip(batch, out.sequences, strict=True):
-                sequences[i] = sequence.tolist()
+                answered[i] = sequence.tolist()
+            if on_batch is not None:
+                on_batch(answered)
             progress.update(len(batch))
     progress.close()
-    return sequences
+    return [answered[i] for i in range(len(prompts))]
+
+
+def _save_atomically(path: Path, save: Callable[[BinaryIO], None]) -> None:
+    """`save(file)` into a temporary file, then moved to `path` (a reader never sees half)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "wb") as file:
+        save(file)
+    tmp.replace(path)
+
+
+def _load_answers(path: Path) -> dict[int, list[int]]:
+    """The answers store (`chat_stream`): sequences by prompt index."""
+    if not path.exists():
+        return {}
+    with np.load(path) as store:
+        index, lengths, tokens = store["index"], store["lengths"], store["tokens"]
+    ends = np.cumsum(lengths)
+    return {
+        int(i): tokens[end - length : end].tolist()
+        for i, length, end in zip(index, lengths, ends, strict=True)
+    }
+
+
+def _save_answers(path: Path, answered: dict[int, list[int]]) -> None:
+    index = sorted(answered)
+    lengths = np.array([len(answered[i]) for i in index], dtype=np.int64)
+    tokens = np.concatenate([np.asarray(answered[i], dtype=np.int32) for i in index])
+    _save_atomically(
+        path, lambda file: np.savez(file, index=np.array(index), lengths=lengths, tokens=tokens)
+    )
 
 
 def chat_stream(target, target_dir: str | Path, data: ChatData, cache_dir) -> np.ndarray:
     """The int32 stream of `data`'s prompts and answers packed end to end (module doc),
-    generated once and cached under `cache_dir`."""
+    generated once and cached under `cache_dir`.
+
+    The answers also go, batch by batch, into a store keyed without `count` (prompt i is the
+    same prompt for any count): an interrupted run resumes where it stopped, and a larger
+    `count` generates only the prompts it adds."""
     from .data import weights_digest
     from .tokenizer import load_tokenizer
 
     settings = json.dumps(dataclasses.asdict(data), sort_keys=True) + str(target.dtype)
-    key = hashlib.sha256((weights_digest(target_dir) + settings).encode()).hexdigest()[:16]
+    digest = weights_digest(target_dir)
+    key = hashlib.sha256((digest + settings).encode()).hexdigest()[:16]
     cache_file = Path(cache_dir) / f"chat-{data.split}-{key}.npy"
     if cache_file.exists():
         return np.load(cache_file)
     from specdec_fast.text import encode_prompt, stop_token_ids
 
+    shared = dataclasses.asdict(data)
+    del shared["count"]
+    store_key = digest + json.dumps(shared, sort_keys=True) + str(target.dtype)
+    store = Path(cache_dir) / (
+        f"chat-{data.split}-answers-{hashlib.sha256(store_key.encode()).hexdigest()[:16]}.npz"
+    )
     tokenizer = load_tokenizer(target_dir)
     prompts = [
         encode_prompt(tokenizer, messages=messages, chat=True)
         for messages in chat_prompts(data.split, data.count, data.seed)
     ]
     stop = stop_token_ids(target, tokenizer)
-    sequences = answer_prompts(target, prompts, data.answer_tokens, stop)
+    done = {i: s for i, s in _load_answers(store).items() if i < len(prompts)}
+    sequences = answer_prompts(
+        target,
+        prompts,
+        data.answer_tokens,
+        stop,
+        done,
+        lambda answered: _save_answers(store, answered),
+    )
     packed = np.concatenate([np.asarray(s, dtype=np.int32) for s in sequences])
-    cache_file.parent.mkdir(parents=True, exist_ok=True)
-    tmp_file = cache_file.with_suffix(".tmp.npy")
-    np.save(tmp_file, packed)
-    tmp_file.replace(cache_file)
+    _save_atomically(cache_file, lambda file: np.save(file, packed))
     return packed
 
 
