@@ -221,6 +221,53 @@ class CompiledStep:
         self._fingerprint = weights_fingerprint(self._weight_list)
 
 
+class KeptSteps(dict):
+    """What a module keeps between calls, by options: a model its runners (by device, compile,
+    CUDA graphs, exact), a draft head its compiled steps (`module_steps`). A copied or pickled
+    module starts with none (compiled steps belong to their module)."""
+
+    def __deepcopy__(self, memo) -> "KeptSteps":
+        return KeptSteps()
+
+    def __reduce__(self):
+        return (KeptSteps, ())
+
+
+def kept(module: torch.nn.Module, attribute: str) -> KeptSteps:
+    """The `KeptSteps` that `module` holds under `attribute`, made on first use: in the
+    instance dict, not through `nn.Module.__setattr__` (what it keeps are no submodules)."""
+    held = module.__dict__.get(attribute)
+    if not isinstance(held, KeptSteps):
+        held = module.__dict__[attribute] = KeptSteps()
+    return held
+
+
+# Where a draft head keeps its compiled steps between calls (as a model keeps its runners).
+STEPS_ATTRIBUTE = "_specdec_steps"
+
+
+def module_steps(module: torch.nn.Module, name: str) -> "CompiledSteps":
+    """The compiled steps of a drafter's own module (an EAGLE head, Medusa heads) for the compile
+    choice of the call in progress, kept on the module: a later drafter over the same module
+    (each `generate` call of a registry spec makes a new one) compiles nothing. On the CPU the
+    module's weights are frozen into the graphs as a runner's are (`freeze_by_default`); the
+    target's weights that the steps read too (embeddings, LM head) are guarded by identity."""
+    compile = compile_by_default()
+    first = next(module.parameters())
+    size = sum(w.numel() * w.element_size() for w in module.parameters())
+    freeze = compile and first.device.type == "cpu" and freeze_by_default(size)
+    steps = kept(module, STEPS_ATTRIBUTE)
+    key = (str(first.device), first.dtype, compile, freeze)
+    if key not in steps:
+
+        def weights() -> Iterator[torch.Tensor]:
+            yield from module.parameters()
+            yield from module.buffers()
+
+        steps[key] = CompiledSteps(name, compile, weights if freeze else None)
+    return steps[key]
+
+
 class CompiledSteps:
     """One model's steps by kind (a prefill, a verify, a draft loop, ...), each through its own
     `CompiledStep`, made on first use: the compile cache that the target's `ModelRunner` and the

@@ -80,7 +80,7 @@ from specdec_fast.attention import (
     register_attention,
 )
 from specdec_fast.cache import SpecKVCache, attention_windows
-from specdec_fast.compiled import CompiledSteps, compile_by_default, freeze_by_default
+from specdec_fast.compiled import CompiledSteps, compile_by_default, freeze_by_default, kept
 from specdec_fast.exact import switch_exact
 from specdec_fast.kernels import pack_tree_mask
 from specdec_fast.kernels.validation import check_tensor
@@ -257,20 +257,8 @@ def kept_runner(
     """The runner `ModelRunner.for_model` keeps on `model` for these options, if any (its
     `compile_seconds`, its cache)."""
     compile, graphs = _runner_options(model, use_cuda_graphs, compile, exact)
-    kept = model.__dict__.get(RUNNER_ATTRIBUTE) or {}
-    return kept.get((str(model.device), compile, graphs, exact))
-
-
-class KeptSteps(dict):
-    """What a model keeps between calls, by options: its runners by (device, compile, CUDA
-    graphs, exact), a draft head its compiled steps. A copied or pickled model starts with none
-    (compiled steps belong to their model)."""
-
-    def __deepcopy__(self, memo) -> "KeptSteps":
-        return KeptSteps()
-
-    def __reduce__(self):
-        return (KeptSteps, ())
+    runners = model.__dict__.get(RUNNER_ATTRIBUTE) or {}
+    return runners.get((str(model.device), compile, graphs, exact))
 
 
 def _decoder_modules(model: PreTrainedModel) -> tuple[nn.ModuleList, nn.Module | None]:
@@ -350,11 +338,11 @@ class ModelRunner:
             and self.device.type == "cpu"
             and freeze_by_default(sum(w.numel() * w.element_size() for w in self._weights()))
         )
-        self._steps = CompiledSteps(
+        self.steps = CompiledSteps(
             model.config.model_type, self.compile, self._weights if self.freeze else None
         )
         # Wall time of the calls that compiled a graph (or captured a CUDA graph), by step shape.
-        self.compile_seconds = self._steps.compile_seconds
+        self.compile_seconds = self.steps.compile_seconds
         self._open = False
         self.open(max_cache_len)
 
@@ -373,18 +361,15 @@ class ModelRunner:
         a new one kept for the next call; while the kept one is open (a model drafting for
         itself), a second, transient one."""
         compile, graphs = _runner_options(model, use_cuda_graphs, compile, exact)
-        kept = model.__dict__.get(RUNNER_ATTRIBUTE)
-        if not isinstance(kept, KeptSteps):
-            # In the instance dict, not through nn.Module.__setattr__: runners are no submodules.
-            kept = model.__dict__[RUNNER_ATTRIBUTE] = KeptSteps()
+        runners = kept(model, RUNNER_ATTRIBUTE)
         key = (str(model.device), compile, graphs, exact)
-        runner = kept.get(key)
+        runner = runners.get(key)
         if runner is not None and runner.model is model and not runner._open:
             runner.open(max_cache_len)
             return runner
         fresh = cls(model, max_cache_len, use_cuda_graphs=graphs, compile=compile, exact=exact)
         if runner is None or runner.model is not model:
-            kept[key] = fresh
+            runners[key] = fresh
         return fresh
 
     def __enter__(self) -> "ModelRunner":
@@ -766,7 +751,7 @@ class ModelRunner:
         # and one that found the previous step's entries would compile a second graph.
         self._captured.clear()
         shape = args[0].shape
-        return self._steps.run(kind, f"{kind} B={shape[0]} N={shape[1]}", step, *args)
+        return self.steps.run(kind, f"{kind} B={shape[0]} N={shape[1]}", step, *args)
 
     def _weights(self) -> Iterator[torch.Tensor]:
         return itertools.chain(self.model.parameters(), self.model.buffers())
@@ -836,7 +821,7 @@ class ModelRunner:
             start = time.perf_counter()
             captured = self._capture(tokens, parents, q_lens)
             self._graphs[key] = captured
-            self._steps.record(f"graph B={key[0][0]} N={key[0][1]}", time.perf_counter() - start)
+            self.steps.record(f"graph B={key[0][0]} N={key[0][1]}", time.perf_counter() - start)
         captured.tokens.copy_(tokens)
         captured.parents.copy_(parents)
         if q_lens is not None:

@@ -21,8 +21,12 @@ NEW_TOKENS = 16
 pytestmark = pytest.mark.slow
 
 DRAFTERS = {
-    "draft chain": (lambda draft: DraftModelDrafter(draft, num_tokens=3), "draft loop chain"),
-    "draft tree": (lambda draft: DraftModelDrafter(draft, tree=default_tree(6)), "draft loop tree"),
+    # The draft loops compile as steps of the draft model's runner (labels name its model type).
+    "draft chain": (lambda draft: DraftModelDrafter(draft, num_tokens=3), "llama draft loop chain"),
+    "draft tree": (
+        lambda draft: DraftModelDrafter(draft, tree=default_tree(6)),
+        "llama draft loop tree",
+    ),
     "medusa": (lambda draft: MedusaDrafter(random_heads(HIDDEN, VOCAB, num_heads=3)), "medusa"),
 }
 

@@ -48,7 +48,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 from transformers import PreTrainedModel
 
 from specdec_fast.cache import SpecKVCache
-from specdec_fast.compiled import CompiledStep, compile_by_default, record_compile
+from specdec_fast.compiled import CompiledSteps, compile_by_default
 from specdec_fast.heads.block import (
     DEPTH_SCALE_FIELD,
     DFlashHead,
@@ -83,10 +83,10 @@ PARD_TYPE = "pard"
 DEFAULT_PARD_BLOCK = 8
 # Random stream of the sampled chains' draws (verify uses 0 and 1, draft models 2).
 STREAM_BLOCK = 3
-# The block steps' compiled code by (kind, signature: a DFlash head's config, dtype and device):
-# drafters built anew around heads of one shape (a benchmark's cells, a server's routes) share
-# the graphs.
-_COMPILED_STEPS: dict[tuple[str, tuple[str, ...]], CompiledStep] = {}
+# The DFlash steps' compiled code by signature (a head's config, dtype and device): drafters
+# built anew around heads of one shape (a benchmark's cells, a server's routes) share the graphs
+# (the steps take the head's weights as inputs, unfrozen).
+_DFLASH_STEPS: dict[tuple[str, ...], CompiledSteps] = {}
 # Pending context entries per row a DFlash step takes at least (pads past a row's count): the
 # compiler keeps width 1 apart from the rest, and a one- or two-token prompt would compile anew.
 MIN_CONTEXT_WIDTH = 2
@@ -258,20 +258,6 @@ def _sampling(state: DraftState, shape: BlockShape) -> tuple[torch.Tensor, ...]:
     return state.temperature, state.seed, root_positions
 
 
-def _run_step(kind: str, signature: tuple, step, *args):
-    """`step(*args)` (a bound method of a flavour) through a `CompiledStep` of its function
-    shared by every drafter of that `kind` and `signature` (`_COMPILED_STEPS`), made on first
-    use; the calls that compiled a graph are logged as the runners' are."""
-    key = (kind, signature)
-    compiled = _COMPILED_STEPS.get(key)
-    if compiled is None:
-        compiled = _COMPILED_STEPS[key] = CompiledStep(step.__func__, f"the {kind} step")
-    out, seconds = compiled(step.__self__, *args)
-    if seconds is not None:
-        record_compile(f"{kind} B={args[0].shape[0]}", seconds)
-    return out
-
-
 @dataclass
 class _Context:
     """Context entries not yet in the head's cache, picked on the device inside the step that
@@ -334,7 +320,7 @@ class _FeatureBlock:
     block (an `update` without a `propose` in between).
 
     Both run through `torch.compile` when runners compile (`SPECDEC_COMPILE`, default on), each
-    on its own code per head shape (`_COMPILED_STEPS`): batch size, cache capacity and context
+    on its own code per head shape (`_DFLASH_STEPS`): batch size, cache capacity and context
     width are dynamic, so a handful of graphs serve every call of every drafter over heads of
     that shape."""
 
@@ -373,11 +359,13 @@ class _FeatureBlock:
         )
 
     def _run(self, kind: str, step, *args):
-        """`step(*args)`, through its compiled version when compiling (`_run_step`), shared by
-        every drafter over heads of this shape."""
+        """`step(*args)` (a bound method), through its compiled version when compiling, shared
+        by every drafter over heads of this shape (`_DFLASH_STEPS`)."""
         if not self._compile:
             return step(*args)
-        return _run_step(f"dflash {kind}", self._signature, step, *args)
+        steps = _DFLASH_STEPS.setdefault(self._signature, CompiledSteps("dflash", True))
+        label = f"{kind} B={args[0].shape[0]}"
+        return steps.run(kind, label, step.__func__, step.__self__, *args)
 
     def _prompt_context(self, state: DraftState) -> _Context:
         """The context entries of every row's cached prompt tokens (all but its root)."""
@@ -615,8 +603,10 @@ class _StandaloneBlock:
         sampling = _sampling(state, self.shape)
         args = (logits, to_device(roots, device), state.roots, *sampling)
         if self._compile:
+            # The tree step of the draft model's runner, compiled with its own steps.
             kind = f"pard {self.shape.kind(bool(sampling))} b={size}"
-            proposal = _run_step(kind, (), self._tree, *args)
+            label = f"{kind} B={args[0].shape[0]}"
+            proposal = self.runner.steps.run(kind, label, _StandaloneBlock._tree, self, *args)
         else:
             proposal = self._tree(*args)
         # The root is committed with the tokens before it; the masks' K/V are dropped.

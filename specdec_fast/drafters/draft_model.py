@@ -2,17 +2,14 @@
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 import torch
-from torch.utils.weak import WeakIdKeyDictionary
 from transformers import PreTrainedModel
 
 from specdec_fast.arguments import CACHE_BLOCK
-from specdec_fast.compiled import CompiledStep, record_compile
 from specdec_fast.kernels.tree_attention import MAX_TREE_NODES
 from specdec_fast.runner import ModelRunner
 from specdec_fast.transfer import to_device
@@ -149,8 +146,6 @@ class DraftModelDrafter(Drafter):
         self._cached: list[int] = []  # draft-cached tokens per row (host mirror)
         self._root_lens: torch.Tensor | None = None  # int32 [B]: the draft cache at the root
         self._tree_index: _TreeIndex | None = None
-        # The chain's or tree's whole draft loop as one compiled step (when the runner compiles).
-        self._compiled: CompiledStep | None = None
 
     def __repr__(self) -> str:
         mode = f"tree={self.tree.num_nodes} nodes" if self.tree else f"num_tokens={self.num_tokens}"
@@ -161,9 +156,6 @@ class DraftModelDrafter(Drafter):
         self.runner = open_draft_runner(
             self.draft_model, target, max_cache_len, self.draft_tokenizer, self.target_tokenizer
         )
-        if self.runner.compile:
-            mode = "tree" if self.tree is not None else "chain"
-            self._compiled = _loop_step(self.draft_model, mode, self.runner.freeze)
 
     def begin(self, state: DraftState) -> None:
         self._cached = prefill_draft(self.runner, state)
@@ -181,7 +173,6 @@ class DraftModelDrafter(Drafter):
             self.runner.close()
             self.runner = None
         self._tree_index = None
-        self._compiled = None
 
     def _commit(self, lengths: torch.Tensor, host_lengths: list[int]) -> None:
         """Set the draft cache's lengths (int `[B]` on the device) and their host mirror."""
@@ -223,15 +214,12 @@ class DraftModelDrafter(Drafter):
         return Proposal(*self._loop(_tree_loop, state.roots))
 
     def _loop(self, loop, *args: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """`loop(self, *args)` under no grad, through the compiled step when compiling."""
-        with torch.no_grad():
-            if self._compiled is None:
-                return loop(self, *args)
-            out, seconds = self._compiled(self, *args)
-        if seconds is not None:
-            what = f"tree N={self.tree.num_nodes}" if self.tree else f"chain k={self.num_tokens}"
-            record_compile(f"draft loop {what} B={args[0].shape[0]}", seconds)
-        return out
+        """`loop(self, *args)` under no grad: the chain's or tree's whole draft loop as one step
+        of the draft model's runner, compiled (and its weights frozen) as the runner's own."""
+        mode = "tree" if self.tree is not None else "chain"
+        what = f"tree N={self.tree.num_nodes}" if self.tree else f"chain k={self.num_tokens}"
+        label = f"draft loop {what} B={args[0].shape[0]}"
+        return self.runner.steps.run(f"{mode} loop", label, loop, self, *args)
 
     def update(self, state: DraftState, outcome: StepOutcome) -> None:
         # `state.tokens` already holds the emitted tokens; the root was at len - emitted - 1.
@@ -314,22 +302,6 @@ def _tree_loop(drafter: DraftModelDrafter, roots: torch.Tensor) -> tuple[torch.T
         drawn = top[:, index.parents[level], index.ranks[level]]  # [B, level's nodes]
         tokens = tokens.index_copy(1, level, drawn)
     return tokens, parents.contiguous(), None
-
-
-# The draft loops' compiled steps by draft model, then by mode: drafters over one draft model
-# (one per `generate` call in the benchmarks) share the graphs.
-_LOOP_STEPS: WeakIdKeyDictionary = WeakIdKeyDictionary()
-
-
-def _loop_step(model: PreTrainedModel, mode: str, frozen: bool) -> CompiledStep:
-    """The compiled step of `mode`'s loop ("chain" or "tree") over `model`, made on first use;
-    with inductor's freezing of the model's weights when its runner freezes its own steps."""
-    steps = _LOOP_STEPS.setdefault(model, {})
-    if (mode, frozen) not in steps:
-        loop = _chain_loop if mode == "chain" else _tree_loop
-        weights = (lambda: itertools.chain(model.parameters(), model.buffers())) if frozen else None
-        steps[mode, frozen] = CompiledStep(loop, f"the draft model's {mode} loop", weights)
-    return steps[mode, frozen]
 
 
 @dataclass(frozen=True)

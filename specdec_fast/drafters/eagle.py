@@ -30,7 +30,6 @@ from the token counts, so the drafter reads nothing back.
 
 from __future__ import annotations
 
-import itertools
 import os
 
 import torch
@@ -38,43 +37,16 @@ import torch
 from specdec_fast.arguments import CACHE_BLOCK
 from specdec_fast.attention import METADATA_KWARG
 from specdec_fast.cache import SpecKVCache
-from specdec_fast.compiled import CompiledSteps, compile_by_default, freeze_by_default
+from specdec_fast.compiled import CompiledSteps, module_steps
 from specdec_fast.heads.eagle import Eagle3Head, EagleHead, load_eagle_head
 from specdec_fast.kernels import pack_tree_mask
 from specdec_fast.kernels.tree_attention import MAX_TREE_NODES
-from specdec_fast.runner import KeptSteps, step_metadata, switch_attention
+from specdec_fast.runner import step_metadata, switch_attention
 from specdec_fast.transfer import to_device
 from specdec_fast.trees import DynamicTreeBuilder, check_dynamic_tree, dynamic_tree_shape
 
 from .base import Drafter, DraftState, Proposal, StepOutcome
 from .features import gather_rows
-
-# Where a head keeps its compiled steps between calls (as a model keeps its runners).
-STEPS_ATTRIBUTE = "_specdec_steps"
-
-
-def _head_steps(head: EagleHead | Eagle3Head) -> CompiledSteps:
-    """The head's compiled steps for the compile choice of the call in progress, kept on the
-    head: a later drafter over the same head (each `generate` call of a registry spec makes a
-    new one) compiles nothing. On the CPU the head's weights are frozen into the graphs as the
-    target's are (`freeze_by_default`); the target's embeddings and LM head, which the steps
-    read too, are guarded by identity."""
-    compile = compile_by_default()
-    weights = head.fc.weight
-    size = sum(w.numel() * w.element_size() for w in head.parameters())
-    freeze = compile and weights.device.type == "cpu" and freeze_by_default(size)
-    kept = head.__dict__.get(STEPS_ATTRIBUTE)
-    if not isinstance(kept, KeptSteps):
-        # In the instance dict, not through nn.Module.__setattr__: steps are no submodules.
-        kept = head.__dict__[STEPS_ATTRIBUTE] = KeptSteps()
-    key = (str(weights.device), weights.dtype, compile, freeze)
-    if key not in kept:
-
-        def head_weights():
-            return itertools.chain(head.parameters(), head.buffers())
-
-        kept[key] = CompiledSteps(f"eagle{head.version}", compile, head_weights if freeze else None)
-    return kept[key]
 
 
 class EagleDrafter(Drafter):
@@ -142,7 +114,7 @@ class EagleDrafter(Drafter):
         if not self._attached:
             switch_attention(self.head, on=True)
             self._attached = True
-        self._steps = _head_steps(self.head)
+        self._steps = module_steps(self.head, f"eagle{self.head.version}")
         # Entries past the committed length: the refed tree levels, or the accepted-path chain.
         self._draft_width = max(self.top_k * (self.depth - 1), 1)
         needed = max_cache_len + max(self._draft_width, self.depth + 1)

@@ -5,9 +5,8 @@ from __future__ import annotations
 import os
 
 import torch
-from torch.utils.weak import WeakIdKeyDictionary
 
-from specdec_fast.compiled import CompiledStep, compile_by_default, record_compile
+from specdec_fast.compiled import CompiledSteps, module_steps
 from specdec_fast.heads.medusa import MedusaHeads, load_medusa_heads
 from specdec_fast.transfer import to_device
 from specdec_fast.trees import TreeSpec, default_tree, parse_tree
@@ -16,8 +15,6 @@ from .base import Drafter, DraftState, Proposal, StepOutcome
 from .features import gather_rows, last_cached_hidden
 
 FINAL_NORM = -1
-# The heads' compiled steps by heads module: drafters around one set of heads share the graphs.
-_COMPILED_STEPS: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
 
 class MedusaDrafter(Drafter):
@@ -28,7 +25,7 @@ class MedusaDrafter(Drafter):
     r receives head d - 1's r-th token. No draft forward beyond the heads themselves: the hidden
     state comes with verification. The pick of that state (the last accepted node, chosen on
     the device from the step's outcome), the heads, their top-k and the tree's gather run as one
-    compiled step when the call compiles (`compile_by_default`).
+    compiled step when the call compiles, kept on the heads (`module_steps`).
 
     Args:
         heads: Medusa heads for the target.
@@ -57,7 +54,7 @@ class MedusaDrafter(Drafter):
         # Whence the root-producing node's hidden state: the states `[B, M, H]`, the accepted
         # nodes int `[B, M]` and their counts int `[B]` (the node at `nodes[b, counts[b]]`).
         self._source: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
-        self._compiled: CompiledStep | None = None
+        self._steps: CompiledSteps | None = None
         # The tree's depths, ranks and parents on the device, uploaded once per call.
         self._tree_index: tuple[torch.Tensor, ...] | None = None
 
@@ -77,12 +74,7 @@ class MedusaDrafter(Drafter):
         self.heads.check_target(target)
         self.heads.to(device=target.device, dtype=target.dtype).eval()
         self._lm_head = target.get_output_embeddings()
-        self._compiled = None
-        if compile_by_default():
-            self._compiled = _COMPILED_STEPS.get(self.heads)
-            if self._compiled is None:
-                self._compiled = CompiledStep(_medusa_step, "the Medusa heads' step")
-                _COMPILED_STEPS[self.heads] = self._compiled
+        self._steps = module_steps(self.heads, "medusa")
 
     def begin(self, state: DraftState) -> None:
         self._source = _cached_source(state)
@@ -94,12 +86,10 @@ class MedusaDrafter(Drafter):
                 to_device(values, state.device)
                 for values in (self.tree.depths, self.tree.ranks, self.tree.node_parents)
             )
-        if self._compiled is None:
-            return Proposal(*_medusa_step(self, state.roots, *self._source))
-        out, seconds = self._compiled(self, state.roots, *self._source)
-        if seconds is not None:
-            record_compile(f"medusa heads B={state.batch_size}", seconds)
-        return Proposal(*out)
+        label = f"heads B={state.batch_size}"
+        return Proposal(
+            *self._steps.run("heads", label, _medusa_step, self, state.roots, *self._source)
+        )
 
     def update(self, state: DraftState, outcome: StepOutcome) -> None:
         self._source = (outcome.hidden[FINAL_NORM], outcome.accepted_nodes, outcome.num_accepted)
