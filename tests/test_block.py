@@ -20,7 +20,9 @@ from tiny_models import repetitive_prompts, tiny_llama
 
 from specdec_fast import AdaptiveDrafter, BlockDrafter, CostModel, PardDraft, bundled, generate
 from specdec_fast.drafters.base import root_only
-from specdec_fast.drafters.block import _CAST_COPIES, cast_copy, load_block_model, load_pard
+from specdec_fast.drafters.block import load_block_model
+from specdec_fast.drafters.dflash import _CAST_COPIES, cast_copy
+from specdec_fast.drafters.pard import load_pard
 from specdec_fast.guardrails import GuardedDrafter, GuardrailPolicy, RouteGuard
 from specdec_fast.heads.block import DFlashHead, default_target_layers, load_dflash_head
 from specdec_fast.loading import drafter_dtype, native_half_precision

@@ -37,7 +37,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from specdec_fast.drafters.block import PardDraft
+from specdec_fast.drafters.pard import PardDraft
 from specdec_fast.heads.block import DFlashHead
 
 from .block_forward import dflash_block_outputs, pard_block_logits

@@ -37,7 +37,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from specdec_fast.drafters.block import PardDraft, load_block_model
+from specdec_fast.drafters.block import load_block_model
+from specdec_fast.drafters.pard import PardDraft
 from specdec_fast.heads.block import DEPTH_SCALE_FIELD, DFlashHead
 from specdec_fast.progress import Progress
 from specdec_fast.trees import best_first_tree
