@@ -72,7 +72,7 @@ def _add_exact(parser: argparse.ArgumentParser) -> None:
         "--exact",
         action="store_true",
         help="exact mode: batch-invariant target forwards, so speculative output equals plain "
-        "output bit for bit in any dtype (eager, slower: see the README)",
+        "output bit for bit in any dtype (eager, slower: see docs/ARCHITECTURE.md)",
     )
 
 

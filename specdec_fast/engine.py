@@ -111,7 +111,7 @@ def generate(
             logits are then the same bits whether it is verified in a tree or decoded alone, at
             any batch size, so speculative output equals plain output of this mode bit for bit
             in any dtype. Runs eagerly (compile and CUDA graphs must be left unset or off);
-            costs speed (README, "Exact mode").
+            costs speed (docs/ARCHITECTURE.md, "Exact mode").
 
     Raises:
         TypeError, ValueError: naming the argument, the expected form and the value given, before

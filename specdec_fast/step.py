@@ -1,5 +1,5 @@
 """One speculative step over a running batch: the loop body of `generate` and of the serving
-scheduler alike (DESIGN.md, "Data flow of one step").
+scheduler alike (docs/ARCHITECTURE.md, "Data flow of one step").
 
     proposals = lane.drafter.propose(state)         per lane, checked (`drafters.checks`)
     tree      = one tree per row                    each lane's at its rows, the root alone at

@@ -1,5 +1,6 @@
 """The import graph of specdec_fast and kernels: no cycles, training code imported only by training,
-and kernels importing nothing of the engine (DESIGN.md: dependencies flow one way).
+and kernels importing nothing of the engine (docs/ARCHITECTURE.md, "Layout": dependencies flow
+one way).
 
 Every import counts, those inside functions too: a lazy import only hides a cycle until the day
 someone moves it to the top of the file.

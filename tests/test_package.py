@@ -1,4 +1,5 @@
-"""The package layout of DESIGN.md: kernels install as specdec_fast.kernels, never as `kernels`."""
+"""The package layout of docs/ARCHITECTURE.md: kernels install as specdec_fast.kernels, never as
+`kernels`."""
 
 import importlib.util
 import os

@@ -1,6 +1,6 @@
 """The drafter protocol, and the tree proposal that every drafter returns.
 
-One speculative step, as the engine runs it (DESIGN.md, "Data flow of one step"):
+One speculative step, as the engine runs it (docs/ARCHITECTURE.md, "Data flow of one step"):
 
 1. `drafter.propose(state)` returns a `Proposal`: a tree of `N` nodes per active row, node 0 being
    the root (the last token already chosen, not yet in the target's cache; the engine writes it
