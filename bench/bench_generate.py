@@ -23,10 +23,10 @@ from common import RESULTS_DIR, bench_device, environment, write_results
 from e2e import E2ERecord, compare, format_table, run_hf, run_ours
 
 from specdec_fast import bundled
-from specdec_fast.drafters.registry import REGISTRY, DrafterSpec
+from specdec_fast.drafters.registry import REGISTRY, DrafterSpec, kinds_with
 
-# The registered kinds a target and a draft model allow (no heads), at their default sizes.
-PAIR_KINDS = ("ngram", "suffix", "draft", "draft-tree")
+# The registered kinds a target and a draft model allow (no trained heads), at default sizes.
+PAIR_KINDS = kinds_with("none", "draft model")
 
 
 @dataclass

@@ -7,6 +7,7 @@ from pathlib import Path
 import torch
 
 from specdec_fast import PardDraft
+from specdec_fast.drafters.registry import REGISTRY, DrafterSpec
 from specdec_fast.heads.block import DFlashHead
 from specdec_fast.loading import load_model
 
@@ -33,3 +34,11 @@ def write_untrained_blocks(target, folder: Path) -> dict[str, str]:
     draft = load_model("tiny-code-draft", target.device)
     PardDraft(draft, draft.config.pad_token_id).save_pretrained(pard)
     return {"dflash": str(dflash), "pard": str(pard)}
+
+
+def missing_kinds(specs: list[str]) -> set[str]:
+    """The registered kinds that no spec of `specs` names (a spec may carry `{dflash}`/`{pard}`
+    fields and, after a space, a note): what a list of drafters kept beside the registry, with
+    sizes of its own, has forgotten."""
+    named = {DrafterSpec.parse(s.split()[0].format(dflash="x", pard="x")).kind for s in specs}
+    return set(REGISTRY) - named

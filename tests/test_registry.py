@@ -12,6 +12,7 @@ from specdec_fast.drafters.registry import (
     REGISTRY,
     DrafterSpec,
     bundled_specs,
+    kinds_with,
     spec_help,
 )
 from specdec_fast.heads.block import DFlashHead
@@ -154,3 +155,25 @@ def test_bundled_specs_cover_every_kind_with_its_installed_checkpoints():
         if name is None or name in available
     ]
     assert [(s.kind, s.path) for s in specs] == expected
+
+
+def test_every_list_of_drafters_names_every_registered_kind(monkeypatch):
+    """The tests that cover every drafter keep their own lists (their own sizes): each names
+    every registered kind, and a kind registered without being added to them fails here."""
+    from built_in_drafters import DRAFTERS, missing_kinds
+    from test_drafter_checks import CHECKED
+
+    for specs in (DRAFTERS, CHECKED):
+        assert missing_kinds(specs) == set()
+    monkeypatch.setitem(REGISTRY, "new", KINDS[0])
+    assert missing_kinds(DRAFTERS) == {"new"}
+
+
+def test_every_trained_kind_has_a_training_command():
+    """Training's head commands load as registered kinds, and every kind whose checkpoint is
+    trained for the target has a command (`train block` for the block drafters)."""
+    from specdec_fast.train.heads import DRAFTER_KINDS
+
+    assert set(DRAFTER_KINDS.values()) <= set(REGISTRY)
+    assert set(kinds_with("trained")) == {*DRAFTER_KINDS.values(), "block"}
+    assert kinds_with("none", "draft model") == ("ngram", "suffix", "draft", "draft-tree")

@@ -37,6 +37,7 @@ from .ngram import NGramDrafter
 from .suffix import SuffixDrafter
 
 PLAIN_SPECS = ("none", "plain")
+CHECKPOINTS = ("none", "draft model", "trained")
 
 
 @dataclass(frozen=True)
@@ -54,6 +55,10 @@ class DrafterKind:
     deterministic: proposals carry no draft probabilities, so sampled speculation can equal
         plain sampling with the same seed (a sampled chain cannot).
     bundled: checkpoints shipped for the bundled `tiny-code` target that this kind reads.
+    checkpoint: what PATH is (`CHECKPOINTS`): "none" (no PATH), "draft model" (any small LM
+        of the target's vocabulary: a benchmark with a random target and draft pair runs it),
+        or "trained" (heads or a block drafter trained for the target, `python -m
+        specdec_fast.train`).
     """
 
     name: str
@@ -65,6 +70,13 @@ class DrafterKind:
     tree_kind: str | None = None
     deterministic: bool = True
     bundled: tuple[str, ...] = ()
+    checkpoint: str = "none"
+
+    def __post_init__(self):
+        if self.checkpoint not in CHECKPOINTS:
+            raise ValueError(f"checkpoint: expected one of {CHECKPOINTS}, got {self.checkpoint!r}")
+        if (self.checkpoint == "none") != (self.load is None):
+            raise ValueError(f"{self.name}: a kind loads a checkpoint exactly when it names one")
 
     @property
     def size_name(self) -> str:
@@ -141,6 +153,7 @@ KINDS = (
         tree_kind="draft-tree",
         deterministic=False,
         bundled=("tiny-code-draft",),
+        checkpoint="draft model",
     ),
     DrafterKind(
         "draft-tree",
@@ -149,6 +162,7 @@ KINDS = (
         _draft_tree,
         load=_draft_model,
         bundled=("tiny-code-draft",),
+        checkpoint="draft model",
     ),
     DrafterKind(
         "medusa",
@@ -157,6 +171,7 @@ KINDS = (
         _medusa,
         load=_medusa_heads,
         bundled=("tiny-code-medusa",),
+        checkpoint="trained",
     ),
     DrafterKind(
         "eagle",
@@ -165,6 +180,7 @@ KINDS = (
         _eagle,
         load=load_eagle_head,
         bundled=("tiny-code-eagle", "tiny-code-eagle3"),
+        checkpoint="trained",
     ),
     DrafterKind(
         "block",
@@ -173,9 +189,16 @@ KINDS = (
         _block,
         load=load_block_model,
         bundled=("tiny-code-dflash", "tiny-code-pard"),
+        checkpoint="trained",
     ),
 )
 REGISTRY: dict[str, DrafterKind] = {kind.name: kind for kind in KINDS}
+
+
+def kinds_with(*checkpoints: str) -> tuple[str, ...]:
+    """The registered kinds whose checkpoint is one of `checkpoints` (`DrafterKind.checkpoint`),
+    in registry order: e.g. what a random target and draft model pair can run."""
+    return tuple(kind.name for kind in KINDS if kind.checkpoint in checkpoints)
 
 
 def spec_syntax() -> str:

@@ -57,7 +57,10 @@ from .lm import (
 from .options import add_run_arguments, command_line, run_settings
 from .progress import LOG_EVERY_S
 
-KINDS = ("medusa", "eagle", "eagle3")
+# Each training command's checkpoints load as this registered drafter kind (tests hold every
+# registered "trained" kind to a training command).
+DRAFTER_KINDS = {"medusa": "medusa", "eagle": "eagle", "eagle3": "eagle"}
+KINDS = tuple(DRAFTER_KINDS)
 FINAL_NORM = -1
 # Per-step weights of the unrolled losses (EAGLE-3's), and EAGLE's feature/token loss weights.
 STEP_DECAY = 0.8
