@@ -19,6 +19,7 @@ import triton
 
 from . import interpreter_compat  # noqa: F401  (interpreted kernels need it before launch)
 from .backend import backend_for
+from .configs import tuned_configs
 from .fused.verify import verify_fused
 from .jit.verify import NUM_FIELDS, verify_stats_kernel, verify_walk_kernel
 from .reference.verify import (
@@ -48,6 +49,14 @@ NUM_THRESHOLDS = 16
 # Vocabulary slices per row in the statistics launch, at most: the walk merges them in registers,
 # and 128 of them spilled in the filtered chain walk at 255 registers.
 MAX_STATS_SPLITS = 64
+# Chains with draft probabilities and no filters of at most this many nodes decide every node's
+# acceptance at once in the walk (`_accepted_prefix`: an N x N comparison per sequence in
+# registers), not one node per round of loads.
+MAX_PARALLEL_CHAIN = 16
+# Walk tiles per slice of the split residual race that the tuning part may choose from
+# (`configs.json`'s `verify_race_tiles`): B32's 9 slices of 14 tiles (the race spread only to
+# two programs per SM) were the suspect of its 228 us on an H200.
+RACE_TILE_CANDIDATES = (2, 4, 8, 16)
 
 
 @dataclass(frozen=True)
@@ -245,7 +254,13 @@ def launch_config(
     walk_block_v = min(vocab_pow2, 1024)
     race_splits = 1
     if split_residual:
-        race_splits = min(triton.cdiv(vocab, walk_block_v), triton.cdiv(2 * sm_count, batch))
+        # Enough slices for two programs per SM, and at least enough that none races more than
+        # the tuned number of walk tiles (each program's walk costs one round of loads).
+        race_tiles = tuned_configs()["verify_race_tiles"]
+        wanted = max(
+            triton.cdiv(2 * sm_count, batch), triton.cdiv(vocab, race_tiles * walk_block_v)
+        )
+        race_splits = min(triton.cdiv(vocab, walk_block_v), wanted)
     return LaunchConfig(
         block_v=block_v,
         block_rows=block_rows,
@@ -384,6 +399,9 @@ def launch_verify(
         HAS_FILTERS=params.has_filters,
         HAS_DRAFT_PROBS=draft_probs is not None,
         SPLIT_RACE=race_splits > 1,
+        CHAIN_PARALLEL=draft_probs is not None
+        and not params.has_filters
+        and num_nodes <= MAX_PARALLEL_CHAIN,
         BLOCK_B=config.block_seqs,
         BLOCK_N=block_n,
         BLOCK_S=triton.next_power_of_2(num_splits),
