@@ -12,6 +12,10 @@ the opt-in ones follow by name in a second command.
     draft_loop      bench/bench_draft_loop.py: the 8B-shaped target with an EAGLE-3 and a DFlash
                     head (random weights), the draft loop against the verify forward, and the
                     speed-up the bundled pair's tokens per step (the overhead part's) would give
+    tune            opt-in: bench/tune_kernels.py: every candidate of kernels/configs.json timed
+                    on issue 46's target shapes (tree attention B1/B8 N64, the stochastic
+                    chain B1/B32), the table printed, the winners written into
+                    kernels/configs.json (its copy comes back in tune.json: commit it)
     tests           opt-in: versions and the GPU, then the `gpu`-marked tests (compiled kernels
                     against their references, CUDA graphs, steady steps without syncs)
     tree_attention  opt-in: bench/bench_tree_attention.py (peers side by side; N = 64/65, 32/33)
@@ -294,6 +298,23 @@ def e2e_command(work: Path, quick: bool, dry_run: bool) -> list[str]:
     return command + size + kinds + ["--budgets", "16"] + rounds
 
 
+def tune_plan(quick: bool) -> dict[str, float]:
+    bench = _bench_module("tune_kernels")
+    attention = len(bench.attention_candidates()) * len(bench.attention_shapes(CUDA))
+    race = len(bench.verify_candidates()) * len(bench.verify_shapes(CUDA))
+    return {
+        "process": COSTS["process"],
+        f"{attention + race} cases": (attention + race) * COSTS["case"],
+        f"{attention + race} first launches": (attention + race) * COSTS["triton_compile"],
+    }
+
+
+def tune_command(work: Path, quick: bool, dry_run: bool) -> list[str]:
+    # The dry run leaves the committed configuration alone.
+    out = ["--tiny", "--config-out", str(work / "configs.json")] if dry_run else []
+    return [PYTHON, "bench/tune_kernels.py", *out, "--json", str(work / "tune.json")]
+
+
 def _json_files(*names: str):
     return lambda work: [work / name for name in names]
 
@@ -307,6 +328,7 @@ PARTS = {
         Part("e2e", e2e_command, e2e_plan, _json_files("e2e.json")),
         Part("overhead", overhead_command, overhead_plan, _json_files("overhead.json")),
         Part("draft_loop", draft_loop_command, draft_loop_plan, _json_files("draft_loop.json")),
+        Part("tune", tune_command, tune_plan, _json_files("tune.json"), default=False),
         Part("tests", tests_command, tests_plan, default=False),
         Part(
             "tree_attention",

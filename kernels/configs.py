@@ -12,23 +12,41 @@ sm_90 compile table covers (tests/sm90_compile.py sweeps every candidate):
   residual race (one of RACE_TILE_CANDIDATES).
 """
 
+import contextlib
 import json
 from functools import cache
 from pathlib import Path
 
 CONFIG_PATH = Path(__file__).with_name("configs.json")
+# Entries the tuning part sets while it times a candidate (see `overridden`).
+_OVERRIDES: dict = {}
 
 
 @cache
+def _file_configs(path: Path) -> dict:
+    return json.loads(path.read_text())
+
+
 def tuned_configs() -> dict:
-    """The configuration file's contents, read once per process (`tuned_configs.cache_clear()`
-    after writing it)."""
-    return json.loads(CONFIG_PATH.read_text())
+    """The configuration file's contents (read once per process), with any overrides on top."""
+    return {**_file_configs(CONFIG_PATH), **_OVERRIDES}
 
 
-def write_configs(updates: dict) -> dict:
-    """Merge `updates` into the configuration file, write it, and return the new contents."""
-    merged = {**tuned_configs(), **updates}
-    CONFIG_PATH.write_text(json.dumps(merged, indent=1, sort_keys=True) + "\n")
-    tuned_configs.cache_clear()
+@contextlib.contextmanager
+def overridden(entries: dict):
+    """Launch with `entries` in place of the file's (the tuning part times candidates so)."""
+    saved = dict(_OVERRIDES)
+    _OVERRIDES.update(entries)
+    try:
+        yield
+    finally:
+        _OVERRIDES.clear()
+        _OVERRIDES.update(saved)
+
+
+def write_configs(updates: dict, path: Path = CONFIG_PATH) -> dict:
+    """Merge `updates` into the configuration file at `path`, write it, return its contents."""
+    merged = {**_file_configs(CONFIG_PATH), **updates}
+    path.write_text(json.dumps(merged, indent=1, sort_keys=True) + "\n")
+    _file_configs.cache_clear()
     return merged
