@@ -6,7 +6,8 @@ Knobs and their candidates (each compiled for sm_90 in bench/results/sm90_compil
   tiles) or on up to batch 8, with each tile of DECODE_TILE_CANDIDATES for D 128; timed on
   Llama-3-8B's B1/L4096/N64, B1/L16384/N64 and B8/L4096/N64 (bf16); the winner minimizes the
   sum of their medians;
-- verify's residual race slices (`verify_race_tiles`, RACE_TILE_CANDIDATES), timed on the
+- verify's residual race slices (`verify_race_tiles`, RACE_TILE_CANDIDATES) with its statistics
+  slices (`verify_stats_programs_per_sm`, STATS_PROGRAMS_CANDIDATES), every pair timed on the
   stochastic chain K=5 at B1 and B32 over V = 128256 (fp32 logits).
 Times are medians of CUDA-graph replays (bench/common.py's Timer). On the GPU the winners go into
 kernels/configs.json (commit it); `--tiny` plays the same sweep on the CPU with the CPU shapes of
@@ -31,7 +32,7 @@ from common import Timer, bench_device
 from specdec_fast.kernels import pack_tree_mask, tree_attention, verify
 from specdec_fast.kernels.configs import CONFIG_PATH, overridden, write_configs
 from specdec_fast.kernels.tree_attention import DECODE_TILE_CANDIDATES, MAX_DECODE_BATCH
-from specdec_fast.kernels.verify import RACE_TILE_CANDIDATES
+from specdec_fast.kernels.verify import RACE_TILE_CANDIDATES, STATS_PROGRAMS_CANDIDATES
 
 REPS = 30
 
@@ -60,7 +61,10 @@ def attention_candidates() -> list[dict]:
 
 
 def verify_candidates() -> list[dict]:
-    return [{"verify_race_tiles": tiles} for tiles in RACE_TILE_CANDIDATES]
+    return [
+        {"verify_race_tiles": tiles, "verify_stats_programs_per_sm": programs}
+        for tiles, programs in itertools.product(RACE_TILE_CANDIDATES, STATS_PROGRAMS_CANDIDATES)
+    ]
 
 
 def attention_call(shape: AttentionShape, device: torch.device):

@@ -9,7 +9,9 @@ sm_90 compile table covers (tests/sm90_compile.py sweeps every candidate):
 - `tree_attention_decode_tile`: per K/V width ("64", "128"), the index of the decode schedule's
   tile in DECODE_TILE_CANDIDATES;
 - `verify_race_tiles`: walk tiles of vocabulary per slice of a rejected chain node's split
-  residual race (one of RACE_TILE_CANDIDATES).
+  residual race (one of RACE_TILE_CANDIDATES);
+- `verify_stats_programs_per_sm`: the statistics launch's programs per SM that its vocabulary
+  slices aim for (one of STATS_PROGRAMS_CANDIDATES).
 """
 
 import contextlib

@@ -57,6 +57,9 @@ MAX_PARALLEL_CHAIN = 16
 # (`configs.json`'s `verify_race_tiles`): B32's 9 slices of 14 tiles (the race spread only to
 # two programs per SM) were the suspect of its 228 us on an H200.
 RACE_TILE_CANDIDATES = (2, 4, 8, 16)
+# Statistics programs per SM that the launcher aims for (`verify_stats_programs_per_sm`): at
+# B32 4 gave 3 slices of 21 tiles per row, 2.2 waves of the 8-warp kernel (two per SM).
+STATS_PROGRAMS_CANDIDATES = (4, 8, 16)
 
 
 @dataclass(frozen=True)
@@ -224,7 +227,8 @@ def launch_config(
     batch: int, num_nodes: int, vocab: int, sm_count: int | None, split_residual: bool = False
 ) -> LaunchConfig:
     """On a GPU (`sm_count` SMs): one row per statistics program, and enough vocabulary slices
-    per row for about four programs per SM (a B=1 chain still spreads its few rows over the whole
+    per row for about `verify_stats_programs_per_sm` programs per SM (tuned; a B=1 chain still
+    spreads its few rows over the whole
     GPU); one sequence per walk program and, with `split_residual` (chains with draft
     probabilities and no filters), the residual race of a rejected node split into slices of
     at least one walk tile until B x slices make two programs per SM; the walk on 8 warps with
@@ -249,7 +253,9 @@ def launch_config(
     block_rows = min(triton.next_power_of_2(rows), max(1, 2048 // block_v))
     row_programs = triton.cdiv(rows, block_rows)
     num_splits = min(
-        triton.cdiv(vocab, block_v), triton.cdiv(4 * sm_count, row_programs), MAX_STATS_SPLITS
+        triton.cdiv(vocab, block_v),
+        triton.cdiv(tuned_configs()["verify_stats_programs_per_sm"] * sm_count, row_programs),
+        MAX_STATS_SPLITS,
     )
     walk_block_v = min(vocab_pow2, 1024)
     race_splits = 1

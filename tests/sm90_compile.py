@@ -50,6 +50,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource, make_backend
 from triton.runtime.jit import create_function_from_signature
 
+from specdec_fast.kernels.configs import overridden
 from specdec_fast.kernels.jit.kv_compact import kv_compact_kernel
 from specdec_fast.kernels.jit.tree_attention import (
     tree_attention_combine_kernel,
@@ -202,8 +203,29 @@ def decode_candidate_points() -> list[dict]:
     return points
 
 
+def verify_candidate_points() -> list[dict]:
+    """Every pair of verify's tuning candidates (race tiles, statistics programs per SM) on the
+    tuning part's shapes: Llama-3's stochastic chain K=5 at B1 and B32, fp32 logits."""
+    return [
+        dict(
+            op="verify",
+            model="verify-candidate",
+            dtype="float32",
+            vocab=128256,
+            kind="chain",
+            batch=batch,
+            num_nodes=6,
+            configs={"verify_race_tiles": tiles, "verify_stats_programs_per_sm": programs},
+        )
+        for tiles, programs in itertools.product(
+            verify_launcher.RACE_TILE_CANDIDATES, verify_launcher.STATS_PROGRAMS_CANDIDATES
+        )
+        for batch in (1, 32)
+    ]
+
+
 def sweep_points() -> list[dict]:
-    return model_points() + generic_points() + decode_candidate_points()
+    return model_points() + generic_points() + decode_candidate_points() + verify_candidate_points()
 
 
 def point_label(point: dict) -> str:
@@ -218,6 +240,8 @@ def point_label(point: dict) -> str:
             shape += f"/n{config['block_n']}w{config['num_warps']}s{config['num_stages']}"
     elif point["op"] == "verify":
         shape = f"{point['kind']}/B{point['batch']}/N{point['num_nodes']}"
+        if "configs" in point:
+            shape += "/" + ",".join(f"{value}" for value in point["configs"].values())
     else:
         shape = f"B{point['batch']}"
     return f"{point['model']}:{point['op']}:{point['dtype']}:{shape}"
@@ -290,7 +314,8 @@ def _launch_verify(point: dict) -> None:
         top_p=per_sequence if filtered else 1.0,
         seed=torch.empty(batch, dtype=torch.int64, **meta),
     )
-    verify_launcher.launch_verify(logits, tokens, parents, draft_probs, params)
+    with overridden(point.get("configs", {})):
+        verify_launcher.launch_verify(logits, tokens, parents, draft_probs, params)
 
 
 def _launch_compact(point: dict) -> None:

@@ -89,6 +89,7 @@ def test_tuning_dry_run_writes_candidates_elsewhere(tmp_path, monkeypatch):
     attention = tune.attention_candidates()
     assert len(result["rows"]) == len(attention) + 2 * len(tune.verify_candidates())
     assert written["verify_race_tiles"] in tune.RACE_TILE_CANDIDATES
+    assert written["verify_stats_programs_per_sm"] in tune.STATS_PROGRAMS_CANDIDATES
     assert any(
         all(written[key] == value for key, value in candidate.items()) for candidate in attention
     )
