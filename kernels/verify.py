@@ -231,9 +231,9 @@ def launch_config(
     spreads its few rows over the whole
     GPU); one sequence per walk program and, with `split_residual` (chains with draft
     probabilities and no filters), the residual race of a rejected node split into slices of
-    at least one walk tile until B x slices make two programs per SM; the walk on 8 warps with
-    ptxas allowed all 255 registers (spill-free in every launch of bench/results/
-    sm90_compile_table.md). Under the interpreter
+    at most `verify_race_tiles` walk tiles and enough for two programs per SM; the walk on 8
+    warps with ptxas allowed all 255 registers, 128 for the split chain walk (spill-free in
+    every launch of bench/results/sm90_compile_table.md). Under the interpreter
     (`sm_count` None), where every program costs Python overhead: many rows and sequences per
     program, one slice."""
     rows = batch * num_nodes
@@ -277,7 +277,9 @@ def launch_config(
         stats_warps=8 if block_v * block_rows >= 2048 else 4,
         walk_warps=8,
         race_splits=max(1, race_splits),
-        walk_max_registers=255,
+        # The split chain walk (its accepted prefix decided at once) took 133-152 registers,
+        # one program per SM; capped at 128 it holds two, spill-free (sm90_compile_table.md).
+        walk_max_registers=128 if split_residual else 255,
     )
 
 

@@ -22,8 +22,11 @@ mask, and loops over V run only when some row of the block needs them.
 Cost: greedy rows, deterministic drafts without filters and fully accepted chains never pass
 over V in the walk. A rejected chain node costs one pass over its row (per element a hash, three
 logs and an exp), spread over the race slices (at B1 on an H200, 126 programs of 1024 tokens:
-bench/NOTES.md has the estimate); top-k/top-p cost about 8 passes per bisection per visited
-node, in one program per sequence.
+bench/NOTES.md has the estimate; at B32, slices of `verify_race_tiles` tiles, 32 of 4 by
+default, where 9 programs of 14 tiles each raced before); top-k/top-p cost about 8 passes per
+bisection per visited node, in one program per sequence. Every race-slice program walks the
+chain again, so that walk is made cheap: without filters a chain's accepted prefix is decided
+for all nodes in one round of loads (`_accepted_prefix`), not one round per accepted node.
 """
 
 import triton
