@@ -88,3 +88,33 @@ def test_decode_schedule_matches_reference_and_truth(name):
         picked = kernel_config(shape.block_d, shape.group, shape.num_new, dtype, batch=batch)
         assert picked.block_m == DECODE_ROWS
     run_tiled_case(dtype, False, config, splits, seed=len(name), shape=shape)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("batch", [1, 8])
+@pytest.mark.parametrize("head_dim", sorted(DECODE_TILE_CANDIDATES))
+def test_every_decode_candidate_compiles_and_matches_on_cuda(batch, head_dim):
+    """Each tile the tuning part may pick, compiled: a 64-node random tree at GQA 4 over ragged
+    prefixes up to 4096 (bf16), split as the launcher splits it, against the reference."""
+    from test_tree_attention import REFERENCE_TOL, ancestor_mask, random_parents
+
+    from specdec_fast.kernels import pack_tree_mask
+    from specdec_fast.kernels.reference.tree_attention import tree_attention_reference
+    from specdec_fast.kernels.tree_attention import launch_tree_attention
+
+    generator = torch.Generator(device="cuda").manual_seed(batch)
+    draw = dict(device="cuda", generator=generator)
+    q = torch.randn(batch, 32, 64, head_dim, **draw).to(BF16)
+    k_cache, v_cache = torch.randn(2, batch, 8, 4096 + 64, head_dim, **draw).to(BF16)
+    cache_lens = (4096 - torch.arange(batch, device="cuda") * 509).to(torch.int32)
+    trees = [ancestor_mask(random_parents(64, "random", torch.Generator())) for _ in range(batch)]
+    packed = pack_tree_mask(torch.stack(trees).cuda())
+    expected = tree_attention_reference(q, k_cache, v_cache, cache_lens, packed)
+    for tile in DECODE_TILE_CANDIDATES[head_dim]:
+        config = tile.config(DECODE_ROWS, head_dim)
+        out = launch_tree_attention(
+            q, k_cache, v_cache, cache_lens, packed, None, head_dim**-0.5, config=config
+        )
+        torch.testing.assert_close(
+            out, expected, rtol=REFERENCE_TOL[BF16][0], atol=REFERENCE_TOL[BF16][1]
+        )
