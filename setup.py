@@ -17,5 +17,9 @@ setup(
     packages=engine_packages + kernel_packages,
     package_dir={"specdec_fast.kernels": "kernels"},
     include_package_data=True,
-    package_data={"specdec_fast": ["bundled/*/*"], "specdec_fast.data": ["*.jsonl"]},
+    package_data={
+        "specdec_fast": ["bundled/*/*"],
+        "specdec_fast.data": ["*.jsonl"],
+        "specdec_fast.kernels": ["configs.json"],
+    },
 )

@@ -170,11 +170,11 @@ def speed(model, prompts, batches, new_tokens: int, repeats: int) -> list[dict]:
 
 def markdown(env: dict, args, speed_rows: list[dict], equality: dict) -> str:
     lines = [
-        f"# Exact mode on the CPU ({env['date']})",
+        f"# Exact mode on {args.device} ({env['date']})",
         "",
         f"torch {env['torch']}, transformers {env['transformers']}, {args.threads or 'default'} "
         f"torch threads, bf16. Command: `python bench/bench_exact.py --prompts {args.prompts} "
-        f"--threads {args.threads}`.",
+        f"--threads {args.threads} --device {args.device}`.",
         "",
         "## Speed: random SmolLM2-135M-shaped Llama",
         "",
@@ -202,7 +202,8 @@ def markdown(env: dict, args, speed_rows: list[dict], equality: dict) -> str:
             f"## Speculative vs plain output: {model}",
             "",
             f"Sequences (of {rows[0]['prompts']} prompts) whose speculative output differs from "
-            f"plain output of the same mode, {EQUALITY_TOKENS[model]} new tokens, greedy.",
+            f"plain output of the same mode, {args.equality_tokens or EQUALITY_TOKENS[model]} new "
+            "tokens, greedy.",
             "",
             "| drafter | batch | exact mode | default mode |",
             "|---|---|---|---|",
@@ -224,22 +225,30 @@ def main() -> None:
     parser.add_argument("--speed-tokens", type=int, default=32, help="speed: new tokens (32)")
     parser.add_argument("--threads", type=int, default=None, help="torch threads")
     parser.add_argument("--out", default=str(RESULTS_DIR / "exact-cpu"), help="path stem")
+    parser.add_argument(
+        "--device", default="cpu", help="cpu, or cuda: exact mode's CUDA path (GPU suite part)"
+    )
+    parser.add_argument(
+        "--equality-tokens", type=int, default=None, help="new tokens of the equality runs"
+    )
+    parser.add_argument("--json", default=None, help="also write the JSON results here")
     args = parser.parse_args()
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     batches = [int(b) for b in args.batches.split(",")]
-    env = environment(torch.device("cpu"))
-    smol = smol_model()
+    device = torch.device(args.device)
+    env = environment(device)
+    smol = smol_model().to(device)
     speed_rows = speed(
         smol, motif_prompts(4, SMOL_SHAPE["vocab_size"]), [1, 4], args.speed_tokens, args.repeats
     )
 
     tokenizer = AutoTokenizer.from_pretrained(bundled.path("tiny-code"))
-    target = load_model(bundled.path("tiny-code"), torch.device("cpu"), "bfloat16")
+    target = load_model(bundled.path("tiny-code"), device, "bfloat16")
     bundled_drafters = {
         str(spec): (lambda spec=spec: spec.build(target)) for spec in bundled_specs()
     }
-    draft = smol_draft()
+    draft = smol_draft().to(device)
     smol_drafters = {
         "ngram": lambda: NGramDrafter(max_nodes=8),
         "suffix": lambda: SuffixDrafter(max_nodes=8),
@@ -253,12 +262,20 @@ def main() -> None:
             code_prompts(args.prompts, tokenizer),
             bundled_drafters,
             batches,
-            EQUALITY_TOKENS[BUNDLED],
+            args.equality_tokens or EQUALITY_TOKENS[BUNDLED],
         ),
-        SMOL: count_differences(smol, smol_prompts, smol_drafters, batches, EQUALITY_TOKENS[SMOL]),
+        SMOL: count_differences(
+            smol,
+            smol_prompts,
+            smol_drafters,
+            batches,
+            args.equality_tokens or EQUALITY_TOKENS[SMOL],
+        ),
     }
     out = Path(args.out)
     write_results(out.with_suffix(".json"), "exact", env, speed_rows, equality=equality)
+    if args.json:
+        write_results(Path(args.json), "exact", env, speed_rows, equality=equality)
     out.with_suffix(".md").write_text(markdown(env, args, speed_rows, equality))
     print(f"wrote {out.with_suffix('.md')}")
 

@@ -126,7 +126,9 @@ FEATURE_SHAPES = [
 def shapes_for(device: torch.device, quick: bool) -> list[Shape]:
     if device.type == "cuda":
         dims = QUICK_SHAPES if quick else ANCHOR_SHAPES + ENGINE_SHAPES + SWEEP_SHAPES
-        shapes = [Shape(*dim, compare_rows=dim in ENGINE_SHAPES) for dim in dims]
+        # The engine's N + 1 and the decode schedule's anchors run beside the 128-row blocks.
+        decode = [dim for dim in ANCHOR_SHAPES if dim[0] <= 8 and dim[2] == 64]
+        shapes = [Shape(*dim, compare_rows=dim in ENGINE_SHAPES + decode) for dim in dims]
         return shapes + (FEATURE_SHAPES[:1] if quick else FEATURE_SHAPES)
     small = dict(num_q_heads=4, num_kv_heads=2, head_dim=32, dtype=torch.float32)
     shapes = [
@@ -230,21 +232,13 @@ ROWS_128 = "ours tree, 128-row blocks"
 
 
 def rows128_config(shape: Shape) -> KernelConfig:
-    """`kernel_config`'s tiling with 128-row blocks (what `row_block` turns down at N + 1)."""
+    """`kernel_config`'s tiling with 128-row blocks: what `row_block` turns down at N + 1, and
+    what the decode schedule replaces at batch 1 and 8 with N = 64 (its row-block path)."""
     group = shape.num_q_heads // shape.num_kv_heads
     config = kernel_config(shape.head_dim, group, shape.num_new, shape.dtype)
     if shape.dtype == torch.float32:
         return dataclasses.replace(config, block_m=128)
-    tile = HALF_PRECISION_TILES[max(config.block_d, 64), 128][0]
-    return KernelConfig(
-        128,
-        tile.block_n,
-        config.block_d,
-        tile.num_warps,
-        tile.num_stages,
-        tile.max_registers,
-        tile.programs_per_sm,
-    )
+    return HALF_PRECISION_TILES[max(config.block_d, 64), 128][0].config(128, config.block_d)
 
 
 def _builder(shape: Shape, device: torch.device, peer: str):

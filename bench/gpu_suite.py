@@ -12,6 +12,14 @@ the opt-in ones follow by name in a second command.
     draft_loop      bench/bench_draft_loop.py: the 8B-shaped target with an EAGLE-3 and a DFlash
                     head (random weights), the draft loop against the verify forward, and the
                     speed-up the bundled pair's tokens per step (the overhead part's) would give
+    tune            opt-in: bench/tune_kernels.py: every candidate of kernels/configs.json timed
+                    on issue 46's target shapes (tree attention B1/B8 N64, the stochastic
+                    chain B1/B32), the table printed, the winners written into
+                    kernels/configs.json (its copy comes back in tune.json: commit it)
+    exact           opt-in: bench/bench_exact.py --device cuda: exact mode's CUDA path (bf16),
+                    every bundled drafter's and the SmolLM2-shaped model's drafters' greedy
+                    output against plain decoding of the same mode (target: 0 differing), and
+                    its speed cost against the default mode
     tests           opt-in: versions and the GPU, then the `gpu`-marked tests (compiled kernels
                     against their references, CUDA graphs, steady steps without syncs)
     tree_attention  opt-in: bench/bench_tree_attention.py (peers side by side; N = 64/65, 32/33)
@@ -92,6 +100,7 @@ COSTS = {
     "e2e_run": 12.0,  # one drafter (or HF mode) on the tiny pair: compiles, graphs, first round
     "e2e_token": 0.004,  # each generated token of the tiny pair in a later round
     "step_8b": 0.02,  # one speculative step of the 8B-shaped target with its host work (lead)
+    "eager_token": 0.03,  # one eager step (lead: exact mode, 30 layers, host-bound)
 }
 
 
@@ -294,6 +303,60 @@ def e2e_command(work: Path, quick: bool, dry_run: bool) -> list[str]:
     return command + size + kinds + ["--budgets", "16"] + rounds
 
 
+def tune_plan(quick: bool) -> dict[str, float]:
+    bench = _bench_module("tune_kernels")
+    attention = len(bench.attention_candidates()) * len(bench.attention_shapes(CUDA))
+    race = len(bench.verify_candidates()) * len(bench.verify_shapes(CUDA))
+    return {
+        "process": COSTS["process"],
+        f"{attention + race} cases": (attention + race) * COSTS["case"],
+        f"{attention + race} first launches": (attention + race) * COSTS["triton_compile"],
+    }
+
+
+def tune_command(work: Path, quick: bool, dry_run: bool) -> list[str]:
+    # The dry run leaves the committed configuration alone.
+    out = ["--tiny", "--config-out", str(work / "configs.json")] if dry_run else []
+    return [PYTHON, "bench/tune_kernels.py", *out, "--json", str(work / "tune.json")]
+
+
+# bench_exact.py on the GPU: 4 prompts at batch 1 and 4, 3 speed repeats of 32 tokens.
+EXACT_SIZE = dict(prompts=4, batches=(1, 4), repeats=3, speed_tokens=32)
+
+
+def exact_plan(quick: bool) -> dict[str, float]:
+    """Both models' equality runs (plain and each drafter, both modes, every batch: eager, exact
+    mode compiles nothing) and the speed cells (plain and n-gram at each batch, both modes, a
+    warm-up and the repeats), each step at COSTS["eager_token"] (steps <= tokens)."""
+    bench = _bench_module("bench_exact")
+    from specdec_fast.drafters.registry import bundled_specs
+
+    batches = EXACT_SIZE["batches"]
+    calls = sum(-(-EXACT_SIZE["prompts"] // batch) for batch in batches)
+    steps = 0
+    for model, drafters in ((bench.BUNDLED, len(bundled_specs())), (bench.SMOL, 4)):
+        steps += 2 * (drafters + 1) * calls * bench.EQUALITY_TOKENS[model]
+    speed = 2 * len(batches) * 2 * (1 + EXACT_SIZE["repeats"]) * EXACT_SIZE["speed_tokens"]
+    return {
+        "process": COSTS["process"],
+        f"{steps} equality steps": steps * COSTS["eager_token"],
+        f"{speed} speed steps": speed * COSTS["eager_token"],
+    }
+
+
+def exact_command(work: Path, quick: bool, dry_run: bool) -> list[str]:
+    if dry_run:
+        size = ["--prompts", "1", "--batches", "1", "--repeats", "1", "--speed-tokens", "2"]
+        size += ["--equality-tokens", "2", "--device", "cpu", "--threads", "1"]
+    else:
+        size = ["--prompts", str(EXACT_SIZE["prompts"]), "--device", "cuda"]
+        size += ["--batches", ",".join(map(str, EXACT_SIZE["batches"]))]
+        size += ["--repeats", str(EXACT_SIZE["repeats"])]
+        size += ["--speed-tokens", str(EXACT_SIZE["speed_tokens"])]
+    paths = ["--out", str(work / "exact"), "--json", str(work / "exact.json")]
+    return [PYTHON, "bench/bench_exact.py", *size, *paths]
+
+
 def _json_files(*names: str):
     return lambda work: [work / name for name in names]
 
@@ -307,6 +370,8 @@ PARTS = {
         Part("e2e", e2e_command, e2e_plan, _json_files("e2e.json")),
         Part("overhead", overhead_command, overhead_plan, _json_files("overhead.json")),
         Part("draft_loop", draft_loop_command, draft_loop_plan, _json_files("draft_loop.json")),
+        Part("tune", tune_command, tune_plan, _json_files("tune.json"), default=False),
+        Part("exact", exact_command, exact_plan, _json_files("exact.json"), default=False),
         Part("tests", tests_command, tests_plan, default=False),
         Part(
             "tree_attention",

@@ -12,6 +12,7 @@ import triton
 
 from . import interpreter_compat  # noqa: F401  (interpreted kernels need it before launch)
 from .backend import backend_for
+from .configs import tuned_configs
 from .fused.tree_attention import tree_attention_fused
 from .jit.tree_attention import tree_attention_combine_kernel, tree_attention_kernel
 from .reference.tree_attention import tree_attention_reference
@@ -186,6 +187,18 @@ class Tile:
     max_registers: int | None = None
     programs_per_sm: int = 2
 
+    def config(self, block_m: int, block_d: int) -> "KernelConfig":
+        """The launch of this tile for `block_m` rows of K/V width `block_d`."""
+        return KernelConfig(
+            block_m,
+            self.block_n,
+            block_d,
+            self.num_warps,
+            self.num_stages,
+            self.max_registers,
+            self.programs_per_sm,
+        )
+
 
 @dataclass(frozen=True)
 class KernelConfig:
@@ -227,6 +240,47 @@ HALF_PRECISION_TILES = {
 # the 128-register cap.
 MAX_NODES_FOR_128_ROWS = 96
 
+# The decode schedule (batch <= MAX_DECODE_BATCH, trees and chains of at most MAX_DECODE_NODES,
+# no window or soft-cap, fp16/bf16, a power-of-two group, D <= 128): all GROUP * N rows of a KV
+# head in one program (up to DECODE_ROWS), so each K/V tile of the prefix is read once per KV
+# head, as a split-KV decode kernel reads it, and the prefix is split over the GPU by
+# `choose_num_splits`. Four warpgroups of 64 rows (16 warps) under a 128-register cap: one
+# program per SM, spill-free on sm_90 (bench/results/sm90_compile_table.md). Without it a
+# 64-node tree at GQA 4 (256 rows) took two 128-row blocks, each reading the whole prefix.
+# The tiles per K/V width are the tuned ones (`configs.json`, written by the GPU suite's tuning
+# part) among DECODE_TILE_CANDIDATES.
+MAX_DECODE_BATCH = 8
+MAX_DECODE_NODES = 64
+DECODE_ROWS = 256
+DECODE_TILE_CANDIDATES = {
+    64: (Tile(64, 16, 2, 128, programs_per_sm=1), Tile(32, 16, 2, 128, programs_per_sm=1)),
+    128: (Tile(32, 16, 2, 128, programs_per_sm=1), Tile(32, 16, 3, 128, programs_per_sm=1)),
+}
+
+
+def decode_tile(block_d: int) -> Tile:
+    """The decode schedule's tile for K/V width `block_d` (64 or 128): the tuned candidate."""
+    chosen = tuned_configs()["tree_attention_decode_tile"][str(block_d)]
+    return DECODE_TILE_CANDIDATES[block_d][chosen]
+
+
+def uses_decode_schedule(
+    batch: int | None, group: int, num_new: int, block_d: int, dtype, windowed_or_capped: bool
+) -> bool:
+    """Whether `kernel_config` picks the decode schedule (see DECODE_ROWS) for this shape: only
+    where it changes the rows of a program (more than 128 rows: fewer already fit one block)."""
+    rows = group * num_new
+    return (
+        batch is not None
+        and batch <= min(MAX_DECODE_BATCH, tuned_configs()["tree_attention_decode_max_batch"])
+        and num_new <= MAX_DECODE_NODES
+        and 128 < rows <= DECODE_ROWS
+        and block_d <= 128
+        and group & (group - 1) == 0
+        and dtype != torch.float32
+        and not windowed_or_capped
+    )
+
 
 def row_block(group: int, num_new: int, head_dim_block: int, windowed_or_capped: bool) -> int:
     """Query rows per program for GROUP * N rows per KV head (fp16/bf16).
@@ -250,14 +304,21 @@ def row_block(group: int, num_new: int, head_dim_block: int, windowed_or_capped:
 
 
 def kernel_config(
-    head_dim: int, group: int, num_new: int, dtype: torch.dtype, windowed_or_capped: bool = False
+    head_dim: int,
+    group: int,
+    num_new: int,
+    dtype: torch.dtype,
+    windowed_or_capped: bool = False,
+    batch: int | None = None,
 ) -> KernelConfig:
-    """Tile sizes and launch shape for GROUP * N query rows per KV head.
+    """Tile sizes and launch shape for GROUP * N query rows per KV head (`batch` sequences; None:
+    any batch, which never takes the decode schedule).
 
-    fp16/bf16 take `row_block`'s rows and `HALF_PRECISION_TILES`' tile. fp32 (exact dots on CUDA
-    cores, a correctness path) takes 16-row tiles; from D = 128 on, ptxas may use every register
-    rather than spill a few bytes for a second program per SM (no tile or warp count avoids it
-    there).
+    fp16/bf16 take the decode schedule where `uses_decode_schedule` says so (DECODE_ROWS rows,
+    the tuned `decode_tile`), else `row_block`'s rows and `HALF_PRECISION_TILES`' tile. fp32
+    (exact dots on CUDA cores, a correctness path) takes 16-row tiles; from D = 128 on, ptxas
+    may use every register rather than spill a few bytes for a second program per SM (no tile
+    or warp count avoids it there).
     """
     block_d = max(16, triton.next_power_of_2(head_dim))
     if dtype == torch.float32:
@@ -266,18 +327,11 @@ def kernel_config(
         if narrow:
             return KernelConfig(16, block_n, block_d, num_warps=4, num_stages=2)
         return KernelConfig(16, block_n, block_d, num_warps=8, num_stages=1, max_registers=255)
+    if uses_decode_schedule(batch, group, num_new, block_d, dtype, windowed_or_capped):
+        return decode_tile(max(block_d, 64)).config(DECODE_ROWS, block_d)
     block_m = row_block(group, num_new, block_d, windowed_or_capped)
     plain, variant = HALF_PRECISION_TILES[max(block_d, 64), block_m]
-    tile = variant if windowed_or_capped else plain
-    return KernelConfig(
-        block_m,
-        tile.block_n,
-        block_d,
-        tile.num_warps,
-        tile.num_stages,
-        tile.max_registers,
-        tile.programs_per_sm,
-    )
+    return (variant if windowed_or_capped else plain).config(block_m, block_d)
 
 
 @cache
@@ -366,7 +420,7 @@ def launch_tree_attention(
         return out
     if config is None:
         config = kernel_config(
-            head_dim, group, num_new, q.dtype, window is not None or softcap is not None
+            head_dim, group, num_new, q.dtype, window is not None or softcap is not None, batch
         )
     row_blocks = triton.cdiv(group * num_new, config.block_m)
     sm_count = _sm_count(q.device)

@@ -19,6 +19,7 @@ import triton
 
 from . import interpreter_compat  # noqa: F401  (interpreted kernels need it before launch)
 from .backend import backend_for
+from .configs import tuned_configs
 from .fused.verify import verify_fused
 from .jit.verify import NUM_FIELDS, verify_stats_kernel, verify_walk_kernel
 from .reference.verify import (
@@ -48,6 +49,17 @@ NUM_THRESHOLDS = 16
 # Vocabulary slices per row in the statistics launch, at most: the walk merges them in registers,
 # and 128 of them spilled in the filtered chain walk at 255 registers.
 MAX_STATS_SPLITS = 64
+# Chains with draft probabilities and no filters of at most this many nodes decide every node's
+# acceptance at once in the walk (`_accepted_prefix`: an N x N comparison per sequence in
+# registers), not one node per round of loads.
+MAX_PARALLEL_CHAIN = 16
+# Walk tiles per slice of the split residual race that the tuning part may choose from
+# (`configs.json`'s `verify_race_tiles`): B32's 9 slices of 14 tiles (the race spread only to
+# two programs per SM) were the suspect of its 228 us on an H200.
+RACE_TILE_CANDIDATES = (2, 4, 8, 16)
+# Statistics programs per SM that the launcher aims for (`verify_stats_programs_per_sm`): at
+# B32 4 gave 3 slices of 21 tiles per row, 2.2 waves of the 8-warp kernel (two per SM).
+STATS_PROGRAMS_CANDIDATES = (4, 8, 16)
 
 
 @dataclass(frozen=True)
@@ -215,12 +227,13 @@ def launch_config(
     batch: int, num_nodes: int, vocab: int, sm_count: int | None, split_residual: bool = False
 ) -> LaunchConfig:
     """On a GPU (`sm_count` SMs): one row per statistics program, and enough vocabulary slices
-    per row for about four programs per SM (a B=1 chain still spreads its few rows over the whole
+    per row for about `verify_stats_programs_per_sm` programs per SM (tuned; a B=1 chain still
+    spreads its few rows over the whole
     GPU); one sequence per walk program and, with `split_residual` (chains with draft
     probabilities and no filters), the residual race of a rejected node split into slices of
-    at least one walk tile until B x slices make two programs per SM; the walk on 8 warps with
-    ptxas allowed all 255 registers (spill-free in every launch of bench/results/
-    sm90_compile_table.md). Under the interpreter
+    at most `verify_race_tiles` walk tiles and enough for two programs per SM; the walk on 8
+    warps with ptxas allowed all 255 registers, 128 for the split chain walk (spill-free in
+    every launch of bench/results/sm90_compile_table.md). Under the interpreter
     (`sm_count` None), where every program costs Python overhead: many rows and sequences per
     program, one slice."""
     rows = batch * num_nodes
@@ -240,12 +253,20 @@ def launch_config(
     block_rows = min(triton.next_power_of_2(rows), max(1, 2048 // block_v))
     row_programs = triton.cdiv(rows, block_rows)
     num_splits = min(
-        triton.cdiv(vocab, block_v), triton.cdiv(4 * sm_count, row_programs), MAX_STATS_SPLITS
+        triton.cdiv(vocab, block_v),
+        triton.cdiv(tuned_configs()["verify_stats_programs_per_sm"] * sm_count, row_programs),
+        MAX_STATS_SPLITS,
     )
     walk_block_v = min(vocab_pow2, 1024)
     race_splits = 1
     if split_residual:
-        race_splits = min(triton.cdiv(vocab, walk_block_v), triton.cdiv(2 * sm_count, batch))
+        # Enough slices for two programs per SM, and at least enough that none races more than
+        # the tuned number of walk tiles (each program's walk costs one round of loads).
+        race_tiles = tuned_configs()["verify_race_tiles"]
+        wanted = max(
+            triton.cdiv(2 * sm_count, batch), triton.cdiv(vocab, race_tiles * walk_block_v)
+        )
+        race_splits = min(triton.cdiv(vocab, walk_block_v), wanted)
     return LaunchConfig(
         block_v=block_v,
         block_rows=block_rows,
@@ -256,7 +277,9 @@ def launch_config(
         stats_warps=8 if block_v * block_rows >= 2048 else 4,
         walk_warps=8,
         race_splits=max(1, race_splits),
-        walk_max_registers=255,
+        # The split chain walk (its accepted prefix decided at once) took 133-152 registers,
+        # one program per SM; capped at 128 it holds two, spill-free (sm90_compile_table.md).
+        walk_max_registers=128 if split_residual else 255,
     )
 
 
@@ -384,6 +407,9 @@ def launch_verify(
         HAS_FILTERS=params.has_filters,
         HAS_DRAFT_PROBS=draft_probs is not None,
         SPLIT_RACE=race_splits > 1,
+        CHAIN_PARALLEL=draft_probs is not None
+        and not params.has_filters
+        and num_nodes <= MAX_PARALLEL_CHAIN,
         BLOCK_B=config.block_seqs,
         BLOCK_N=block_n,
         BLOCK_S=triton.next_power_of_2(num_splits),

@@ -17,16 +17,20 @@ The sweep (`sweep_points`) is the shapes of Llama-3-8B/70B, Qwen2.5-7B (GQA 7), 
 64, 65 (the engine's 64-node budget plus the root) and 128 (a causal prefill chunk); verify at
 each model's vocabulary (fp32 and bf16 logits, greedy and sampled trees, chains with draft
 probabilities, filters); kv_compact per model at B 1 and 32. Plus one point per configuration
-`kernel_config` can pick over a generic grid (head dims 64-256, fp32 too).
+`kernel_config` can pick over a generic grid (head dims 64-256, fp32 too), and every candidate
+tile of the decode schedule (the tuning part may pick any of them).
 
 Run without TRITON_INTERPRET (the JIT's binder is needed):
     python tests/sm90_compile.py keys             # the sweep's distinct launches, no compile
     python tests/sm90_compile.py compile IDS_JSON # compile those launch ids, print JSON rows
     python tests/sm90_compile.py table --write    # compile the whole sweep (about an hour on
         # two cores), print the table, write bench/results/sm90_compile_table.{json,md}
+    python tests/sm90_compile.py table --write --reuse   # the same, compiling only launches
+        # the committed table lacks
 """
 
 import argparse
+import dataclasses
 import hashlib
 import importlib
 import itertools
@@ -46,6 +50,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource, make_backend
 from triton.runtime.jit import create_function_from_signature
 
+from specdec_fast.kernels.configs import overridden
 from specdec_fast.kernels.jit.kv_compact import kv_compact_kernel
 from specdec_fast.kernels.jit.tree_attention import (
     tree_attention_combine_kernel,
@@ -100,9 +105,22 @@ VERIFY_SHAPES = [
 
 
 def attention_point(
-    model, head_dim, dtype, batch, prefix, group, kv_heads, num_new, tree, features, splits=None
+    model,
+    head_dim,
+    dtype,
+    batch,
+    prefix,
+    group,
+    kv_heads,
+    num_new,
+    tree,
+    features,
+    splits=None,
+    config=None,
 ):
+    """A tree-attention launch; `config` (a KernelConfig's fields) forces the tiles."""
     window, softcap = features
+    forced = {} if config is None else dict(config=config)
     return dict(
         op="tree_attention",
         model=model,
@@ -118,6 +136,7 @@ def attention_point(
         softcap=softcap,
         q_lens=batch > 1,
         num_splits=splits,
+        **forced,
     )
 
 
@@ -171,8 +190,42 @@ def generic_points() -> list[dict]:
     return points
 
 
+def decode_candidate_points() -> list[dict]:
+    """Every candidate tile of tree attention's decode schedule (the tuning part may pick any),
+    forced on its K/V width: a 64-node tree at GQA 4, B1 over 4096 keys, split 16 ways."""
+    points = []
+    for block_d, candidates in attention_launcher.DECODE_TILE_CANDIDATES.items():
+        for tile in candidates:
+            config = tile.config(attention_launcher.DECODE_ROWS, block_d)
+            shape = (1, 4096, 4, 8, 64, True, (None, None), 16, dataclasses.asdict(config))
+            for dtype in HALF_DTYPES:
+                points.append(attention_point("decode-candidate", block_d, dtype, *shape))
+    return points
+
+
+def verify_candidate_points() -> list[dict]:
+    """Every pair of verify's tuning candidates (race tiles, statistics programs per SM) on the
+    tuning part's shapes: Llama-3's stochastic chain K=5 at B1 and B32, fp32 logits."""
+    return [
+        dict(
+            op="verify",
+            model="verify-candidate",
+            dtype="float32",
+            vocab=128256,
+            kind="chain",
+            batch=batch,
+            num_nodes=6,
+            configs={"verify_race_tiles": tiles, "verify_stats_programs_per_sm": programs},
+        )
+        for tiles, programs in itertools.product(
+            verify_launcher.RACE_TILE_CANDIDATES, verify_launcher.STATS_PROGRAMS_CANDIDATES
+        )
+        for batch in (1, 32)
+    ]
+
+
 def sweep_points() -> list[dict]:
-    return model_points() + generic_points()
+    return model_points() + generic_points() + decode_candidate_points() + verify_candidate_points()
 
 
 def point_label(point: dict) -> str:
@@ -182,8 +235,13 @@ def point_label(point: dict) -> str:
         shape += "" if point["tree"] else "c"
         shape += f"/w{point['window']}" if point["window"] else ""
         shape += "/cap" if point["softcap"] else ""
+        if "config" in point:
+            config = point["config"]
+            shape += f"/n{config['block_n']}w{config['num_warps']}s{config['num_stages']}"
     elif point["op"] == "verify":
         shape = f"{point['kind']}/B{point['batch']}/N{point['num_nodes']}"
+        if "configs" in point:
+            shape += "/" + ",".join(f"{value}" for value in point["configs"].values())
     else:
         shape = f"B{point['batch']}"
     return f"{point['model']}:{point['op']}:{point['dtype']}:{shape}"
@@ -234,6 +292,7 @@ def _launch_attention(point: dict) -> None:
         softcap=point["softcap"],
         window=point["window"],
         q_depths=depths,
+        config=attention_launcher.KernelConfig(**point["config"]) if "config" in point else None,
     )
 
 
@@ -255,7 +314,8 @@ def _launch_verify(point: dict) -> None:
         top_p=per_sequence if filtered else 1.0,
         seed=torch.empty(batch, dtype=torch.int64, **meta),
     )
-    verify_launcher.launch_verify(logits, tokens, parents, draft_probs, params)
+    with overridden(point.get("configs", {})):
+        verify_launcher.launch_verify(logits, tokens, parents, draft_probs, params)
 
 
 def _launch_compact(point: dict) -> None:
@@ -443,6 +503,20 @@ def main() -> None:
     compile_parser.add_argument("ids", help="JSON list of launch ids")
     table_parser = commands.add_parser("table", help="compile the whole sweep")
     table_parser.add_argument("--write", action="store_true", help=f"write {TABLE}.json/.md")
+    table_parser.add_argument(
+        "--reuse",
+        action="store_true",
+        help="keep the committed table's rows of launches it already has (their id hashes all "
+        "the compiler sees) and compile only the others",
+    )
+    table_parser.add_argument(
+        "--recompile",
+        action="append",
+        default=[],
+        metavar="KERNEL",
+        help="with --reuse: compile this kernel's launches anyway (its source changed, which "
+        "the ids do not hash); repeatable",
+    )
     args = parser.parse_args()
     launches = distinct_launches(sweep_points())
     if args.command == "keys":
@@ -451,7 +525,16 @@ def main() -> None:
     if args.command == "compile":
         print(json.dumps(compile_launches(launches, json.loads(args.ids))))
         return
-    rows = compile_launches(launches, list(launches))
+    known = {}
+    if args.reuse and TABLE.with_suffix(".json").exists():
+        known = {
+            row["id"]: row
+            for row in json.loads(TABLE.with_suffix(".json").read_text())
+            if row["kernel"] not in args.recompile
+        }
+    fresh = compile_launches(launches, [i for i in launches if i not in known])
+    compiled = {row["id"]: row for row in fresh}
+    rows = [compiled.get(i) or {**known[i], "points": launches[i][3]} for i in launches]
     table = format_table(rows)
     print(table)
     if args.write:

@@ -75,3 +75,22 @@ def test_a_part_past_its_timeout_is_killed_and_its_output_kept(tmp_path, suite):
     assert result["status"] == "timed out" and result["seconds"] < 30
     assert result["tail"] == ["started"]
     assert (tmp_path / "slow.log").read_text() == "started\n"
+
+
+def test_tuning_dry_run_writes_candidates_elsewhere(tmp_path, monkeypatch):
+    """The tuning part's CPU play: every candidate timed, winners among the candidates, written
+    to the file asked for (the committed configuration untouched)."""
+    tune = import_bench(monkeypatch, "tune_kernels")
+    committed = tune.CONFIG_PATH.read_text()
+    out, rows = tmp_path / "configs.json", tmp_path / "tune.json"
+    assert tune.main(["--tiny", "--config-out", str(out), "--json", str(rows)]) == 0
+    written = json.loads(out.read_text())
+    result = json.loads(rows.read_text())
+    attention = tune.attention_candidates()
+    assert len(result["rows"]) == len(attention) + 2 * len(tune.verify_candidates())
+    assert written["verify_race_tiles"] in tune.RACE_TILE_CANDIDATES
+    assert written["verify_stats_programs_per_sm"] in tune.STATS_PROGRAMS_CANDIDATES
+    assert any(
+        all(written[key] == value for key, value in candidate.items()) for candidate in attention
+    )
+    assert tune.CONFIG_PATH.read_text() == committed

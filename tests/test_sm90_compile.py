@@ -17,7 +17,11 @@ from pathlib import Path
 import pytest
 import triton
 
-from specdec_fast.kernels.tree_attention import HALF_PRECISION_TILES
+from specdec_fast.kernels.tree_attention import (
+    DECODE_ROWS,
+    DECODE_TILE_CANDIDATES,
+    HALF_PRECISION_TILES,
+)
 
 SCRIPT = Path(__file__).with_name("sm90_compile.py")
 TABLE = Path(__file__).resolve().parents[1] / "bench" / "results" / "sm90_compile_table.json"
@@ -56,10 +60,19 @@ def test_table_lists_every_launch_of_the_sweep(table):
 
 def declared_programs_per_sm(row: dict) -> int:
     """What the launcher's split heuristic counts on for a tree-attention launch: its tile's
-    `programs_per_sm` (fp32 configs declare 1)."""
+    `programs_per_sm` (fp32 configs declare 1; the decode schedule's tiles, one each)."""
     constants = row["constants"]
     if row["types"]["q_ptr"] == "*fp32":
         return 1
+    if constants["BLOCK_M"] == DECODE_ROWS:
+        candidates = DECODE_TILE_CANDIDATES[max(constants["BLOCK_D"], 64)]
+        (tile,) = {
+            tile
+            for tile in candidates
+            if (tile.block_n, tile.num_warps, tile.num_stages)
+            == (constants["BLOCK_N"], row["warps"], row["stages"])
+        }
+        return tile.programs_per_sm
     plain, variant = HALF_PRECISION_TILES[max(constants["BLOCK_D"], 64), constants["BLOCK_M"]]
     return (
         variant if constants["HAS_WINDOW"] or constants["HAS_SOFTCAP"] else plain
@@ -69,7 +82,8 @@ def declared_programs_per_sm(row: dict) -> int:
 def test_no_launch_spills_and_attention_keeps_its_programs_per_sm(table):
     """No spills anywhere. Every tree-attention launch holds the programs per SM its tile
     declares, and the tiles serving batch 1 and 8 of the models declare two, except Gemma2's
-    (D 256 and soft-capped: one, see HALF_PRECISION_TILES)."""
+    (D 256 and soft-capped: one, see HALF_PRECISION_TILES) and the decode schedule's (one
+    256-row program of 16 warps per SM by design)."""
     spilling = [(row["id"], row["points"][0]) for row in table.values() if row["spill_bytes"]]
     assert spilling == []
     attention = [row for row in table.values() if row["kernel"] == "tree_attention_kernel"]
@@ -88,7 +102,11 @@ def test_no_launch_spills_and_attention_keeps_its_programs_per_sm(table):
         )
     ]
     assert serving
-    constants = [row["constants"] for row in serving if row["programs_per_sm"] < 2]
+    constants = [
+        row["constants"]
+        for row in serving
+        if row["programs_per_sm"] < 2 and row["constants"]["BLOCK_M"] != DECODE_ROWS
+    ]
     one = {(c["HEAD_DIM"], c["HAS_WINDOW"] or c["HAS_SOFTCAP"]) for c in constants}
     assert one <= {(256, True)}, one
 

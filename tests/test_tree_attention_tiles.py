@@ -8,6 +8,7 @@ may read. The row-block rule and the split and combine heuristics are checked on
 """
 
 import itertools
+from dataclasses import dataclass
 
 import pytest
 import torch
@@ -60,19 +61,45 @@ def config_id(key) -> str:
     return name + f"w{config.num_warps}s{config.num_stages}" + ("-variant" if variant else "")
 
 
-def run_tiled_case(dtype, variant, config, num_splits, seed):
-    """A ragged batch of 2 (a prefix of several tiles and an empty one), N = 11 nodes of a random
-    tree (GQA 3, so rows cross block boundaries at 16 and 32), D just below the K/V width."""
+@dataclass(frozen=True)
+class TiledShape:
+    """The shape of `run_tiled_case`: N nodes (a random tree, or causal), the GQA group and KV
+    heads, the prefixes of the ragged batch (in K/V tiles plus extra keys; 0 tiles and 0 extra:
+    an empty prefix), the padded rows of each sequence (q_lens = N minus those), and how far D
+    sits below the K/V width (`block_d`: that width where the launcher picks the config)."""
+
+    num_new: int = 11
+    group: int = 3
+    num_kv_heads: int = 2
+    prefixes: tuple = ((3, 5), (0, 0))
+    padded: tuple = (0, 4)
+    tree: bool = True
+    head_dim_short: int = 16
+    block_d: int = 128
+
+
+def run_tiled_case(dtype, variant, config, num_splits, seed, shape=TiledShape()):
+    """A ragged batch (by default 2: a prefix of several tiles and an empty one), N = 11 nodes of
+    a random tree (GQA 3, so rows cross block boundaries at 16 and 32), D just below the K/V
+    width. `config` None: the launcher's own choice (`kernel_config` for this batch), whose
+    tiles size the case."""
     generator = torch.Generator().manual_seed(seed)
-    head_dim = config.block_d - 16 if config.block_d >= 64 else config.block_d
-    num_new, group, num_kv_heads = 11, 3, 2
-    prefixes = (3 * config.block_n + 5, 0)
-    batch, capacity = len(prefixes), max(prefixes) + num_new + 3
-    window, softcap = (2 * config.block_n + 1, 7.0) if variant else (None, None)
+    num_new, group, num_kv_heads = shape.num_new, shape.group, shape.num_kv_heads
+    batch = len(shape.prefixes)
+    tiles = config
+    if config is None:
+        tiles = kernel_config(shape.block_d, group, num_new, dtype, variant, batch)
+    head_dim = tiles.block_d - shape.head_dim_short if tiles.block_d >= 64 else tiles.block_d
+    prefixes = [count * tiles.block_n + extra for count, extra in shape.prefixes]
+    capacity = max(prefixes) + num_new + 3
+    window, softcap = (2 * tiles.block_n + 1, 7.0) if variant else (None, None)
     cache_lens = torch.tensor(prefixes, dtype=torch.int32)
-    live = [num_new, num_new - 4]
+    live = [num_new - padded for padded in shape.padded]
     q_lens = torch.tensor(live, dtype=torch.int32)
-    parents = [random_parents(num_new, "random", generator) for _ in range(batch)]
+    parents = [
+        random_parents(num_new, "random" if shape.tree else "chain", generator)
+        for _ in range(batch)
+    ]
     tree = torch.stack([ancestor_mask(row) for row in parents])
     depths = torch.tensor([depths_of(row) for row in parents], dtype=torch.int32)
 
@@ -87,8 +114,9 @@ def run_tiled_case(dtype, variant, config, num_splits, seed):
         never_read = ~allowed[b].any(dim=0)
         k_cache[b, :, never_read] = float("nan")
         v_cache[b, :, never_read] = float("nan")
-    packed = pack_tree_mask(tree)
-    features = dict(softcap=softcap, window=window, q_depths=depths if variant else None)
+    packed = pack_tree_mask(tree) if shape.tree else None
+    depths = depths if variant and shape.tree else None
+    features = dict(softcap=softcap, window=window, q_depths=depths)
     scale = head_dim**-0.5
     with poisoned_allocations():
         out = launch_tree_attention(

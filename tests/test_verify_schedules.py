@@ -7,11 +7,18 @@ workspace; and the launcher picks the split for batch-1 chains on a GPU.
 
 import pytest
 import torch
+import triton
 from test_tree_attention import poisoned_allocations
 from test_verify import assert_same, run_kernel, sampling_case
 
 from specdec_fast.kernels import verify_reference
-from specdec_fast.kernels.verify import LaunchConfig, launch_config
+from specdec_fast.kernels.configs import tuned_configs
+from specdec_fast.kernels.verify import (
+    MAX_PARALLEL_CHAIN,
+    RACE_TILE_CANDIDATES,
+    LaunchConfig,
+    launch_config,
+)
 
 
 def split_config(race_splits: int, block_seqs: int = 1) -> LaunchConfig:
@@ -96,10 +103,46 @@ def test_every_race_cell_is_written_before_it_is_read():
 
 
 def test_gpu_launch_config_splits_the_batch1_chain():
-    """H200 (132 SMs), V = 128256: a B1 chain races 126 slices of 1024 tokens; B32, 9 slices;
+    """H200 (132 SMs), V = 128256: a B1 chain races 126 slices of 1024 tokens; B32, slices of
+    at most `verify_race_tiles` tiles (32 of 4 tiles by default);
     trees and filtered chains keep one program per sequence; the interpreter never splits."""
     chain_b1 = launch_config(1, 6, 128256, 132, split_residual=True)
     assert (chain_b1.race_splits, chain_b1.walk_block_v, chain_b1.num_splits) == (126, 1024, 63)
-    assert launch_config(32, 6, 128256, 132, split_residual=True).race_splits == 9
+    # B32: at least two programs per SM (9 slices), and no slice over the tuned walk tiles.
+    race_tiles = tuned_configs()["verify_race_tiles"]
+    assert race_tiles in RACE_TILE_CANDIDATES
+    b32_splits = launch_config(32, 6, 128256, 132, split_residual=True).race_splits
+    assert b32_splits == max(9, triton.cdiv(128256, race_tiles * 1024))
     assert launch_config(1, 64, 128256, 132).race_splits == 1
     assert launch_config(1, 6, 128256, None, split_residual=True).race_splits == 1
+
+
+@pytest.mark.parametrize("num_nodes", [7, MAX_PARALLEL_CHAIN + 1])
+def test_chain_accepted_prefix_decided_at_once_agrees_with_reference(num_nodes):
+    """Chains with draft probabilities and no filters of up to MAX_PARALLEL_CHAIN nodes decide
+    every node's acceptance at once (the walk's `_accepted_prefix`), longer ones node by node:
+    both give the reference's result, on ragged chains with greedy rows mixed in, and drafts
+    close to the target so that deep prefixes are accepted (the case checks it)."""
+    generator = torch.Generator().manual_seed(num_nodes)
+    logits, tokens, parents, draft_probs, params = sampling_case(
+        "chain+probs", 6, num_nodes, 45, torch.float32, generator
+    )
+    params.pop("top_k")
+    params.pop("top_p")
+    # In even sequences node i's draft is sampled from its parent's target distribution (p / q
+    # = 1: accepted); odd ones keep drafts that are rejected somewhere along the chain.
+    temperature = params["temperature"]
+    scale = torch.where(temperature > 0, temperature, 1.0)[:, None, None]
+    target = torch.softmax(logits.float() / scale, dim=-1)
+    exact = torch.cat([target[:, :1], target[:, :-1]], dim=1)
+    drafted = torch.multinomial(exact.flatten(0, 1), 1, generator=generator).view(tokens.shape)
+    even = (torch.arange(len(tokens)) % 2 == 0)[:, None]
+    tokens = torch.where(even & (torch.arange(num_nodes) > 0), drafted, tokens)
+    draft_probs = torch.where(even[:, :, None], exact, draft_probs)
+    expected = verify_reference(logits, tokens, parents, draft_probs, **params)
+    sampled = temperature > 0
+    assert int(expected.num_accepted[sampled].max()) >= 3
+    assert bool((expected.num_accepted[sampled] < (parents >= -1).sum(1)[sampled] - 1).any())
+    assert_same(
+        run_kernel(logits, tokens, parents, draft_probs, split_config(3), **params), expected
+    )

@@ -203,10 +203,14 @@ def tree_attention_kernel(
         first_slot = tl.maximum(tl.min(tl.where(row_live, row_floor, capacity), 0) + 1, 0)
 
     # This split's share of the prefix's whole tiles from the first visible one on: without a
-    # window every row sees them all, no mask needed.
+    # window every row sees them all, no mask needed. The last split's masked tiles (the
+    # prefix's partial tile and the new tokens) count in the shares, so that it takes fewer
+    # prefix tiles and ends with the others (at B1/L4096/N64 in 32-key tiles over 16 splits,
+    # 8 + 2 tiles against 8 + 2 + 2 otherwise).
     full_tiles = cache_len // BLOCK_N
     first_tile = tl.minimum(first_slot // BLOCK_N, full_tiles)
-    tiles_per_split = tl.cdiv(full_tiles - first_tile, num_splits)
+    masked_keys = cache_len - full_tiles * BLOCK_N + tl.minimum(q_len, capacity - cache_len)
+    tiles_per_split = tl.cdiv(full_tiles - first_tile + tl.cdiv(masked_keys, BLOCK_N), num_splits)
     lo = (first_tile + split * tiles_per_split) * BLOCK_N
     hi = tl.minimum(lo + tiles_per_split * BLOCK_N, full_tiles * BLOCK_N)
     hi = tl.where(block_live, tl.maximum(hi, lo), lo)

@@ -22,8 +22,11 @@ mask, and loops over V run only when some row of the block needs them.
 Cost: greedy rows, deterministic drafts without filters and fully accepted chains never pass
 over V in the walk. A rejected chain node costs one pass over its row (per element a hash, three
 logs and an exp), spread over the race slices (at B1 on an H200, 126 programs of 1024 tokens:
-bench/NOTES.md has the estimate); top-k/top-p cost about 8 passes per bisection per visited
-node, in one program per sequence.
+bench/NOTES.md has the estimate; at B32, slices of `verify_race_tiles` tiles, 32 of 4 by
+default, where 9 programs of 14 tiles each raced before); top-k/top-p cost about 8 passes per
+bisection per visited node, in one program per sequence. Every race-slice program walks the
+chain again, so that walk is made cheap: without filters a chain's accepted prefix is decided
+for all nodes in one round of loads (`_accepted_prefix`), not one round per accepted node.
 """
 
 import triton
@@ -515,6 +518,134 @@ def _own_sample(
 
 
 @triton.jit
+def _flat(values, BLOCK_B: tl.constexpr, BLOCK_N: tl.constexpr):
+    """`[BLOCK_B]` per-sequence values repeated per node, flattened to `[BLOCK_B * BLOCK_N]`."""
+    return tl.reshape(tl.broadcast_to(values[:, None], (BLOCK_B, BLOCK_N)), (BLOCK_B * BLOCK_N,))
+
+
+@triton.jit
+def _accepted_prefix(
+    logits_ptr,
+    draft_probs_ptr,
+    seed_ptr,
+    stats_ptr,
+    seqs,
+    parents,
+    tokens,
+    real,
+    active,
+    sampling,
+    inv_t,
+    seed,
+    stream_seqs,
+    num_nodes,
+    vocab,
+    num_splits,
+    stride_lb,
+    stride_ln,
+    stride_lv,
+    stride_db,
+    stride_dn,
+    stride_dv,
+    stride_seed,
+    stride_seed_node,
+    stride_sf,
+    stride_sr,
+    SEED_PER_NODE: tl.constexpr,
+    BLOCK_B: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+):
+    """The walk's accepted prefix of a chain with draft probabilities and no filters, decided for
+    every node at once: (node the walk stops at, its depth, the path `[BLOCK_B, BLOCK_N]`).
+
+    Each node's decision is the walk's own (the same statistics merge, acceptance test u * q(x)
+    < p(x) with the same random numbers, greedy rows' argmax match), computed for all nodes in
+    one round of loads instead of one round per accepted node; the walk then only follows the
+    decisions in registers, and the main loop runs from the stopping node (it decides there
+    again, alike, and emits). So a sequence's latency no longer grows with its accepted length.
+    """
+    nodes = tl.arange(0, BLOCK_N)
+    flat_nodes = tl.reshape(
+        tl.broadcast_to(nodes[None, :], (BLOCK_B, BLOCK_N)), (BLOCK_B * BLOCK_N,)
+    )
+    flat_seqs = _flat(seqs, BLOCK_B, BLOCK_N)
+    flat_active = _flat(active, BLOCK_B, BLOCK_N)
+    flat_sampling = _flat(sampling, BLOCK_B, BLOCK_N)
+    flat_inv_t = _flat(inv_t, BLOCK_B, BLOCK_N)
+    # Each node's first child (the walk's `first_child`), among the real later nodes.
+    is_child = (
+        real[:, None, :]
+        & (parents[:, None, :] == nodes[None, :, None])
+        & (nodes[None, None, :] > nodes[None, :, None])
+    )
+    first_child = tl.min(tl.where(is_child, nodes[None, None, :], BLOCK_N), axis=2)
+    child_token = tl.sum(
+        tl.where(nodes[None, None, :] == first_child[:, :, None], tokens[:, None, :], 0), axis=2
+    )
+    first_child = tl.reshape(first_child, (BLOCK_B * BLOCK_N,))
+    draft = tl.reshape(child_token, (BLOCK_B * BLOCK_N,))
+    node_live = flat_active & tl.reshape(real, (BLOCK_B * BLOCK_N,))
+    row_max, argmax, sumexp, _, _ = _node_stats(
+        stats_ptr,
+        stride_sf,
+        stride_sr,
+        flat_seqs * num_nodes + flat_nodes,
+        node_live,
+        flat_inv_t,
+        num_splits,
+        BLOCK_S,
+    )
+    kept_mass = tl.where(sumexp > 0, sumexp, 1.0)
+    has_child = node_live & (first_child < BLOCK_N)
+    chain = has_child & flat_sampling
+    draft_ok = chain & (draft >= 0) & (draft < vocab)
+    row_ptr = logits_ptr + flat_seqs * stride_lb + flat_nodes * stride_ln
+    draft_logit = tl.load(row_ptr + draft * stride_lv, mask=draft_ok, other=float("-inf"))
+    draft_logit = draft_logit.to(tl.float32)
+    # No filters: every token is kept (the walk's threshold is below every key).
+    p_draft = tl.exp((draft_logit - row_max) * flat_inv_t) / kept_mass
+    child_probs_ptr = draft_probs_ptr + flat_seqs * stride_db + first_child * stride_dn
+    q_draft = tl.load(child_probs_ptr + draft * stride_dv, mask=draft_ok, other=1.0)
+    accept_key = _node_key(
+        seed_ptr + flat_seqs * stride_seed, stride_seed_node, _flat(seed, BLOCK_B, BLOCK_N),
+        flat_seqs, _flat(stream_seqs, BLOCK_B, BLOCK_N), first_child, chain, STREAM_ACCEPT,
+        SEED_PER_NODE,
+    )  # fmt: skip
+    u = uniform(accept_key, first_child * 0)
+    chain_accept = draft_ok & (u * q_draft.to(tl.float32) < p_draft)
+    # Greedy rows advance to the first child holding the argmax.
+    greedy_match = (
+        real[:, None, :]
+        & (parents[:, None, :] == nodes[None, :, None])
+        & (nodes[None, None, :] > nodes[None, :, None])
+        & (tokens[:, None, :] == tl.reshape(argmax, (BLOCK_B, BLOCK_N))[:, :, None])
+    )
+    matched = tl.reshape(
+        tl.min(tl.where(greedy_match, nodes[None, None, :], BLOCK_N), axis=2),
+        (BLOCK_B * BLOCK_N,),
+    )
+    advance = node_live & tl.where(chain, chain_accept, ~flat_sampling & (matched < BLOCK_N))
+    child = tl.where(chain, first_child, matched)
+    advance = tl.reshape(advance, (BLOCK_B, BLOCK_N))
+    child = tl.reshape(child, (BLOCK_B, BLOCK_N))
+
+    current = tl.zeros((BLOCK_B,), tl.int32)
+    depth = tl.zeros((BLOCK_B,), tl.int32)
+    path = tl.where(nodes[None, :] == 0, 0, tl.full((BLOCK_B, BLOCK_N), -1, tl.int32))
+    here = nodes[None, :] == current[:, None]
+    going = active & (tl.max(tl.where(here, advance.to(tl.int32), 0), axis=1) > 0)
+    while tl.max(going.to(tl.int32), axis=0) > 0:
+        step = tl.sum(tl.where(here, child, 0), axis=1)
+        depth += going.to(tl.int32)
+        path = tl.where(going[:, None] & (nodes[None, :] == depth[:, None]), step[:, None], path)
+        current = tl.where(going, step, current)
+        here = nodes[None, :] == current[:, None]
+        going = going & (tl.max(tl.where(here, advance.to(tl.int32), 0), axis=1) > 0)
+    return current, depth, path
+
+
+@triton.jit
 def verify_walk_kernel(
     logits_ptr,
     tokens_ptr,
@@ -569,6 +700,7 @@ def verify_walk_kernel(
     HAS_FILTERS: tl.constexpr,
     HAS_DRAFT_PROBS: tl.constexpr,
     SPLIT_RACE: tl.constexpr,
+    CHAIN_PARALLEL: tl.constexpr,
     BLOCK_B: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_S: tl.constexpr,
@@ -633,10 +765,44 @@ def verify_walk_kernel(
     row_bad = (tl.max(slice_bad, axis=2) > 0) | (tl.max(slice_max, axis=2) == float("-inf"))
     active = seq_ok & (tl.max((real & row_bad).to(tl.int32), axis=1) == 0)
 
-    current = tl.zeros((BLOCK_B,), tl.int32)
-    depth = tl.zeros((BLOCK_B,), tl.int32)
     next_tokens = tl.full((BLOCK_B,), -1, tl.int64)
-    path = tl.where(nodes[None, :] == 0, 0, tl.full((BLOCK_B, BLOCK_N), -1, tl.int32))
+    if CHAIN_PARALLEL:
+        current, depth, path = _accepted_prefix(
+            logits_ptr,
+            draft_probs_ptr,
+            seed_ptr,
+            stats_ptr,
+            seqs,
+            parents,
+            tokens,
+            real,
+            active,
+            sampling,
+            inv_t,
+            seed,
+            stream_seqs,
+            num_nodes,
+            vocab,
+            num_splits,
+            stride_lb,
+            stride_ln,
+            stride_lv,
+            stride_db,
+            stride_dn,
+            stride_dv,
+            stride_seed,
+            stride_seed_node,
+            stride_sf,
+            stride_sr,
+            SEED_PER_NODE,
+            BLOCK_B,
+            BLOCK_N,
+            BLOCK_S,
+        )
+    else:
+        current = tl.zeros((BLOCK_B,), tl.int32)
+        depth = tl.zeros((BLOCK_B,), tl.int32)
+        path = tl.where(nodes[None, :] == 0, 0, tl.full((BLOCK_B, BLOCK_N), -1, tl.int32))
     race_lo = tl.program_id(1) * race_slice_len
     race_hi = tl.minimum(race_lo + race_slice_len, vocab)
     # SPLIT_RACE: the rejected chain nodes whose residual this program raced over its slice.
