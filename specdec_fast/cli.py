@@ -144,7 +144,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="a drafter SPEC (below; PATH: folder or bundled name, e.g. draft:tiny-code-draft); "
         "default: ngram",
     )
-    gen.add_argument("--prompt", required=True, help="the prompt text (a user message in chat)")
+    gen.add_argument(
+        "--prompt",
+        required=True,
+        type=_prompt,
+        help="the prompt text (a user message in chat); not empty",
+    )
     gen.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     _add_exact(gen)
     _add_sampling(gen)
@@ -161,6 +166,13 @@ def _integer(text: str, low: int) -> int:
     if value < low:
         raise argparse.ArgumentTypeError(f"expected an integer >= {low}, got {value}")
     return value
+
+
+def _prompt(text: str) -> str:
+    # An empty prompt would generate from the template's BOS alone: refused, as the server does.
+    if not text:
+        raise argparse.ArgumentTypeError("expected a non-empty prompt")
+    return text
 
 
 def _positive(text: str) -> int:
