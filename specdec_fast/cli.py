@@ -541,7 +541,10 @@ def run_generate(args: argparse.Namespace) -> int:
     prompt_ids = encode_prompt(tokenizer, args.prompt, chat=chat)
     if not prompt_ids:
         raise ValueError("prompt: it encodes to no tokens")
-    with torch.no_grad(), Progress(args.max_new_tokens, desc="generate", unit="tok") as bar:
+    with (
+        torch.no_grad(),
+        Progress(args.max_new_tokens, desc="generate", unit="tok", compiles=True) as bar,
+    ):
         out = generate(
             model,
             [prompt_ids],
