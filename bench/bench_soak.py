@@ -18,7 +18,8 @@ after the first chunk, malformed JSON, oversized bodies, and requests over the c
 - the server's Prometheus counters add up to what the clients saw: ended requests per route and
   finish reason (disconnects as "abort"), completion tokens, refusals;
 - the server's resident memory (the server and its engine process) after the run is within
-  `RSS_GROWTH_LIMIT` of what it was after the warm-up.
+  `RSS_GROWTH_LIMIT` of what it was after the warm-up;
+- SIGINT to its process group (Ctrl-C) ends it with code 0.
 
 `run_soak` returns the figures and the failures; tests/test_server_soak.py runs a short one.
 `python bench/bench_soak.py serve ARGS` is how the server is started: the flaky drafter is
@@ -155,8 +156,10 @@ class ServerProcess:
             argv = ["nice", "-n", str(nice), *argv]
         env = {**os.environ, "SPECDEC_COMPILE": "0", "OMP_NUM_THREADS": "1"}
         self._stderr = log.open("w")
+        # A session of its own: a signal reaches the server and its engine process, as Ctrl-C
+        # (the terminal's process group) or a service manager (every process) sends it.
         self.process = subprocess.Popen(
-            argv, stdout=subprocess.DEVNULL, stderr=self._stderr, env=env
+            argv, stdout=subprocess.DEVNULL, stderr=self._stderr, env=env, start_new_session=True
         )
 
     def wait_ready(self) -> ServerProcess:
@@ -183,15 +186,19 @@ class ServerProcess:
     def rss(self) -> int:
         return rss_bytes(self.pid)
 
-    def stop(self, sig: int = signal.SIGTERM, timeout: float = 60.0) -> int:
-        """Signal the server; its exit code (it is killed, and the code negative, past
-        `timeout`)."""
+    def send(self, sig: int) -> None:
+        """Send `sig` to the server's process group (the server and its engine process)."""
         if self.process.poll() is None:
-            self.process.send_signal(sig)
+            os.killpg(self.process.pid, sig)
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 60.0) -> int:
+        """Signal the server's process group; its exit code (it is killed, and the code
+        negative, past `timeout`)."""
+        self.send(sig)
         try:
             code = self.process.wait(timeout)
         except subprocess.TimeoutExpired:
-            self.process.kill()
+            os.killpg(self.process.pid, signal.SIGKILL)
             code = self.process.wait()
         self._stderr.close()
         return code
@@ -303,7 +310,7 @@ def fill_prompt(prompt_ids: list[int]) -> list[int]:
     return (prompt_ids * (FILL_LEN // len(prompt_ids) + 1))[:FILL_LEN]
 
 
-async def send(client, http: httpx.AsyncClient, url: str, item: Planned, ids) -> Outcome:
+async def send_one(client, http: httpx.AsyncClient, url: str, item: Planned, ids) -> Outcome:
     """Send one planned request; never raises (what went wrong is in the outcome)."""
     import openai
 
@@ -410,7 +417,7 @@ async def traffic(url: str, items: list[Planned], concurrency: int, ids, on_done
 
         async def worker():
             for item in queue:
-                outcomes[item.index] = await send(client, http, url, item, ids)
+                outcomes[item.index] = await send_one(client, http, url, item, ids)
                 if on_done is not None:
                     on_done(item.index)
 
@@ -608,9 +615,9 @@ def run_soak(
         if fallbacks == 0:
             failures.append("the flaky route's drafter never raised: the fault was not exercised")
     finally:
-        exit_code = server.stop(signal.SIGTERM)
+        exit_code = server.stop(signal.SIGINT)
     if exit_code != 0:
-        failures.append(f"the server exited with code {exit_code} on SIGTERM")
+        failures.append(f"the server exited with code {exit_code} on SIGINT")
     counts = books_warm["counts"] + books["counts"]
     return {
         "requests": requests,

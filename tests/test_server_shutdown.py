@@ -1,7 +1,8 @@
 """Graceful shutdown: a signal drains the server, cancels what outlasts the deadline, exits 0.
 
-A real `specdec-fast serve` process (started through bench/bench_soak.py's `ServerProcess`) is
-sent SIGINT while two long streams and a short one run: new requests get a 503 at once, the
+A real `specdec-fast serve` process (started through bench/bench_soak.py's `ServerProcess`) and
+its engine process are sent SIGTERM, as a service manager sends it to every process of a
+service, while two long streams and a short one run: new requests get a 503 at once, the
 short stream finishes normally, the long ones end at the deadline with `finish_reason` "abort",
 their last chunk and `[DONE]`, and the process exits with code 0. In this process, the same drain
 (`GracefulServer.handle_exit`, which the signal calls) restores the model's attention. Every wait
@@ -73,7 +74,7 @@ def finish_reason(lines: list[str]) -> str:
     return reasons[-1]
 
 
-def test_sigint_to_a_real_server_drains_cancels_and_exits_0(monkeypatch, tmp_path):
+def test_sigterm_to_a_real_server_drains_cancels_and_exits_0(monkeypatch, tmp_path):
     soak = import_bench(monkeypatch, "bench_soak")
     args = soak.serve_args(tmp_path, max_batch=4, max_queue=4, context_len=2048)
     server = soak.ServerProcess([*args, "--drain-timeout", str(DEADLINE_S)], tmp_path / "log")
@@ -81,7 +82,7 @@ def test_sigint_to_a_real_server_drains_cancels_and_exits_0(monkeypatch, tmp_pat
     try:
         out, threads = start_streams(server.url)
         signalled = time.monotonic()
-        server.process.send_signal(signal.SIGINT)
+        server.send(signal.SIGTERM)
         client = openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0)
         with pytest.raises(openai.InternalServerError) as refused:
             deadline = time.monotonic() + DEADLINE_S
@@ -96,7 +97,7 @@ def test_sigint_to_a_real_server_drains_cancels_and_exits_0(monkeypatch, tmp_pat
             assert not thread.is_alive()
         ended = time.monotonic() - signalled
     finally:
-        code = server.stop(signal.SIGINT, timeout=TIMEOUT_S)
+        code = server.stop(signal.SIGTERM, timeout=TIMEOUT_S)
     assert code == 0, (tmp_path / "log").read_text()
     assert finish_reason(out["short"]) == "length"
     assert finish_reason(out["long-0"]) == finish_reason(out["long-1"]) == "abort"

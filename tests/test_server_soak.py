@@ -7,8 +7,8 @@ raises on every fifth step), sampled ones, streams whose client goes away after 
 malformed and oversized bodies, requests over the small context and ones that fill it, at six at
 once against four batch slots and four queue places (some 429s). Every request must end in
 exactly one answer of its own (greedy ones equal to `generate()`'s) or refusal, the server's
-counters must match, its memory must not grow by more than 10% after the warm-up, and SIGTERM
-must end it with code 0.
+counters must match, its memory must not grow by more than 10% after the warm-up, and SIGINT
+(Ctrl-C, to its process group) must end it with code 0.
 """
 
 import pytest
