@@ -328,7 +328,9 @@ async def send_one(client, http: httpx.AsyncClient, url: str, item: Planned, ids
             )
             out.status = reply.status_code
             out.echoed = reply.headers.get("X-Request-Id") == headers["X-Request-Id"]
-            out.extra["code"] = reply.json()["error"]["code"]
+            error = reply.json()["error"]
+            out.extra["code"] = error["code"]
+            out.extra["openai_shape"] = set(error) == ERROR_FIELDS
             return out
         if item.kind == "over_context":
             await client.completions.create(
@@ -386,6 +388,7 @@ async def send_one(client, http: httpx.AsyncClient, url: str, item: Planned, ids
     except openai.APIStatusError as error:
         out.status = error.status_code
         out.extra["code"] = error.code
+        out.extra["openai_shape"] = isinstance(error.body, dict) and set(error.body) == ERROR_FIELDS
         out.echoed = error.response.headers.get("X-Request-Id") == headers["X-Request-Id"]
     except Exception as error:  # noqa: BLE001 - recorded: the soak's books count it
         out.error = f"{type(error).__name__}: {error}"
@@ -470,6 +473,7 @@ def references():
 
 
 EXPECTED_STATUS = {"malformed": 400, "oversized": 413, "over_context": 400}
+ERROR_FIELDS = {"message", "type", "param", "code"}  # OpenAI's error object
 
 
 def audit(items: list[Planned], outcomes: list[Outcome], expected: dict) -> dict:
@@ -485,6 +489,8 @@ def audit(items: list[Planned], outcomes: list[Outcome], expected: dict) -> dict
             continue
         if not out.echoed:
             failures.append(f"{where}: its X-Request-Id did not come back on its answer")
+        if out.status != 200 and not out.extra.get("openai_shape"):
+            failures.append(f"{where}: its {out.status} is not in OpenAI's error shape")
         if out.status == 429:
             counts["refused_429"] += 1
             continue

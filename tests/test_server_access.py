@@ -8,13 +8,15 @@ with two keys and small limits serves every test here; every wait is bounded.
 import hmac
 import json
 import logging
+import threading
+import time
 
 import httpx
 import openai
 import pytest
 import torch
 from fastapi.testclient import TestClient
-from loopback import PROMPTS, TEMPLATE, TIMEOUT_S, Server, greedy_reference
+from loopback import LONG_STREAM, PROMPTS, TEMPLATE, TIMEOUT_S, Server, greedy_reference
 
 from specdec_fast import bundled
 from specdec_fast.cli import main
@@ -37,18 +39,18 @@ LIMITS = Limits(
 ROUTE_CAP = 4
 
 
-def make_engine() -> ServingEngine:
+def make_engine(**options) -> ServingEngine:
     model = load_model("tiny-code", torch.device("cpu"))
     tokenizer = load_tokenizer("tiny-code")
     routes = server_routes("ngram:8", [RouteConfig("short", "ngram:8", max_tokens=ROUTE_CAP)])
     return ServingEngine(
-        model, tokenizer, routes, model_name="tiny-code", chat_template=TEMPLATE, max_batch=4
+        model, tokenizer, routes, model_name="tiny-code", chat_template=TEMPLATE, **options
     )
 
 
 @pytest.fixture(scope="module")
 def server():
-    running = Server(make_engine(), keys=ApiKeys(KEYS), limits=LIMITS)
+    running = Server(make_engine(max_batch=4), keys=ApiKeys(KEYS), limits=LIMITS)
     yield running
     running.close()
 
@@ -245,3 +247,32 @@ def test_while_draining_v1_and_health_answer_503(server):
     finally:
         drain.draining = False
     assert client(server).completions.create(model="tiny-code", prompt="x", max_tokens=1)
+
+
+def test_a_full_queue_answers_429_to_the_openai_client():
+    busy = Server(make_engine(max_batch=1, max_queue=1))
+    try:
+        waiting = threading.Thread(
+            target=httpx.post,
+            args=(busy.url + "/v1/completions",),
+            kwargs={"json": {"prompt": "x", "max_tokens": 2}, "timeout": TIMEOUT_S},
+        )
+        with httpx.stream(
+            "POST", busy.url + "/v1/completions", json=LONG_STREAM, timeout=TIMEOUT_S
+        ) as stream:
+            lines = stream.iter_lines()  # kept: a closed iterator closes the stream
+            assert next(line for line in lines if line.startswith("data: "))
+            waiting.start()
+            deadline = time.monotonic() + TIMEOUT_S
+            while busy.metric("vllm:num_requests_waiting") < 1:
+                assert time.monotonic() < deadline
+                time.sleep(0.01)
+            error = refusal(
+                lambda: client(busy, "unused").completions.create(
+                    model="tiny-code", prompt="x", max_tokens=1
+                )
+            )
+        assert isinstance(error, openai.RateLimitError) and error.code == "queue_full"
+        waiting.join(TIMEOUT_S)
+    finally:
+        busy.close()
