@@ -9,6 +9,7 @@ their last chunk and `[DONE]`, and the process exits with code 0. In this proces
 is bounded.
 """
 
+import asyncio
 import json
 import signal
 import threading
@@ -136,3 +137,31 @@ def test_a_drain_ends_the_engine_and_restores_the_model():
     assert finish_reason(out["long"]) == "abort" and drain.cancelled == 1
     assert not engine.scheduler.alive
     assert model.config._attn_implementation == original
+
+
+def test_a_request_accepted_after_the_deadline_is_cancelled_too():
+    """A request on its way to the engine when the drain starts (`admitting`) is waited for,
+    and cancelled once accepted, even after the deadline; the drain ends when it completes."""
+
+    class Handle:
+        cancels = 0
+
+        def cancel(self):
+            self.cancels += 1
+
+    async def scenario():
+        drain = Drain(deadline_s=0.1)
+        drain.admitting = 1
+        running = asyncio.ensure_future(drain.run())
+        await asyncio.sleep(0.3)  # past the deadline, still submitting
+        assert not running.done()
+        handle = Handle()
+        key = drain.track(handle)
+        drain.admitting = 0
+        await asyncio.sleep(0.2)
+        assert handle.cancels == 1 and not running.done()  # cancelled once, awaited
+        drain.release(key)  # its completion arrives
+        await asyncio.wait_for(running, TIMEOUT_S)
+        return drain.cancelled
+
+    assert asyncio.run(scenario()) == 1

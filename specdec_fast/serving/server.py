@@ -289,6 +289,7 @@ async def _generate(
         on_tokens=events.put,
         on_finish=events.finish,
     )
+    drain.admitting += 1  # the drain waits for it too, though it has no handle yet
     try:
         handle = await engine.submit(route, scheduled)
     except QueueFull as error:
@@ -303,7 +304,10 @@ async def _generate(
         return _error(503, str(error), "server_error", code="stopped", headers=_echoed(request))
     except ValueError as error:
         raise RequestError(str(error)) from None
-    events.accepted(handle)
+    else:
+        events.accepted(handle)
+    finally:
+        drain.admitting -= 1
     request_id = new_id(kind)
     headers = {REQUEST_ID_HEADER: request.headers.get(REQUEST_ID_HEADER, request_id)}
     model = params.model or engine.model_name

@@ -34,14 +34,16 @@ logger = logging.getLogger("specdec_fast.serving")
 class Drain:
     """The requests in flight (accepted by the engine, not yet ended) and the drain.
 
-    `track(handle)` when the engine accepts a request, `release(key)` when its completion
-    arrives (any thread); `run()` stops admitting, waits, cancels the rest.
+    `admitting` counts the requests on their way to the engine (the event loop's), `track(handle)`
+    when the engine accepts one, `release(key)` when its completion arrives (any thread);
+    `run()` stops admitting, waits, cancels the rest.
     """
 
     def __init__(self, deadline_s: float = DRAIN_DEADLINE_S):
         self.deadline_s = deadline_s
         self.draining = False
         self.cancelled = 0  # requests cancelled at the deadline
+        self.admitting = 0  # requests being submitted to the engine (not yet tracked)
         self._lock = threading.Lock()
         self._handles: dict[int, object] = {}
         self._keys = itertools.count()
@@ -60,27 +62,32 @@ class Drain:
     def in_flight(self) -> int:
         return len(self._handles)
 
-    async def _wait(self, seconds: float) -> None:
-        end = time.monotonic() + seconds
-        while self._handles and time.monotonic() < end:
-            await asyncio.sleep(POLL_S)
+    def _busy(self) -> bool:
+        return bool(self._handles) or self.admitting > 0
 
     async def run(self) -> None:
-        """Stop admitting; wait up to the deadline for the requests in flight; cancel the rest
-        and wait (a bounded while) for their completions."""
+        """Stop admitting; wait up to the deadline for the requests in flight; then cancel
+        them, and any the engine accepts meanwhile, and wait (a bounded while) for their
+        completions."""
         self.draining = True
         logger.info(
             "draining: %d requests in flight, deadline %.1f s", self.in_flight, self.deadline_s
         )
-        await self._wait(self.deadline_s)
-        with self._lock:
-            left = list(self._handles.values())
-        for handle in left:
-            handle.cancel()
-        self.cancelled = len(left)
-        if left:
-            logger.warning("drain deadline: cancelled %d requests", len(left))
-        await self._wait(CANCEL_GRACE_S)
+        end = time.monotonic() + self.deadline_s
+        while self._busy() and time.monotonic() < end:
+            await asyncio.sleep(POLL_S)
+        cancelled: set[int] = set()
+        end = time.monotonic() + CANCEL_GRACE_S
+        while self._busy() and time.monotonic() < end:
+            with self._lock:
+                left = [(k, h) for k, h in self._handles.items() if k not in cancelled]
+            for key, handle in left:
+                handle.cancel()
+                cancelled.add(key)
+            await asyncio.sleep(POLL_S)
+        self.cancelled = len(cancelled)
+        if cancelled:
+            logger.warning("drain deadline: cancelled %d requests", len(cancelled))
 
 
 class GracefulServer(uvicorn.Server):
