@@ -685,7 +685,8 @@ def main(argv: list[str] | None = None) -> int:
             nice=args.nice,
             progress=progress,
         )
-    figures["load"] = os.getloadavg()
+    figures["command"] = " ".join(["python bench/bench_soak.py", *argv])
+    figures["load"] = os.getloadavg()  # 1, 5 and 15 minutes, at the end
     text = json.dumps(figures, indent=2)
     print(text)
     if args.out:
