@@ -58,6 +58,17 @@ def check_attention_features(model_type: str, *, sinks: torch.Tensor | None = No
         raise ValueError(f"{model_type}: attention sinks are not supported by tree_attention")
 
 
+def check_model_attention(model: nn.Module) -> None:
+    """`check_attention_features` on what `model`'s modules hold (an attention module's
+    `sinks`), before any step runs: inside the attention call, the check would run within a
+    compiled prefill, where torch's compiler reports the ValueError as an error of its own."""
+    model_type = model.config.model_type
+    for module in model.modules():
+        sinks = getattr(module, "sinks", None)
+        if isinstance(sinks, torch.Tensor):
+            check_attention_features(model_type, sinks=sinks)
+
+
 def layer_window(module: nn.Module, metadata: StepMetadata, kwargs: dict) -> int | None:
     """The sliding window of `module`'s layer, or None where the window cannot hide a key.
 

@@ -15,6 +15,8 @@ import sys
 
 from specdec_fast.drafters.registry import DrafterSpec, spec_help
 from specdec_fast.loading import DTYPE_CHOICES, MissingExtra
+from specdec_fast.serving.limits import MAX_BODY_BYTES, MAX_MESSAGES, MAX_STOP
+from specdec_fast.serving.shutdown import DRAIN_DEADLINE_S
 
 SPEC_EPILOG = (
     "drafter SPECs [default size]; N: tokens verified per step, root included; K: a chain's\n"
@@ -142,7 +144,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="a drafter SPEC (below; PATH: folder or bundled name, e.g. draft:tiny-code-draft); "
         "default: ngram",
     )
-    gen.add_argument("--prompt", required=True, help="the prompt text (a user message in chat)")
+    gen.add_argument(
+        "--prompt",
+        required=True,
+        type=_prompt,
+        help="the prompt text (a user message in chat); not empty",
+    )
     gen.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     _add_exact(gen)
     _add_sampling(gen)
@@ -159,6 +166,13 @@ def _integer(text: str, low: int) -> int:
     if value < low:
         raise argparse.ArgumentTypeError(f"expected an integer >= {low}, got {value}")
     return value
+
+
+def _prompt(text: str) -> str:
+    # An empty prompt would generate from the template's BOS alone: refused, as the server does.
+    if not text:
+        raise argparse.ArgumentTypeError("expected a non-empty prompt")
+    return text
 
 
 def _positive(text: str) -> int:
@@ -456,6 +470,59 @@ def _add_serve(sub) -> None:
         choices=["critical", "error", "warning", "info", "debug"],
         help="uvicorn's (info)",
     )
+    exposed = serve.add_argument_group(
+        "exposure",
+        "API keys, request limits and shutdown, for a server on a network port. Refusals are in "
+        "OpenAI's error shape: 401 without a valid key, 413 for a body over --max-body-bytes "
+        "(refused before it is parsed), 400 naming the field and the limit for the others, 503 "
+        "while shutting down.",
+    )
+    exposed.add_argument(
+        "--api-key",
+        action="append",
+        default=None,
+        metavar="KEY",
+        help="a key every /v1 route asks for as `Authorization: Bearer KEY` (repeatable; more "
+        "from the SPECDEC_API_KEY environment variable, comma-separated); default: none, open",
+    )
+    exposed.add_argument(
+        "--metrics-auth",
+        action="store_true",
+        help="/metrics asks for the API key too (default: open, for Prometheus; /health is "
+        "always open)",
+    )
+    exposed.add_argument(
+        "--max-body-bytes", type=_positive, default=MAX_BODY_BYTES, help="default: 1048576 (1 MiB)"
+    )
+    exposed.add_argument(
+        "--max-messages", type=_positive, default=MAX_MESSAGES, help="a chat's messages (256)"
+    )
+    exposed.add_argument(
+        "--max-stop",
+        type=_positive,
+        default=MAX_STOP,
+        help="stop strings, and stop token ids, per request (16)",
+    )
+    exposed.add_argument(
+        "--max-prompt-tokens",
+        type=_positive,
+        default=None,
+        help="a prompt's tokens (default: only --max-model-len bounds it)",
+    )
+    exposed.add_argument(
+        "--max-tokens-limit",
+        type=_positive,
+        default=None,
+        help="the max_tokens a request may ask for (default: only --max-model-len bounds it; "
+        "a route's `max_tokens` in --routes caps its own)",
+    )
+    exposed.add_argument(
+        "--drain-timeout",
+        type=float,
+        default=DRAIN_DEADLINE_S,
+        help="seconds the requests in flight may run on after SIGTERM or SIGINT before they "
+        "are cancelled (30); new requests get 503s meanwhile, then the server exits 0",
+    )
 
 
 def run_generate(args: argparse.Namespace) -> int:
@@ -474,7 +541,10 @@ def run_generate(args: argparse.Namespace) -> int:
     prompt_ids = encode_prompt(tokenizer, args.prompt, chat=chat)
     if not prompt_ids:
         raise ValueError("prompt: it encodes to no tokens")
-    with torch.no_grad(), Progress(args.max_new_tokens, desc="generate", unit="tok") as bar:
+    with (
+        torch.no_grad(),
+        Progress(args.max_new_tokens, desc="generate", unit="tok", compiles=True) as bar,
+    ):
         out = generate(
             model,
             [prompt_ids],

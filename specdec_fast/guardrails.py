@@ -284,16 +284,21 @@ class Guardrails:
 
     @classmethod
     def from_yaml(cls, source: str | Path) -> Guardrails:
-        """From a YAML file path, or YAML text (anything holding a newline or a colon). Errors
-        (`FileFormatError`) name the file, and the line of a YAML syntax error."""
+        """From a YAML file path, or YAML text (anything holding a newline, or a colon and
+        naming no file). Errors (`FileFormatError`) name the file, and the line of a YAML syntax
+        error."""
         text, origin = str(source), "guardrails YAML"
-        if isinstance(source, Path) or ("\n" not in text and ":" not in text):
+        one_line = "\n" not in text
+        if isinstance(source, Path) or (one_line and (":" not in text or Path(text).is_file())):
             origin = str(source)
             try:
                 text = Path(source).read_text()
             except (OSError, UnicodeDecodeError) as error:
                 raise FileFormatError(f"{origin}: cannot read it: {error}") from None
         document = parse_yaml(text, origin)
+        if one_line and not isinstance(source, Path) and not isinstance(document, Mapping):
+            # A path that names no file, colon and all, parses as a YAML string.
+            raise FileFormatError(f"{text}: no such file, and not YAML holding {SECTION!r}")
         try:
             return cls.from_mapping(document)
         except ValueError as error:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
+import pickle
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -188,6 +189,14 @@ def load_model(name_or_path: str, device: torch.device, dtype: torch.dtype | str
             raise FileFormatError(
                 f"{folder}: its weights are not a readable safetensors file (truncated or "
                 f"corrupt?): {error}"
+            ) from None
+        except pickle.UnpicklingError:
+            # transformers reads a .bin with torch.load(weights_only=True), which refuses
+            # pickled objects with a page of advice: one line naming the file instead.
+            raise FileFormatError(
+                f"{folder}: its PyTorch weights hold pickled Python objects, which are never "
+                "loaded (they could run code); save them with safetensors or "
+                "torch.save(state_dict)"
             ) from None
     return model.to(device).eval()
 

@@ -18,6 +18,9 @@ class Progress:
     enabled: False shows nothing anywhere.
     log_every_s: where stderr is not a terminal, print a plain line at most this often (and at
         the end); None prints nothing there.
+    compiles: say so while torch compiles a graph (its dynamo callbacks): a first call of a
+        shape may compile for tens of seconds before its first step, which would otherwise
+        look like a stall. The line reads "DESC (compiling a step graph)" until it ends.
     """
 
     def __init__(
@@ -30,6 +33,7 @@ class Progress:
         min_interval_s: float = 0.1,
         log_every_s: float | None = None,
         enabled: bool = True,
+        compiles: bool = False,
     ):
         self.total = total
         self.count = initial
@@ -51,6 +55,25 @@ class Progress:
                 file=sys.stderr,
             )
             self.log_every_s = None
+        self._callbacks = None
+        if compiles and (self._bar is not None or self.log_every_s is not None):
+            from torch._dynamo.callback import callback_handler
+
+            self._callbacks = (self._compiling, self._compiled)
+            callback_handler.register_start_callback(self._compiling)
+            callback_handler.register_end_callback(self._compiled)
+
+    def _compiling(self, _args) -> None:
+        self._say(f"{self.desc} (compiling a step graph)")
+
+    def _compiled(self, _args) -> None:
+        self._say(self.desc)
+
+    def _say(self, desc: str) -> None:
+        if self._bar is not None:
+            self._bar.set_description(desc, refresh=True)
+        elif desc != self.desc:
+            print(f"{desc} at {self.count}/{self.total}", file=sys.stderr, flush=True)
 
     def update(self, steps: int = 1, **postfix) -> None:
         self.count += steps
@@ -74,6 +97,12 @@ class Progress:
         )
 
     def close(self) -> None:
+        if self._callbacks is not None:
+            from torch._dynamo.callback import callback_handler
+
+            callback_handler.remove_start_callback(self._callbacks[0])
+            callback_handler.remove_end_callback(self._callbacks[1])
+            self._callbacks = None
         if self._bar is not None:
             self._bar.close()
             self._bar = None

@@ -77,6 +77,7 @@ from specdec_fast.attention import (
     ATTENTION_NAME,
     METADATA_KWARG,
     StepMetadata,
+    check_model_attention,
     register_attention,
 )
 from specdec_fast.cache import SpecKVCache, attention_windows
@@ -198,6 +199,7 @@ def switch_attention(model: nn.Module, on: bool) -> None:
                 )
             switched.runners += 1
             return
+        check_model_attention(model)
         original = model.config._attn_implementation
         register_attention()
         _set_attention(model, ATTENTION_NAME)

@@ -30,11 +30,13 @@ PROMPTS = [
 
 
 class Server:
-    """uvicorn serving `engine` on a free loopback port, on a thread of its own."""
+    """uvicorn serving `engine` on a free loopback port, on a thread of its own (`app_options`:
+    `create_app`'s keyword arguments)."""
 
-    def __init__(self, engine: ServingEngine | ProcessEngine):
+    def __init__(self, engine: ServingEngine | ProcessEngine, **app_options):
+        self.app = create_app(engine, **app_options)
         config = uvicorn.Config(
-            create_app(engine), host="127.0.0.1", port=0, log_level="warning", lifespan="on"
+            self.app, host="127.0.0.1", port=0, log_level="warning", lifespan="on"
         )
         self.engine = engine
         self.server = uvicorn.Server(config)

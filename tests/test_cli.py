@@ -175,6 +175,13 @@ def test_dtype_and_device_options(model_dir, capsys):
         main(["generate", "--model", str(model_dir), "--prompt", "x", "--dtype", "int8"])
 
 
+def test_generate_refuses_an_empty_prompt(model_dir, capsys):
+    with pytest.raises(SystemExit) as exited:
+        main(["generate", "--model", str(model_dir), "--prompt", ""])
+    assert exited.value.code == 2
+    assert "--prompt: expected a non-empty prompt" in capsys.readouterr().err
+
+
 def test_gguf_file_gives_the_folder_model(model_dir, tmp_path, capsys):
     pytest.importorskip("gguf", reason="the gguf package (specdec-fast[gguf]) is not installed")
     pytest.importorskip("accelerate", reason="accelerate (specdec-fast[gguf]) is not installed")

@@ -14,11 +14,11 @@ import time
 import httpx
 import openai
 import pytest
-import uvicorn
 from loopback import LONG_STREAM, PROMPTS, TEMPLATE, TIMEOUT_S, Server, greedy_reference, overload
 
 from specdec_fast import bundled
 from specdec_fast.cli import main
+from specdec_fast.serving import server as server_module
 from specdec_fast.serving.engine_process import EngineConfig, ProcessEngine
 from specdec_fast.serving.routes import RouteConfig, server_routes
 
@@ -140,7 +140,7 @@ def test_serve_puts_its_engine_in_a_child_by_default(monkeypatch, tmp_path):
     template = tmp_path / "template.jinja"
     template.write_text(TEMPLATE)
     started = {}
-    monkeypatch.setattr(uvicorn, "run", lambda app, **options: started.update(app=app, **options))
+    monkeypatch.setattr(server_module, "run_server", lambda app, *args: started.update(app=app))
     argv = ["serve", "--drafter", "suffix:8", "--shadow", "--threads", "1", "--max-batch", "3"]
     assert main([*argv, "--chat-template", str(template), "--served-model-name", "coder"]) == 0
     engine = started["app"].state.engine

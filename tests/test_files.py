@@ -11,6 +11,7 @@ from specdec_fast.files import FileFormatError, read_json
 from specdec_fast.guardrails import Guardrails
 from specdec_fast.harness.prompts import load_prompts
 from specdec_fast.heads.checkpoint import read_config, read_safetensors, read_weights
+from specdec_fast.heads.medusa import load_medusa_heads
 from specdec_fast.loading import load_model
 
 
@@ -98,3 +99,34 @@ def test_prompt_rows_are_validated_naming_file_and_line(tmp_path, row, message):
     path.write_text('{"prompt": "fine"}\n' + row + "\n")
     with pytest.raises(ValueError, match=message):
         load_prompts(path)
+
+
+def test_a_pickle_payload_as_a_draft_models_weights_is_refused_in_one_line(tmp_path):
+    tiny_llama(vocab_size=32, hidden_size=16, layers=1).save_pretrained(tmp_path)
+    (tmp_path / "model.safetensors").unlink()
+    torch.save({"model.embed_tokens.weight": Payload()}, tmp_path / "pytorch_model.bin")
+    with pytest.raises(FileFormatError) as refused:
+        load_model(str(tmp_path), torch.device("cpu"))
+    message = str(refused.value)
+    assert message.startswith(f"{tmp_path}: its PyTorch weights hold pickled Python objects")
+    assert "\n" not in message
+
+
+def test_medusa_head_counts_of_the_wrong_kind_name_field_and_file(tmp_path):
+    (tmp_path / "config.json").write_text('{"medusa_num_heads": "abc", "medusa_num_layers": 1}')
+    with pytest.raises(ValueError, match=r"config.json's medusa_num_heads: expected an integer"):
+        load_medusa_heads(tmp_path)
+    (tmp_path / "config.json").write_text('{"medusa_num_heads": 2, "medusa_num_layers": 0}')
+    with pytest.raises(ValueError, match=rf"{tmp_path}.*medusa_num_layers: .* got 0"):
+        load_medusa_heads(tmp_path)
+
+
+def test_a_guardrails_path_with_a_colon_is_read_as_a_path(tmp_path):
+    folder = tmp_path / "a:b"
+    folder.mkdir()
+    path = folder / "policy.yaml"
+    path.write_text("speculative_decoding_guardrails:\n  min_acceptance_rate: 0.25\n")
+    assert Guardrails.from_yaml(str(path)).default.min_acceptance_rate == 0.25
+    missing = str(folder / "missing.yaml")
+    with pytest.raises(FileFormatError, match=rf"^{missing}: no such file"):
+        Guardrails.from_yaml(missing)

@@ -50,3 +50,23 @@ def test_a_log_file_gets_plain_lines_when_asked(capsys):
     run(Progress(4, desc="train", log_every_s=LOG_EVERY_S))
     lines = capsys.readouterr().err.strip().splitlines()
     assert lines[-1].startswith("train 4/4 loss=0.250") and len(lines) <= 2
+
+
+def test_a_terminal_is_told_while_a_graph_compiles(monkeypatch):
+    import torch
+    from torch._dynamo.callback import callback_handler
+
+    terminal = Terminal()
+    monkeypatch.setattr(sys, "stderr", terminal)
+    registered = len(callback_handler.start_callbacks), len(callback_handler.end_callbacks)
+    step = torch.compile(lambda x: x * 2 + 1, backend="eager", dynamic=False)
+    with Progress(4, desc="generate", min_interval_s=0.0, compiles=True) as progress:
+        step(torch.ones(3))
+        progress.update(1)
+    text = terminal.getvalue()
+    assert "generate (compiling a step graph)" in text
+    assert text.rindex("(compiling") < text.rindex("generate:")  # said until it ended
+    assert (
+        len(callback_handler.start_callbacks),
+        len(callback_handler.end_callbacks),
+    ) == registered

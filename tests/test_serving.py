@@ -16,7 +16,6 @@ import httpx
 import openai
 import pytest
 import torch
-import uvicorn
 from loopback import LONG_STREAM, PROMPTS, TEMPLATE, TIMEOUT_S, Server, greedy_reference, overload
 
 from specdec_fast import bundled
@@ -24,6 +23,7 @@ from specdec_fast.cli import main
 from specdec_fast.guardrails import Guardrails
 from specdec_fast.harness.prompts import PromptRecord
 from specdec_fast.loading import load_model, load_tokenizer
+from specdec_fast.serving import server as server_module
 from specdec_fast.serving.engine import ServingEngine
 from specdec_fast.serving.loadgen import (
     LoadConfig,
@@ -416,7 +416,11 @@ def test_serve_builds_its_routes_guardrails_and_template(monkeypatch, tmp_path):
     template = tmp_path / "template.jinja"
     template.write_text(TEMPLATE)
     started = {}
-    monkeypatch.setattr(uvicorn, "run", lambda app, **options: started.update(app=app, **options))
+    monkeypatch.setattr(
+        server_module,
+        "run_server",
+        lambda app, host, port, log_level, drain_s: started.update(app=app, host=host, port=port),
+    )
     argv = ["serve", "--drafter", "none", "--routes", str(routes), "--guardrails", str(guardrails)]
     argv += ["--chat-template", str(template), "--port", "8123", "--max-batch", "2"]
     argv += ["--no-overlap-prefill", "--no-engine-process"]

@@ -122,7 +122,12 @@ def load_medusa_heads(
     for field in ("medusa_num_heads", "medusa_num_layers"):
         if field not in config:
             raise ValueError(f"{what}: config.json has no {field}")
-    num_heads, num_layers = int(config["medusa_num_heads"]), int(config["medusa_num_layers"])
+        value = config[field]
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(
+                f"{what}: config.json's {field}: expected an integer >= 1, got {value!r}"
+            )
+    num_heads, num_layers = config["medusa_num_heads"], config["medusa_num_layers"]
     # Checkpoints saved from a whole Medusa model prefix the heads' keys with `medusa_head.`.
     state = {
         key.removeprefix("medusa_head."): value

@@ -335,8 +335,11 @@ class _Outbox:
 def _child(conn, config: EngineConfig) -> None:
     """The engine process: build the `ServingEngine`, then serve the server's calls until it
     says `close` or goes away."""
-    # Ctrl-C reaches the whole process group: the server's shutdown (its `close`) ends this one.
+    # Ctrl-C reaches the whole process group, and a service manager's SIGTERM often every
+    # process of the service: the server's drain, then its `close`, ends this one (a server
+    # that dies closes the pipe, which ends it too).
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     lock = threading.Lock()
 
     def send(message: tuple) -> None:

@@ -1,8 +1,8 @@
 """The OpenAI wire format: parsing completion and chat requests, shaping responses and errors.
 
-`parse_request(body, kind, ...)` turns the JSON body of `/v1/completions` (kind "completion") or
-`/v1/chat/completions` (kind "chat") into `GenerationParams`, or raises `RequestError`, which the
-server sends as a 400 in OpenAI's error shape:
+`parse_request(parse_json(body), kind, ...)` turns the JSON body of `/v1/completions` (kind
+"completion") or `/v1/chat/completions` (kind "chat") into `GenerationParams`, or raises
+`RequestError`, which the server sends as a 400 in OpenAI's error shape:
 
     {"error": {"message": "...", "type": "invalid_request_error", "param": "max_tokens",
                "code": null}}
@@ -26,8 +26,12 @@ import math
 import time
 import uuid
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from specdec_fast.text import check_messages, decode, encode_prompt
+
+if TYPE_CHECKING:
+    from specdec_fast.serving.limits import Limits
 
 COMPLETION, CHAT = "completion", "chat"
 DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's default for /v1/completions
@@ -183,12 +187,8 @@ def _messages(messages) -> list[dict]:
         raise RequestError(str(error), "messages") from None
 
 
-def parse_request(
-    body: bytes, kind: str, tokenizer, vocab_size: int, context_len: int
-) -> GenerationParams:
-    """The request in `body` (JSON bytes) for endpoint `kind` ("completion" or "chat"); raises
-    `RequestError` naming the field for anything malformed, unsupported or too long for the
-    context of `context_len` tokens (prompt plus max_tokens)."""
+def parse_json(body: bytes) -> dict:
+    """The JSON object of a request's body; `RequestError` for anything else."""
     try:
         values = json.loads(body)
     except (json.JSONDecodeError, UnicodeDecodeError) as error:
@@ -198,13 +198,23 @@ def parse_request(
     model = values.get("model")
     if model is not None and not isinstance(model, str):
         raise RequestError(f"model: expected a string, got {model!r}", "model")
+    return values
+
+
+def parse_request(
+    values: dict, kind: str, tokenizer, vocab_size: int, context_len: int, limits: Limits
+) -> GenerationParams:
+    """The request `values` (`parse_json`'s) for endpoint `kind` ("completion" or "chat");
+    raises `RequestError` naming the field for anything malformed, unsupported, over `limits`
+    or too long for the context of `context_len` tokens (prompt plus max_tokens). The counts
+    `limits` bounds are checked before the prompt is tokenized."""
+    model = values.get("model")
     for name, neutral in NEUTRAL.items():
         if name in values and values[name] not in neutral:
             raise RequestError(f"{name}: not supported by this server", name, "unsupported")
-    n = values.get("n", 1)
-    if n not in (None, 1):
-        raise RequestError(f"n: only one choice per request is supported, got {n!r}", "n")
+    limits.check_counts(values)
     prompt_ids = _prompt_ids(values, kind, tokenizer, vocab_size)
+    limits.check_prompt_tokens(len(prompt_ids), "messages" if kind == CHAT else "prompt")
     limit_name = "max_tokens"
     limit = values.get("max_tokens")
     if kind == CHAT and values.get("max_completion_tokens") is not None:
@@ -221,6 +231,10 @@ def parse_request(
         )
     if limit is None:
         limit = min(DEFAULT_COMPLETION_TOKENS, room) if kind == COMPLETION else room
+        if limits.max_tokens is not None:
+            limit = min(limit, limits.max_tokens)
+    else:
+        limits.check_max_tokens(limit, limit_name)
     if len(prompt_ids) + limit > context_len:
         raise RequestError(
             f"This model's maximum context length is {context_len} tokens. However, you "

@@ -7,11 +7,13 @@ from a YAML file (`specdec-fast serve --routes FILE`):
     routes:
       code:   {drafter: "ngram:8", aliases: [tiny-code-code]}
       chat:   {drafter: "draft:tiny-code-draft:4", mode: shadow}
-      beta:   {drafter: suffix, canary: 0.05}
+      beta:   {drafter: suffix, canary: 0.05, max_tokens: 256}
 
 - `drafter`: a drafter SPEC (`specdec_fast.drafters.registry`; "none" for plain decoding);
 - `mode: speculate` (default): the route's requests speculate, `canary` (default 1.0) of them,
   drawn at random (seeded), the others decode plainly on the route;
+- `max_tokens`: the most tokens a completion on the route may ask for (a 400 past it; the
+  server's `--max-tokens-limit` when absent, the smaller of the two when both are set);
 - `mode: shadow`: every request is served plainly; a copy speculates beside it (when the queue
   has room), its output is compared with the one served and counted, never returned. A greedy
   copy that differs is reported to the route's guard as a quality regression.
@@ -46,19 +48,21 @@ from specdec_fast.serving.scheduler import (
 ROUTE_HEADER = "X-Specdec-Route"
 PLAIN_ROUTE = "plain"
 MODES = ("speculate", "shadow")
-_FIELDS = ("drafter", "mode", "canary", "aliases")
+_FIELDS = ("drafter", "mode", "canary", "aliases", "max_tokens")
 
 
 @dataclass(frozen=True)
 class RouteConfig:
     """One route: `drafter` SPEC, `mode` ("speculate" or "shadow"), `canary` share in [0, 1] of
-    its requests that speculate (speculate mode), `aliases` (model names that select it)."""
+    its requests that speculate (speculate mode), `aliases` (model names that select it),
+    `max_tokens` (the most tokens a completion on it may ask for; None: the server's limit)."""
 
     name: str
     drafter: str = "none"
     mode: str = "speculate"
     canary: float = 1.0
     aliases: tuple[str, ...] = ()
+    max_tokens: int | None = None
 
     def __post_init__(self) -> None:
         where = f"routes.{self.name}"
@@ -70,6 +74,9 @@ class RouteConfig:
             raise ValueError(f"{where}.canary: expected a number in [0, 1], got {canary!r}")
         if not all(isinstance(alias, str) and alias for alias in self.aliases):
             raise ValueError(f"{where}.aliases: expected a list of names, got {self.aliases!r}")
+        cap = self.max_tokens
+        if cap is not None and (isinstance(cap, bool) or not isinstance(cap, int) or cap < 1):
+            raise ValueError(f"{where}.max_tokens: expected an integer >= 1, got {cap!r}")
 
     @property
     def spec(self) -> DrafterSpec:
@@ -93,6 +100,7 @@ class RouteConfig:
             values.get("mode", "speculate"),
             values.get("canary", 1.0),
             aliases,
+            values.get("max_tokens"),
         )
 
 
@@ -177,6 +185,7 @@ class RouteTable:
             "nodes": route.spec.nodes(),
             "mode": route.mode,
             "canary": route.canary,
+            "max_tokens": route.max_tokens,
         }
 
     def resolve(self, model: str | None, header: str | None) -> str:

@@ -10,10 +10,13 @@ Requests are routed (`specdec_fast.serving.routes`) and decoded by one continuou
 `Scheduler`, in a child process of its own (`ProcessEngine`, the default of `specdec-fast
 serve`: the engine keeps an interpreter to itself) or on a thread of this one (`ServingEngine`,
 `--no-engine-process`); tokens travel to the event loop as they are accepted and are decoded
-there incrementally. Errors use OpenAI's error shape: 400 for a malformed request (bad
-JSON, an unknown model or route, a bad field, a prompt over the context), 429 when the queue of
-waiting requests is full, 503 when the scheduler has stopped; a request's `X-Request-Id` comes
-back on every response to it, errors included. A client that disconnects, from a
+there incrementally. Errors use OpenAI's error shape: 401 without a valid API key
+(`specdec_fast.serving.access`), 413 for a body over the limit and 400 for one over another
+limit (`specdec_fast.serving.limits`), for a malformed request (bad JSON, an unknown model or
+route, a bad field, a prompt over the context), 429 when the queue of waiting requests is full,
+503 when the scheduler has stopped or the server drains on a signal
+(`specdec_fast.serving.shutdown`); a request's `X-Request-Id` comes back on every response to
+it, errors included. A client that disconnects, from a
 stream or while waiting for a whole response, has its request cancelled: its slot goes to the
 next request.
 
@@ -32,15 +35,17 @@ import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 
-from fastapi import FastAPI, Request
+from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException
 
 from specdec_fast.guardrails import Guardrails
+from specdec_fast.serving.access import API_KEY_ENV, ApiKeys, is_loopback
 from specdec_fast.serving.engine import ServingEngine
 from specdec_fast.serving.engine_process import EngineConfig, ProcessEngine
+from specdec_fast.serving.limits import Limits
 from specdec_fast.serving.protocol import (
     CHAT,
     COMPLETION,
@@ -51,6 +56,7 @@ from specdec_fast.serving.protocol import (
     error_body,
     finish_reason,
     new_id,
+    parse_json,
     parse_request,
     response,
     sse,
@@ -59,6 +65,7 @@ from specdec_fast.serving.protocol import (
 from specdec_fast.serving.routes import ROUTE_HEADER
 from specdec_fast.serving.scheduler import FAILED, Completion, QueueFull, SchedulerStopped
 from specdec_fast.serving.scheduler import Request as SchedulerRequest
+from specdec_fast.serving.shutdown import Drain, log_to_stderr, logger, run_server
 
 REQUEST_ID_HEADER = "X-Request-Id"
 RETRY_AFTER_S = "1"
@@ -68,14 +75,35 @@ def _error(status: int, message: str, kind: str, param=None, code=None, headers=
     return JSONResponse(error_body(message, kind, param, code), status, headers=headers)
 
 
+def _shutting_down() -> RequestError:
+    return RequestError(
+        "the server is shutting down", code="shutting_down", status=503, kind="server_error"
+    )
+
+
 def _echoed(request: Request) -> dict[str, str]:
     """The client's request id, for the response's headers (errors included), if it sent one."""
     given = request.headers.get(REQUEST_ID_HEADER)
     return {} if given is None else {REQUEST_ID_HEADER: given}
 
 
-def create_app(engine: ServingEngine | ProcessEngine) -> FastAPI:
-    """The FastAPI application over `engine`; its lifespan starts and closes it."""
+def create_app(
+    engine: ServingEngine | ProcessEngine,
+    *,
+    keys: ApiKeys | None = None,
+    limits: Limits | None = None,
+    drain: Drain | None = None,
+    metrics_auth: bool = False,
+) -> FastAPI:
+    """The FastAPI application over `engine`; its lifespan starts and closes it.
+
+    keys: the API keys every `/v1` route (and `/metrics` with `metrics_auth`) asks for (none:
+    open). limits: the request limits (`Limits`' defaults). drain: the in-flight requests and
+    the drain that `GracefulServer` starts on a signal (a new one by default).
+    """
+    keys = keys or ApiKeys()
+    limits = limits or Limits()
+    drain = drain or Drain()
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -90,12 +118,30 @@ def create_app(engine: ServingEngine | ProcessEngine) -> FastAPI:
         finally:
             engine.close()
 
+    async def authorized(request: Request) -> None:
+        if not keys.allows(request.headers.get("Authorization")):
+            raise RequestError(
+                "Incorrect or missing API key: send `Authorization: Bearer KEY`",
+                code="invalid_api_key",
+                status=401,
+            )
+
+    async def admitting(request: Request) -> None:
+        if drain.draining:
+            raise _shutting_down()
+
+    v1 = [Depends(authorized), Depends(admitting)]
     app = FastAPI(title="specdec-fast", lifespan=lifespan)
     app.state.engine = engine
+    app.state.drain = drain
+    app.state.keys = keys
 
     @app.exception_handler(RequestError)
     async def request_error(request: Request, error: RequestError):
-        return JSONResponse(error.body(), error.status, headers=_echoed(request))
+        headers = _echoed(request)
+        if error.status == 401:
+            headers["WWW-Authenticate"] = "Bearer"
+        return JSONResponse(error.body(), error.status, headers=headers)
 
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, error: HTTPException):
@@ -107,11 +153,13 @@ def create_app(engine: ServingEngine | ProcessEngine) -> FastAPI:
 
     @app.get("/health")
     async def health():
+        if drain.draining:
+            raise _shutting_down()
         if not await engine.healthy():
             return _error(503, "the scheduler is not running", "server_error", code="stopped")
         return {"status": "ok"}
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", dependencies=v1)
     async def models():
         created = int(time.time())
         return {
@@ -129,7 +177,7 @@ def create_app(engine: ServingEngine | ProcessEngine) -> FastAPI:
             ],
         }
 
-    @app.get("/metrics")
+    @app.get("/metrics", dependencies=[Depends(authorized)] if metrics_auth else [])
     async def metrics():
         try:
             body = await engine.metrics_text()
@@ -137,13 +185,13 @@ def create_app(engine: ServingEngine | ProcessEngine) -> FastAPI:
             return _error(503, str(error), "server_error", code="stopped")
         return Response(body, media_type=CONTENT_TYPE_LATEST)
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", dependencies=v1)
     async def completions(request: Request):
-        return await _generate(engine, request, COMPLETION)
+        return await _generate(engine, request, COMPLETION, limits, drain)
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", dependencies=v1)
     async def chat_completions(request: Request):
-        return await _generate(engine, request, CHAT)
+        return await _generate(engine, request, CHAT, limits, drain)
 
     return app
 
@@ -179,21 +227,56 @@ class _Mailbox:
 
 class _Events:
     """The scheduler's callbacks for one request, delivered to the event loop as a queue of
-    token lists, then the `Completion`."""
+    token lists, then the `Completion`; the completion also releases the request from the
+    drain's in-flight set (on the engine's thread: a request whose client is gone still
+    leaves it)."""
 
-    def __init__(self, mailbox: _Mailbox):
+    def __init__(self, mailbox: _Mailbox, drain: Drain):
         self.mailbox = mailbox
+        self.drain = drain
+        self.key: int | None = None  # the drain's, once the engine accepted the request
+        self.ended = False
         self.queue: asyncio.Queue = asyncio.Queue()
 
     def put(self, item) -> None:
         self.mailbox.post(self.queue, item)
 
+    def finish(self, completion: Completion) -> None:
+        self.ended = True
+        if self.key is not None:
+            self.drain.release(self.key)
+        self.put(completion)
 
-async def _generate(engine: ServingEngine | ProcessEngine, request: Request, kind: str):
-    body = await request.body()
-    params = parse_request(body, kind, engine.tokenizer, engine.vocab_size, engine.context_len)
-    route = engine.router.resolve(params.model, request.headers.get(ROUTE_HEADER))
-    events = _Events(engine.mailbox)
+    def accepted(self, handle) -> None:
+        self.key = self.drain.track(handle)
+        if self.ended:  # it ended before it was tracked
+            self.drain.release(self.key)
+
+
+async def _read_body(request: Request, limits: Limits) -> bytes:
+    """The request's body, refused (413) past `limits.max_body_bytes` before it is all read:
+    at once from its Content-Length, else as its chunks arrive."""
+    limits.check_declared_length(request.headers.get("Content-Length"))
+    parts, size = [], 0
+    async for part in request.stream():
+        size += len(part)
+        limits.check_body_size(size)
+        parts.append(part)
+    return b"".join(parts)
+
+
+async def _generate(
+    engine: ServingEngine | ProcessEngine, request: Request, kind: str, limits: Limits, drain: Drain
+):
+    values = parse_json(await _read_body(request, limits))
+    route = engine.router.resolve(values.get("model"), request.headers.get(ROUTE_HEADER))
+    limits = limits.with_route_cap(engine.router.routes[route].max_tokens)
+    params = parse_request(
+        values, kind, engine.tokenizer, engine.vocab_size, engine.context_len, limits
+    )
+    if drain.draining:  # the signal came while the body was read
+        raise _shutting_down()
+    events = _Events(engine.mailbox, drain)
     scheduled = SchedulerRequest(
         prompt=params.prompt_ids,
         max_new_tokens=params.max_tokens,
@@ -204,8 +287,9 @@ async def _generate(engine: ServingEngine | ProcessEngine, request: Request, kin
         eos_token_id=[] if params.ignore_eos else None,
         stop=[[token] for token in params.stop_token_ids],
         on_tokens=events.put,
-        on_finish=events.put,
+        on_finish=events.finish,
     )
+    drain.admitting += 1  # the drain waits for it too, though it has no handle yet
     try:
         handle = await engine.submit(route, scheduled)
     except QueueFull as error:
@@ -220,6 +304,10 @@ async def _generate(engine: ServingEngine | ProcessEngine, request: Request, kin
         return _error(503, str(error), "server_error", code="stopped", headers=_echoed(request))
     except ValueError as error:
         raise RequestError(str(error)) from None
+    else:
+        events.accepted(handle)
+    finally:
+        drain.admitting -= 1
     request_id = new_id(kind)
     headers = {REQUEST_ID_HEADER: request.headers.get(REQUEST_ID_HEADER, request_id)}
     model = params.model or engine.model_name
@@ -314,9 +402,7 @@ async def _stream(
 
 def serve(args) -> int:
     """`specdec-fast serve` (see `specdec_fast.cli`): load the model, build the routes, run
-    uvicorn until interrupted."""
-    import uvicorn
-
+    uvicorn until a signal has drained it (`specdec_fast.serving.shutdown`)."""
     from specdec_fast.serving.routes import load_routes, server_routes
 
     extra = load_routes(args.routes) if args.routes else []
@@ -342,6 +428,29 @@ def serve(args) -> int:
     config = EngineConfig(
         args.model, routes, guardrails, args.device, args.dtype, args.threads, options
     )
+    log_to_stderr()
+    keys = ApiKeys.from_sources(args.api_key)
+    if not keys and not is_loopback(args.host):
+        logger.warning(
+            "serving %s without an API key: anyone who reaches this port may use the model "
+            "(give --api-key or set %s)",
+            args.host,
+            API_KEY_ENV,
+        )
+    limits = Limits(
+        args.max_body_bytes,
+        args.max_messages,
+        args.max_stop,
+        args.max_prompt_tokens,
+        args.max_tokens_limit,
+    )
     engine = ProcessEngine(config) if args.engine_process else config.build()
-    uvicorn.run(create_app(engine), host=args.host, port=args.port, log_level=args.log_level)
+    app = create_app(
+        engine,
+        keys=keys,
+        limits=limits,
+        drain=Drain(args.drain_timeout),
+        metrics_auth=args.metrics_auth,
+    )
+    run_server(app, args.host, args.port, args.log_level, args.drain_timeout)
     return 0
