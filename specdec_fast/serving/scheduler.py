@@ -1,8 +1,8 @@
 """Continuous batching: requests join and leave one running batch between steps.
 
 `Scheduler(model, routes)` keeps a batch of up to `max_batch` sequences on the model's runner
-(one KV cache, one verify forward per step) and runs the engine's step over it (DESIGN.md, "Data
-flow of one step") while requests come and go:
+(one KV cache, one verify forward per step) and runs the engine's step over it
+(docs/ARCHITECTURE.md, "Data flow of one step") while requests come and go:
 
 - a request waits in a bounded queue (`submit` raises `QueueFull` past `max_queue`) until a slot
   is free; its prompt is then fed into the storage rows past the batch's end, at most
