@@ -48,7 +48,7 @@ class Arguments:
     rule: StopRule
     capacity: int
     storage: int
-    num_nodes: int
+    max_nodes: int
 
 
 def _is_int(value) -> bool:
@@ -273,7 +273,7 @@ def _stop_sequences(stop, tokenizer, vocab_size: int) -> list[list[int]]:
     return sequences
 
 
-def _num_nodes(drafter) -> int:
+def _max_nodes(drafter) -> int:
     """The drafter's `max_nodes`, checked against the tree-attention limit."""
     if drafter is None:
         return 1
@@ -310,7 +310,7 @@ def _bytes(count: int) -> str:
 
 
 def _capacity(
-    model, prompts, max_new_tokens, max_cache_len, num_nodes, max_positions
+    model, prompts, max_new_tokens, max_cache_len, max_nodes, max_positions
 ) -> tuple[int, int]:
     """(capacity per sequence, storage slots) after the position and memory checks."""
     longest = max(len(p) for p in prompts)
@@ -321,7 +321,7 @@ def _capacity(
             f"max_position_embeddings = {max_positions}"
         )
     if max_cache_len is None:
-        capacity = longest + max_new_tokens + num_nodes
+        capacity = longest + max_new_tokens + max_nodes
         if max_positions is not None:
             capacity = min(capacity, max_positions)
     else:
@@ -335,7 +335,7 @@ def _capacity(
         if max_cache_len < 1:
             raise ValueError(f"max_cache_len: expected an int >= 1, got {max_cache_len}")
         capacity = int(max_cache_len)
-    if max_new_tokens > 0 and longest - 1 + num_nodes > capacity:
+    if max_new_tokens > 0 and longest - 1 + max_nodes > capacity:
         name = "max_cache_len" if max_cache_len is not None else "input_ids"
         limit = (
             f"max_cache_len = {capacity}"
@@ -344,7 +344,7 @@ def _capacity(
         )
         raise ValueError(
             f"{name}: {limit} cannot hold the longest prompt ({longest} tokens) plus a tree of "
-            f"{num_nodes} nodes"
+            f"{max_nodes} nodes"
         )
     storage = -(-capacity // CACHE_BLOCK) * CACHE_BLOCK
     if max_new_tokens > 0:
@@ -389,7 +389,7 @@ def check_generate_arguments(
         raise TypeError(f"model: expected a transformers PreTrainedModel, got {_kind(model)}")
     text_config = config.get_text_config(decoder=True)
     vocab_size = text_config.vocab_size
-    num_nodes = _num_nodes(drafter)
+    max_nodes = _max_nodes(drafter)
     if not _is_int(max_new_tokens):
         raise TypeError(f"max_new_tokens: expected an int >= 0, got {_kind(max_new_tokens)}")
     if max_new_tokens < 0:
@@ -424,6 +424,6 @@ def check_generate_arguments(
     sampling = build_sampling(len(prompts), temperature, top_k, top_p, seed)
     max_positions = getattr(text_config, "max_position_embeddings", None)
     capacity, storage = _capacity(
-        model, prompts, max_new_tokens, max_cache_len, num_nodes, max_positions
+        model, prompts, max_new_tokens, max_cache_len, max_nodes, max_positions
     )
-    return Arguments(prompts, sampling, rule, capacity, storage, num_nodes)
+    return Arguments(prompts, sampling, rule, capacity, storage, max_nodes)

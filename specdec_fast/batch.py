@@ -135,12 +135,12 @@ class Batch:
     Args:
         device: the model's device.
         capacity: the KV capacity per sequence; a row stops with reason "cache" when the next
-            tree of `width` nodes would not fit.
-        width: the nodes of the widest tree a step may verify.
+            tree of `max_nodes` nodes would not fit.
+        max_nodes: the nodes of the widest tree a step may verify (the verify width may pad it).
     """
 
-    def __init__(self, device: torch.device, capacity: int, width: int):
-        self.device, self.capacity, self.width = device, capacity, width
+    def __init__(self, device: torch.device, capacity: int, max_nodes: int):
+        self.device, self.capacity, self.max_nodes = device, capacity, max_nodes
         self.rows: list[Row] = []
         # int64 [B] on the device: each row's root, the last token chosen (not yet cached).
         self.roots = torch.zeros(0, dtype=torch.int64, device=device)
@@ -243,7 +243,7 @@ class Batch:
             accepted = host.num_accepted[r]
             taken, reason = row.rule.take(row.generated, [*host.paths[r], host.next_tokens[r]])
             row.cached += accepted + 1
-            if reason is None and row.cached + self.width > self.capacity:
+            if reason is None and row.cached + self.max_nodes > self.capacity:
                 reason = "cache"
             row.stats.record_step(host.depths[r], host.drafted[r], accepted)
             row.stats.record_emission(len(taken), now, row.start)

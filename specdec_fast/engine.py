@@ -172,7 +172,7 @@ def generate(
         )
         compiled_before = len(COMPILE_LOG)
         try:
-            batch = Batch(model.device, capacity, arguments.num_nodes)
+            batch = Batch(model.device, capacity, arguments.max_nodes)
             _decode(runner, drafter, rows, batch, compile)
             stats.compiled = dict(COMPILE_LOG[compiled_before:])
         finally:

@@ -167,10 +167,10 @@ def _assemble(runner: ModelRunner, batch: Batch, drafts: list[Drafted]) -> Propo
     roots = batch.roots
     if not drafts:
         plain = batch.plain_proposal()
-        width = runner.verify_width(len(batch), 1, batch.width)
+        width = runner.verify_width(len(batch), 1, batch.max_nodes)
         return plain if width == 1 else with_roots(plain, roots, width)
     widest = max(draft.proposal.num_nodes for draft in drafts)
-    width = runner.verify_width(len(batch), widest, batch.width)
+    width = runner.verify_width(len(batch), widest, batch.max_nodes)
     if len(drafts) == 1 and drafts[0].index is None:
         return with_roots(drafts[0].proposal, roots, width)
     rows = len(batch)

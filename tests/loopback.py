@@ -11,9 +11,9 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from specdec_fast import generate
 from specdec_fast.loading import load_model, load_tokenizer
-from specdec_fast.serving.engine import ServingEngine
 from specdec_fast.serving.engine_process import ProcessEngine
 from specdec_fast.serving.server import REQUEST_ID_HEADER, create_app
+from specdec_fast.serving.service import Service
 from specdec_fast.text import decode, encode_prompt, stop_token_ids
 
 TEMPLATE = (
@@ -33,7 +33,7 @@ class Server:
     """uvicorn serving `engine` on a free loopback port, on a thread of its own (`app_options`:
     `create_app`'s keyword arguments)."""
 
-    def __init__(self, engine: ServingEngine | ProcessEngine, **app_options):
+    def __init__(self, engine: Service | ProcessEngine, **app_options):
         self.app = create_app(engine, **app_options)
         config = uvicorn.Config(
             self.app, host="127.0.0.1", port=0, log_level="warning", lifespan="on"

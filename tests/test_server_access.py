@@ -24,10 +24,10 @@ from specdec_fast.loading import load_model, load_tokenizer
 from specdec_fast.serving import protocol
 from specdec_fast.serving import server as server_module
 from specdec_fast.serving.access import API_KEY_ENV, ApiKeys, is_loopback
-from specdec_fast.serving.engine import ServingEngine
 from specdec_fast.serving.limits import Limits
 from specdec_fast.serving.routes import RouteConfig, server_routes
 from specdec_fast.serving.server import create_app
+from specdec_fast.serving.service import Service
 
 pytestmark = pytest.mark.skipif(
     "tiny-code" not in bundled.available(), reason="the bundled checkpoints are not installed"
@@ -39,11 +39,11 @@ LIMITS = Limits(
 ROUTE_CAP = 4
 
 
-def make_engine(**options) -> ServingEngine:
+def make_engine(**options) -> Service:
     model = load_model("tiny-code", torch.device("cpu"))
     tokenizer = load_tokenizer("tiny-code")
     routes = server_routes("ngram:8", [RouteConfig("short", "ngram:8", max_tokens=ROUTE_CAP)])
-    return ServingEngine(
+    return Service(
         model, tokenizer, routes, model_name="tiny-code", chat_template=TEMPLATE, **options
     )
 

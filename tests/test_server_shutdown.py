@@ -25,9 +25,9 @@ from loopback import PROMPTS, TIMEOUT_S
 
 from specdec_fast import bundled
 from specdec_fast.loading import load_model, load_tokenizer
-from specdec_fast.serving.engine import ServingEngine
 from specdec_fast.serving.routes import server_routes
 from specdec_fast.serving.server import create_app
+from specdec_fast.serving.service import Service
 from specdec_fast.serving.shutdown import Drain, GracefulServer
 
 pytestmark = pytest.mark.skipif(
@@ -111,7 +111,7 @@ def test_a_drain_ends_the_engine_and_restores_the_model():
     model = load_model("tiny-code", torch.device("cpu"))
     original = model.config._attn_implementation
     routes = server_routes("ngram:8", [])
-    engine = ServingEngine(model, load_tokenizer("tiny-code"), routes, model_name="tiny-code")
+    engine = Service(model, load_tokenizer("tiny-code"), routes, model_name="tiny-code")
     drain = Drain(deadline_s=0.5)
     app = create_app(engine, drain=drain)
     config = uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning")

@@ -24,7 +24,6 @@ from specdec_fast.guardrails import Guardrails
 from specdec_fast.harness.prompts import PromptRecord
 from specdec_fast.loading import load_model, load_tokenizer
 from specdec_fast.serving import server as server_module
-from specdec_fast.serving.engine import ServingEngine
 from specdec_fast.serving.loadgen import (
     LoadConfig,
     RequestRecord,
@@ -35,6 +34,7 @@ from specdec_fast.serving.loadgen import (
 from specdec_fast.serving.protocol import TextStream
 from specdec_fast.serving.routes import ROUTE_HEADER, RouteConfig, load_routes, server_routes
 from specdec_fast.serving.server import REQUEST_ID_HEADER
+from specdec_fast.serving.service import Service
 from specdec_fast.text import encode_prompt
 
 pytestmark = pytest.mark.skipif(
@@ -51,10 +51,10 @@ speculative_decoding_guardrails:
 """
 
 
-def make_engine(routes, **options) -> ServingEngine:
+def make_engine(routes, **options) -> Service:
     model = load_model("tiny-code", torch.device("cpu"))
     tokenizer = load_tokenizer("tiny-code")
-    return ServingEngine(
+    return Service(
         model, tokenizer, routes, model_name="tiny-code", chat_template=TEMPLATE, **options
     )
 

@@ -1,4 +1,4 @@
-"""`ProcessEngine`: the server's `ServingEngine` (model, scheduler, drafters, router, metrics) in a
+"""`ProcessEngine`: the server's `Service` (model, scheduler, drafters, router, metrics) in a
 child process of its own, as vLLM's engine core runs apart from its API server.
 
 Why: in one process, the event loop's Python (parsing requests, decoding text, writing
@@ -53,11 +53,11 @@ _REFUSALS = (QueueFull, SchedulerStopped, ValueError)
 
 @dataclass(frozen=True)
 class EngineConfig:
-    """What the child builds its `ServingEngine` from (picklable: it crosses the pipe).
+    """What the child builds its `Service` from (picklable: it crosses the pipe).
 
     model: an HF folder, a .gguf file or a bundled name (`load_model`); device, dtype: as
     `load_model` takes them (None: cuda if available, else cpu; "auto"). threads: torch's CPU
-    threads in the child (None: torch's default). engine: `ServingEngine`'s keyword arguments
+    threads in the child (None: torch's default). engine: `Service`'s keyword arguments
     (model_name, max_batch, chat_template, ...).
     """
 
@@ -70,24 +70,24 @@ class EngineConfig:
     engine: dict = field(default_factory=dict)
 
     def build(self, **extra):
-        """The `ServingEngine` this describes, in this process (torch's threads set, the model
+        """The `Service` this describes, in this process (torch's threads set, the model
         and tokenizer loaded); `extra`: more of its keyword arguments (`after_step`)."""
         import torch
 
         from specdec_fast.loading import load_model, load_tokenizer, pick_device
-        from specdec_fast.serving.engine import ServingEngine
+        from specdec_fast.serving.service import Service
 
         if self.threads is not None:
             torch.set_num_threads(self.threads)
         model = load_model(self.model, pick_device(self.device), self.dtype)
         tokenizer = load_tokenizer(self.model)
-        return ServingEngine(
+        return Service(
             model, tokenizer, self.routes, guardrails=self.guardrails, **self.engine, **extra
         )
 
 
 class ProcessEngine:
-    """A `ServingEngine` in a child process, with the interface the server uses (`submit`,
+    """A `Service` in a child process, with the interface the server uses (`submit`,
     `metrics_text`, `healthy`, `start`, `close`, `router`, `tokenizer`, `context_len`).
 
     The tokenizer is loaded here too (the server decodes text); the routes are resolved here
@@ -173,7 +173,7 @@ class ProcessEngine:
     # -- the server's interface --------------------------------------------------------------
 
     async def submit(self, route: str, request: Request) -> _RemoteHandle:
-        """Submit `request` on `route` in the child; raises what `ServingEngine.submit_now`
+        """Submit `request` on `route` in the child; raises what `Service.submit_now`
         raises there (`QueueFull`, `SchedulerStopped`, `ValueError`). Its callbacks run on
         this process's reader thread."""
         key = next(self._keys)
@@ -333,7 +333,7 @@ class _Outbox:
 
 
 def _child(conn, config: EngineConfig) -> None:
-    """The engine process: build the `ServingEngine`, then serve the server's calls until it
+    """The engine process: build the `Service`, then serve the server's calls until it
     says `close` or goes away."""
     # Ctrl-C reaches the whole process group, and a service manager's SIGTERM often every
     # process of the service: the server's drain, then its `close`, ends this one (a server

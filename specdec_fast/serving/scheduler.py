@@ -340,13 +340,13 @@ class Scheduler:
         text_config = model.config.get_text_config(decoder=True)
         self.model = model
         self.vocab_size = text_config.vocab_size
-        self.width = max((d.max_nodes for d in routes.values() if d is not None), default=1)
+        self.max_nodes = max((d.max_nodes for d in routes.values() if d is not None), default=1)
         if max_cache_len is None:
-            max_cache_len = text_config.max_position_embeddings + self.width
-        if max_cache_len < self.width + 2:
+            max_cache_len = text_config.max_position_embeddings + self.max_nodes
+        if max_cache_len < self.max_nodes + 2:
             raise ValueError(
-                f"max_cache_len: expected room for a prompt, a token and a tree of {self.width} "
-                f"nodes, got {max_cache_len}"
+                f"max_cache_len: expected room for a prompt, a token and a tree of "
+                f"{self.max_nodes} nodes, got {max_cache_len}"
             )
         self.max_cache_len = max_cache_len
         self.max_batch, self.max_queue, self.prefill_chunk = max_batch, max_queue, prefill_chunk
@@ -403,7 +403,7 @@ class Scheduler:
     @property
     def context_len(self) -> int:
         """The most tokens a request may hold: prompt plus `max_new_tokens`."""
-        return self.max_cache_len - self.width
+        return self.max_cache_len - self.max_nodes
 
     @property
     def rows(self) -> list[_Row]:
@@ -655,7 +655,7 @@ class Scheduler:
     # -- the decode step ---------------------------------------------------------------------
 
     def _reset_batch(self) -> None:
-        self.batch = Batch(self.device, self.max_cache_len, self.width)
+        self.batch = Batch(self.device, self.max_cache_len, self.max_nodes)
 
     def _decode(self) -> None:
         report = step(self.runner, self.batch, self._lanes, self.vocab_size)

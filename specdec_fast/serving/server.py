@@ -8,7 +8,7 @@ fields), `GET /v1/models` (the served model name, every route name and alias), `
 
 Requests are routed (`specdec_fast.serving.routes`) and decoded by one continuous-batching
 `Scheduler`, in a child process of its own (`ProcessEngine`, the default of `specdec-fast
-serve`: the engine keeps an interpreter to itself) or on a thread of this one (`ServingEngine`,
+serve`: the engine keeps an interpreter to itself) or on a thread of this one (`Service`,
 `--no-engine-process`); tokens travel to the event loop as they are accepted and are decoded
 there incrementally. Errors use OpenAI's error shape: 401 without a valid API key
 (`specdec_fast.serving.access`), 413 for a body over the limit and 400 for one over another
@@ -20,7 +20,7 @@ it, errors included. A client that disconnects, from a
 stream or while waiting for a whole response, has its request cancelled: its slot goes to the
 next request.
 
-    engine = ServingEngine(model, tokenizer, server_routes("ngram", []))  # in this process
+    engine = Service(model, tokenizer, server_routes("ngram", []))  # in this process
     engine = ProcessEngine(EngineConfig("tiny-code", server_routes("ngram", [])))  # or apart
     uvicorn.run(create_app(engine), host="127.0.0.1", port=8000)
 """
@@ -43,7 +43,6 @@ from starlette.exceptions import HTTPException
 
 from specdec_fast.guardrails import Guardrails
 from specdec_fast.serving.access import API_KEY_ENV, ApiKeys, is_loopback
-from specdec_fast.serving.engine import ServingEngine
 from specdec_fast.serving.engine_process import EngineConfig, ProcessEngine
 from specdec_fast.serving.limits import Limits
 from specdec_fast.serving.protocol import (
@@ -65,6 +64,7 @@ from specdec_fast.serving.protocol import (
 from specdec_fast.serving.routes import ROUTE_HEADER
 from specdec_fast.serving.scheduler import FAILED, Completion, QueueFull, SchedulerStopped
 from specdec_fast.serving.scheduler import Request as SchedulerRequest
+from specdec_fast.serving.service import Service
 from specdec_fast.serving.shutdown import Drain, log_to_stderr, logger, run_server
 
 REQUEST_ID_HEADER = "X-Request-Id"
@@ -88,7 +88,7 @@ def _echoed(request: Request) -> dict[str, str]:
 
 
 def create_app(
-    engine: ServingEngine | ProcessEngine,
+    engine: Service | ProcessEngine,
     *,
     keys: ApiKeys | None = None,
     limits: Limits | None = None,
@@ -266,7 +266,7 @@ async def _read_body(request: Request, limits: Limits) -> bytes:
 
 
 async def _generate(
-    engine: ServingEngine | ProcessEngine, request: Request, kind: str, limits: Limits, drain: Drain
+    engine: Service | ProcessEngine, request: Request, kind: str, limits: Limits, drain: Drain
 ):
     values = parse_json(await _read_body(request, limits))
     route = engine.router.resolve(values.get("model"), request.headers.get(ROUTE_HEADER))

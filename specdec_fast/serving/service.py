@@ -1,4 +1,4 @@
-"""`ServingEngine`: what `specdec-fast serve` serves, in the server's own process: the model and
+"""`Service`: what `specdec-fast serve` serves, in the server's own process: the model and
 tokenizer, one continuous-batching `Scheduler` on a thread of its own, the router and the
 metrics. `specdec_fast.serving.engine_process.ProcessEngine` runs one in a child process.
 """
@@ -21,7 +21,7 @@ from specdec_fast.serving.scheduler import (
 from specdec_fast.text import stop_token_ids
 
 
-class ServingEngine:
+class Service:
     """What a server serves: the model and tokenizer, one scheduler for every route (drafters
     built through the registry, one per route), the router and the metrics.
 
