@@ -3,9 +3,10 @@
 Compiling pays on the CPU only when a sweep decodes long enough to win back the compilation:
 every step shape (batch 1 or more, a decode step or a tree, each drafter's own loops) compiles
 once per process, 10-30 s each on a 2-core CPU, and then runs `CPU_COMPILED_SPEEDUP` times faster.
-`choose_compile` times the eager baseline on the sweep's first prompts, extrapolates the eager
-sweep, and compiles when the time saved beats the compilations it would need; the rule and its
-figures are printed at the start. A GPU always compiles (its graphs are what make it fast).
+`choose_compile` takes the CPU time of an eager plain step on the sweep's first prompt,
+extrapolates the eager sweep, and compiles when the time saved beats the compilations it would
+need (CPU seconds on both sides: on a shared machine both stretch alike in wall time); the rule and
+its figures are printed at the start. A GPU always compiles (its graphs are what make it fast).
 
 `Eta` predicts the rest of a sweep from the cells measured so far, compilation left out: seconds
 per decoding step of the cells at the same batch size (of any batch size before one finishes),
@@ -44,15 +45,15 @@ def choose_compile(step_s: float, sweep_steps: int, shapes: int) -> CompileChoic
     """Compile when the seconds an eager sweep would save by compiling exceed the seconds its
     `shapes` compilations take.
 
-    step_s: measured seconds of one eager plain-decoding step; sweep_steps: the steps of the
-    whole sweep (`sweep_steps`), every cell counted at that cost."""
+    step_s: measured CPU seconds of one eager plain-decoding step; sweep_steps: the steps of
+    the whole sweep (`Eta.total_steps`), every cell counted at that cost."""
     eager = step_s * sweep_steps
     saved = eager * (1.0 - 1.0 / CPU_COMPILED_SPEEDUP)
     cost = shapes * CPU_COMPILE_S_PER_SHAPE
     compile = saved > cost
     rule = (
         f"CPU: compile when an eager sweep's saving at {CPU_COMPILED_SPEEDUP:g}x beats "
-        f"{CPU_COMPILE_S_PER_SHAPE:g} s per step shape: eager ~{eager:.0f} s would save "
+        f"{CPU_COMPILE_S_PER_SHAPE:g} CPU s per step shape: eager ~{eager:.0f} CPU s would save "
         f"~{saved:.0f} s, {shapes} shapes cost ~{cost:.0f} s -> "
         f"{'compiled' if compile else 'eager'} (--compile/--no-compile override)"
     )

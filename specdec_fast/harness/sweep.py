@@ -536,24 +536,24 @@ def decide_compile(
     model, prompts: list[Encoded], config: BenchConfig, cells: list, eta: Eta, stop
 ) -> CompileChoice:
     """`config.compile` when given; eager in exact mode; compiled on a GPU; on the CPU, by the
-    measured cost of an eager step (`plan.choose_compile`)."""
+    measured cost of an eager step (`plan.choose_compile`). The probe step is timed in CPU
+    seconds, as the compilations are counted: on a machine shared with other jobs both stretch
+    alike in wall time, and the decision does not swing with the load."""
     if config.exact:
         return CompileChoice(False, "exact mode: eager steps")
     if config.compile is not None:
         return CompileChoice(config.compile, f"compile={config.compile} (given)")
     if model.device.type != "cpu":
         return CompileChoice(True, f"{model.device.type}: compiled steps")
-    start = time.perf_counter()
+    probe = [prompts[0].ids]
     with torch.no_grad():
+        # The first eager call pays one-off costs (the attention switch, allocations).
+        generate(model, probe, drafter=None, max_new_tokens=2, eos_token_id=[], compile=False)
+        start = time.process_time()
         generate(
-            model,
-            [prompts[0].ids],
-            drafter=None,
-            max_new_tokens=PROBE_TOKENS,
-            eos_token_id=[],
-            compile=False,
+            model, probe, drafter=None, max_new_tokens=PROBE_TOKENS, eos_token_id=[], compile=False
         )
-    step_s = (time.perf_counter() - start) / PROBE_TOKENS
+    step_s = (time.process_time() - start) / PROBE_TOKENS
     kinds = len({spec.kind for _, spec, _, _ in cells})
     return choose_compile(step_s, eta.total_steps, step_shapes(config.batches, cells, kinds))
 
@@ -588,8 +588,19 @@ def _run_cells(model, tokenizer, prompts, config, cells, schedule, make_drafter,
         decode_paired(model, short, batch, [drafter], 0, stop=stop, exact=config.exact)
         return time.perf_counter() - start
 
-    def finished(label: str, batch: int, warm_s: float, runs: list[CellRun], compiled: int):
+    def finished(label: str, batch: int, warm_s: float, runs: list[CellRun], log: tuple) -> dict:
+        """Log the cell's line and return its timing; `log`: the `COMPILE_LOG` indices before
+        and after its warm-up."""
+        compiled, warmed_at = log
         measured = sum(run.wall_s for run in runs)
+        timing = {
+            "warmup_s": warm_s,
+            "compile_s": compile_since(compiled),
+            # Compilations inside the timed runs: shapes the warm-up did not meet (left out of
+            # `measured_s`, but in the per-token latencies of the step that compiled).
+            "timed_compile_s": compile_since(warmed_at),
+            "measured_s": measured,
+        }
         totals["warmup_s"] += warm_s
         totals["measured_s"] += measured
         eta.finished(measured, warm_s)
@@ -598,15 +609,12 @@ def _run_cells(model, tokenizer, prompts, config, cells, schedule, make_drafter,
         errors = sum(len(run.errors) for run in runs)
         say(
             f"{eta.done}/{len(schedule)} {label} b={batch}: {measured:.1f} s measured, "
-            f"warm-up {warm_s:.1f} s (compiling {compile_since(compiled):.1f} s)"
+            f"warm-up {warm_s:.1f} s, compiling {timing['compile_s']:.1f} s "
+            f"({timing['timed_compile_s']:.1f} s of it in timed runs)"
             + (f", {errors} FAILED requests" if errors else "")
             + (f"; eta {left:.0f} s" if left is not None and eta.done < len(schedule) else "")
         )
-        return {
-            "warmup_s": warm_s,
-            "compile_s": compile_since(compiled),
-            "measured_s": measured,
-        }
+        return timing
 
     baseline_metrics: dict[int, dict] = {}
     noise: dict[int, float] = {}
@@ -617,6 +625,7 @@ def _run_cells(model, tokenizer, prompts, config, cells, schedule, make_drafter,
         compiled = len(COMPILE_LOG)
         if cell is None:
             warm_s = warm(warm_key(batch, None), None, batch)
+            log = (compiled, len(COMPILE_LOG))
             # Plain against plain, paired like every cell: how far from 1.0 a ratio strays by
             # chance is the noise that every speed-up at this batch size is judged against.
             baseline, again = decode_paired(
@@ -627,7 +636,7 @@ def _run_cells(model, tokenizer, prompts, config, cells, schedule, make_drafter,
             noise[batch] = max(config.noise_floor, abs(1.0 - min(rates) / max(max(rates), 1e-9)))
             metrics = cell_metrics(baseline, len(prompts), config.price_per_hour)
             metrics["plain_vs_plain_tokens_per_second"] = rates
-            metrics["timing"] = finished("baseline", batch, warm_s, [baseline, again], compiled)
+            metrics["timing"] = finished("baseline", batch, warm_s, [baseline, again], log)
             baseline_metrics[batch] = metrics
             continue
         name, spec, size, adaptive = cell
@@ -640,6 +649,7 @@ def _run_cells(model, tokenizer, prompts, config, cells, schedule, make_drafter,
         else:
             drafter = make_drafter(spec, size)
         warm_s = warm(warm_key(batch, cell), drafter, batch)
+        log = (compiled, len(COMPILE_LOG))
         warm_steps = len(drafter.chosen) if adaptive else 0
         warm_explorations = drafter.explorations if adaptive else 0
         reference, run = decode_paired(
@@ -649,7 +659,7 @@ def _run_cells(model, tokenizer, prompts, config, cells, schedule, make_drafter,
         if adaptive:
             run.budgets = drafter.chosen[warm_steps:]
             run.explorations = drafter.explorations - warm_explorations
-        timing = finished(name, batch, warm_s, [reference, run], compiled)
+        timing = finished(name, batch, warm_s, [reference, run], log)
         record = _cell_record(
             name, spec, size, adaptive, batch, prompts, run, tokenizer, config, reference, model
         )
