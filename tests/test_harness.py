@@ -396,11 +396,15 @@ def test_eta_predicts_the_cells_left_from_measured_steps_per_batch_size():
     eta.finished(2.0, warmup_s=3.0)  # 0.02 s a step at batch 1
     # Batch 1 at its own rate; batch 4, not measured yet, at the overall one; one warm-up left.
     assert eta.seconds_left(warmups_left=1) == pytest.approx(200 * 0.02 + 100 * 0.02 + 3.0)
-    eta.finished(4.0, warmup_s=0.0)
+    eta.finished(40.0, warmup_s=0.0)  # a cell slowed 10x by other load on the machine
     eta.finished(5.0, warmup_s=1.0)  # 0.1 s a step at batch 4
     assert eta.seconds_left() == pytest.approx(50 * 0.1)
     eta.finished(5.0, warmup_s=0.0)
     assert eta.seconds_left() == 0.0
+    slow = Eta([(1, 100)] * 4)
+    for seconds in (2.0, 20.0, 2.0):
+        slow.finished(seconds, warmup_s=0.0)
+    assert slow.seconds_left() == pytest.approx(2.0)  # the median cell's rate, not the mean's
 
 
 def test_cpu_sweeps_compile_only_when_the_saving_beats_the_compilations():

@@ -2,33 +2,40 @@
 
 Compiling pays on the CPU only when a sweep decodes long enough to win back the compilation:
 every step shape (batch 1 or more, a decode step or a tree, each drafter's own loops) compiles
-once per process, 10-30 s each on a 2-core CPU, and then runs `CPU_COMPILED_SPEEDUP` times faster.
+once per process, about 25 CPU seconds each here, and then runs `CPU_COMPILED_SPEEDUP` times
+faster.
 `choose_compile` takes the CPU time of an eager plain step on the sweep's first prompt,
 extrapolates the eager sweep, and compiles when the time saved beats the compilations it would
 need (CPU seconds on both sides: on a shared machine both stretch alike in wall time); the rule and
 its figures are printed at the start. A GPU always compiles (its graphs are what make it fast).
 
-`Eta` predicts the rest of a sweep from the cells measured so far, compilation left out: seconds
-per decoding step of the cells at the same batch size (of any batch size before one finishes),
-times the steps the remaining cells will run.
+`Eta` predicts the rest of a sweep from the cells measured so far, compilation left out: the
+median seconds per decoding step of the cells at the same batch size (of any batch size before
+one finishes), times the steps the remaining cells will run.
 """
 
 from __future__ import annotations
 
+import statistics
 from dataclasses import dataclass
 
-# Measured on the 2-core CPU with the bundled tiny-code pair (bench/NOTES.md, "harness"): one
-# step shape took 10-30 s to compile, and compiled steps ran 1.1-1.3x faster than eager ones.
-CPU_COMPILE_S_PER_SHAPE = 20.0
-CPU_COMPILED_SPEEDUP = 1.2
+# Measured on the 2-core CPU with the bundled tiny-code target, plain and n-gram at batch 1 and 4,
+# eager and compiled calls in turns in one process (bench/results/harness-cpu-2026-12-05/
+# compile-vs-eager.json): each step shape took 33-131 s of wall time to compile with the process
+# at about a third of a core (the machine loaded 8x), about 25 CPU s, and compiled calls were
+# 1.27-1.48x faster than eager ones.
+CPU_COMPILE_S_PER_SHAPE = 25.0
+CPU_COMPILED_SPEEDUP = 1.3
 
 
 def step_shapes(batches: list[int], cells: list[tuple], drafter_kinds: int) -> int:
     """How many step shapes a compiled sweep compiles, roughly: per batch class (1, or 2 and
-    more: the compiler keeps size 1 apart), a prefill, a decode step and a tree step of the
-    target, and one draft step per drafter kind; other sizes reuse those (dynamic shapes)."""
+    more: the compiler keeps size 1 apart), the target's prefill and decode step for plain
+    decoding, and again with each drafter kind, plus its tree verify (as measured: a drafter's
+    first call recompiled the prefill and decode steps); other sizes reuse those (dynamic
+    shapes)."""
     classes = len({min(batch, 2) for batch in batches})
-    return classes * (3 + drafter_kinds) if cells else classes * 2
+    return classes * (2 + 3 * drafter_kinds) if cells else classes * 2
 
 
 @dataclass
@@ -70,15 +77,15 @@ class Eta:
     """Seconds left in a sweep, from the cells measured so far.
 
     work: [(batch, steps)] of every cell in the order they run. A cell's time is its measured
-    runs (compilation excluded), predicted per step from the finished cells of the same batch
-    size (of every batch size until one finishes), plus its warm-up, predicted as the mean of
-    the warm-ups so far (compilation included: a cell whose shapes are warm skips it)."""
+    runs (compilation excluded), predicted per step as the median over the finished cells of the
+    same batch size (of every batch size until one finishes: a cell slowed by other load on the
+    machine does not skew the rest), plus its warm-up, predicted as the mean of the warm-ups so
+    far (compilation included: a cell whose shapes are warm skips it)."""
 
     def __init__(self, work: list[tuple[int, int]]):
         self.work = work
         self.done = 0
-        self._seconds: dict[int, float] = {}
-        self._steps: dict[int, int] = {}
+        self._rates: dict[int, list[float]] = {}  # batch -> seconds per step of each cell
         self._warmups: list[float] = []
 
     @property
@@ -89,8 +96,7 @@ class Eta:
         """The next cell finished: `measured_s` of timed runs, `warmup_s` of warm-up (0: its
         shapes were warm already)."""
         batch, steps = self.work[self.done]
-        self._seconds[batch] = self._seconds.get(batch, 0.0) + measured_s
-        self._steps[batch] = self._steps.get(batch, 0) + steps
+        self._rates.setdefault(batch, []).append(measured_s / max(steps, 1))
         if warmup_s > 0:
             self._warmups.append(warmup_s)
         self.done += 1
@@ -98,13 +104,13 @@ class Eta:
     def seconds_left(self, warmups_left: int = 0) -> float | None:
         """Predicted seconds of the cells left, `warmups_left` of them to warm up; None until
         a cell has finished."""
-        if not self._steps:
+        if not self._rates:
             return None
-        overall = sum(self._seconds.values()) / max(sum(self._steps.values()), 1)
-        left = 0.0
-        for batch, steps in self.work[self.done :]:
-            measured = self._steps.get(batch)
-            left += steps * (self._seconds[batch] / measured if measured else overall)
+        overall = statistics.median(r for rates in self._rates.values() for r in rates)
+        left = sum(
+            steps * (statistics.median(self._rates[batch]) if batch in self._rates else overall)
+            for batch, steps in self.work[self.done :]
+        )
         if self._warmups:
             left += warmups_left * sum(self._warmups) / len(self._warmups)
         return left
