@@ -354,7 +354,8 @@ def test_the_issue_sweep_on_the_bundled_models_fails_no_request_and_keeps_greedy
     drafted = [c for c in report["cells"] if c["name"] == "draft:tiny-code-draft:3"]
     assert drafted[0]["metrics"]["accepted_tokens"] > 0  # the trained pair agrees sometimes
     assert "0 failed requests" in err and "eta" in err
-    assert (tmp_path / "report" / "report.md").is_file()
+    text = (tmp_path / "report" / "report.md").read_text()
+    assert "Steps: CPU: compile when" in text and "FAILED" not in text
 
 
 def test_a_failed_request_fails_bench_loudly_after_the_report_is_written(
@@ -388,6 +389,7 @@ def test_a_failed_request_fails_bench_loudly_after_the_report_is_written(
     (failure,) = json.loads((out / "report.json").read_text())["failed_requests"]
     assert failure["cell"] == "ngram:3" and failure["side"] == "speculative"
     assert failure["error"].startswith("RuntimeError: boom (test_harness.py:")
+    assert "## FAILED REQUESTS: 1" in (out / "report.md").read_text()
 
 
 def test_eta_predicts_the_cells_left_from_measured_steps_per_batch_size():

@@ -10,6 +10,9 @@ tokens at the first differing position, under the baseline's context, are closer
 Adaptive cells (one `AdaptiveDrafter` around the largest size of each drafter, with a calibrated
 `CostModel`, serving the whole concurrency sweep as it would serve a service's traffic) run at
 every batch size; the report shows their ratio to the baseline next to the noise.
+
+The sweep records every failed request with its error (`failed_requests`) and goes on; `bench`
+then fails (`harness.FailedRequests`). The compile rule and the ETA are `harness.plan`'s.
 """
 
 from __future__ import annotations
@@ -508,7 +511,7 @@ def run_sweep(
             for batch, _ in schedule
         ]
     )
-    choice = decide_compile(model, prompts, config, cells, eta, stop)
+    choice = decide_compile(model, prompts, config, cells, eta)
     say(choice.rule)
     started = time.perf_counter()
     with compile_choice(choice.compile):
@@ -533,7 +536,7 @@ PROBE_TOKENS = 16
 
 
 def decide_compile(
-    model, prompts: list[Encoded], config: BenchConfig, cells: list, eta: Eta, stop
+    model, prompts: list[Encoded], config: BenchConfig, cells: list, eta: Eta
 ) -> CompileChoice:
     """`config.compile` when given; eager in exact mode; compiled on a GPU; on the CPU, by the
     measured cost of an eager step (`plan.choose_compile`). The probe step is timed in CPU
