@@ -516,7 +516,17 @@ def run_sweep(
     started = time.perf_counter()
     with compile_choice(choice.compile):
         report = _run_cells(
-            model, tokenizer, prompts, config, cells, schedule, make_drafter, eta, stop, say
+            model,
+            tokenizer,
+            prompts,
+            config,
+            cells,
+            schedule,
+            make_drafter,
+            eta,
+            stop,
+            say,
+            choice.compile,
         )
     report["timing"] |= {
         "compile_choice": asdict(choice),
@@ -561,8 +571,11 @@ def decide_compile(
     return choose_compile(step_s, eta.total_steps, step_shapes(config.batches, cells, kinds))
 
 
-def _run_cells(model, tokenizer, prompts, config, cells, schedule, make_drafter, eta, stop, say):
-    """The baseline and cells of `schedule` in order (`run_sweep`), under the compile choice."""
+def _run_cells(
+    model, tokenizer, prompts, config, cells, schedule, make_drafter, eta, stop, say, compiled
+):
+    """The baseline and cells of `schedule` in order (`run_sweep`), under the compile choice
+    (`compiled`)."""
     repeats = config.repeats
     compiled_at_start = len(COMPILE_LOG)
     cost_model = None
@@ -581,14 +594,17 @@ def _run_cells(model, tokenizer, prompts, config, cells, schedule, make_drafter,
         return (min(batch, 2), "baseline" if cell is None else cell[0])
 
     def warm(key: tuple, drafter: Drafter | None, batch: int) -> float:
-        """Decode a few tokens of `batch` prompts once per `warm_key`: the first call of a
-        shape compiles it."""
+        """Decode the first `batch` prompts once per `warm_key`: the first call of a shape
+        compiles it. Eager, a few tokens warm the caches. Compiled, the whole chunk: rows that
+        finish early leave a batch of 2+ rows down to one, and a one-row step left over from a
+        larger batch compiles graphs of its own (the draft model's chains compiled 60 s inside
+        timed runs when the warm-up decoded 8 tokens)."""
         if not config.warmup or key in warmed:
             return 0.0
         warmed.add(key)
         start = time.perf_counter()
-        short = [replace_tokens(p, 8) for p in prompts[:batch]]
-        decode_paired(model, short, batch, [drafter], 0, stop=stop, exact=config.exact)
+        chunk = prompts[:batch] if compiled else [replace_tokens(p, 8) for p in prompts[:batch]]
+        decode_paired(model, chunk, batch, [drafter], 0, stop=stop, exact=config.exact)
         return time.perf_counter() - start
 
     def finished(label: str, batch: int, warm_s: float, runs: list[CellRun], log: tuple) -> dict:
