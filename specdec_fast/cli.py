@@ -56,7 +56,8 @@ def add_model_options(
         default=None,
         help="run the model's steps through torch.compile (each step shape compiles once per "
         "process, seconds to minutes; later calls are faster). Default: on a GPU always; on the "
-        "CPU for bench, which makes many calls, and not for demo, generate and serve",
+        "CPU not for demo, generate and serve, and for bench when its sweep is long enough to "
+        "win back the compilation (the rule is printed at the start)",
     )
 
 
@@ -379,6 +380,7 @@ def run_bench(args: argparse.Namespace) -> int:
         chat=args.chat,
         keep_special_tokens=args.keep_special_tokens,
         exact=args.exact,
+        compile=args.compile,
     )
     print(f"wrote {report['files']['markdown']} and {report['files']['json']}")
     return 0
@@ -626,8 +628,9 @@ def main(argv: list[str] | None = None) -> int:
 
 def _choose_compile(args: argparse.Namespace) -> None:
     """Set SPECDEC_COMPILE for this process from --compile/--no-compile, or the command's default:
-    compiled on a GPU, and on the CPU only for `bench` (a one-shot `demo` or `generate` would
-    spend longer compiling than decoding)."""
+    compiled on a GPU, eager on the CPU (a one-shot `demo` or `generate` would spend longer
+    compiling than decoding); `bench` without either flag decides per sweep
+    (`harness.plan.choose_compile`)."""
     from specdec_fast.loading import pick_device
 
     compile = args.compile
@@ -636,7 +639,9 @@ def _choose_compile(args: argparse.Namespace) -> None:
             raise ValueError("--compile: exact mode runs the model eagerly; drop --compile")
         compile = False
     if compile is None:
-        compile = args.command == "bench" or pick_device(args.device).type == "cuda"
+        if args.command == "bench":
+            return  # the sweep decides by measurement, and prints its rule
+        compile = pick_device(args.device).type == "cuda"
     os.environ["SPECDEC_COMPILE"] = "1" if compile else "0"
 
 

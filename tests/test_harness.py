@@ -15,6 +15,12 @@ from specdec_fast.cli import main
 from specdec_fast.guardrails import GuardrailPolicy, Guardrails
 from specdec_fast.harness import PromptRecord, default_prompts, load_prompts, run_sweep
 from specdec_fast.harness.checks import passes, validate_check
+from specdec_fast.harness.plan import (
+    CPU_COMPILE_S_PER_SHAPE,
+    CPU_COMPILED_SPEEDUP,
+    Eta,
+    choose_compile,
+)
 from specdec_fast.harness.prompts import TASKS
 from specdec_fast.harness.report import quality_section, write_report
 from specdec_fast.harness.sweep import (
@@ -219,6 +225,7 @@ def test_sweep_end_to_end_on_a_tiny_model(tmp_path, monkeypatch):
 
     with torch.no_grad():
         report = run_sweep(model, CharTokenizer(), records, config, make, progress=False)
+    assert report["failed_requests"] == []
     names = [(c["name"], c["batch"]) for c in report["cells"]]
     # k = 2 drafted tokens: a tree drafter verifies N = 3 nodes, root included.
     cells = ("ngram:3", "adaptive(ngram:3)", "suffix:3", "adaptive(suffix:3)")
@@ -288,8 +295,11 @@ def test_failing_requests_count_as_errors_and_the_sweep_goes_on():
         )
     (cell,) = report["cells"]
     assert cell["metrics"]["error_rate"] == 1.0
-    assert set(cell["errors"].values()) == {"RuntimeError: boom"}
+    assert {e.split(" (")[0] for e in cell["errors"].values()} == {"RuntimeError: boom"}
     assert report["baseline"]["1"]["error_rate"] == 0.0
+    assert [(f["cell"], f["side"]) for f in report["failed_requests"]] == [
+        ("ngram:3", "speculative")
+    ] * 2
 
 
 def test_bench_help_and_bad_grid(capsys):
@@ -306,33 +316,105 @@ def test_bench_help_and_bad_grid(capsys):
     "tiny-code" not in bundled.available(),
     reason="the bundled target tiny-code is not in this install yet (it is being trained)",
 )
-def test_bench_cli_on_the_bundled_models(tmp_path):
-    # Eager steps: compiling each cell's shapes would take this test 90 s on 2 cores; the
-    # command's compile default is tested in test_cli.py, compiled steps in test_compiled_step.py.
-    # A tiny prompt set: one default prompt per task type, at the command line's token limit.
+def test_the_issue_sweep_on_the_bundled_models_fails_no_request_and_keeps_greedy_outputs(
+    tmp_path, capsys
+):
+    """Issue 50's sweep (n-gram and the draft model, k 1 and 3, batch 1 and more, adaptive
+    cells), cut to code prompts and few tokens: no request fails, and every cell's greedy
+    outputs are plain decoding's. Eager steps (the measured CPU default for a sweep this
+    small, printed as the rule); compiled steps are tested in test_compiled_step.py."""
     prompts = tmp_path / "prompts.jsonl"
-    records = [r.to_dict() for r in default_prompts(1)]
-    prompts.write_text("".join(json.dumps(r | {"max_new_tokens": 8}) + "\n" for r in records))
+    records = [r.to_dict() for r in default_prompts() if r.task == "code"][:3]
+    prompts.write_text("".join(json.dumps(r | {"max_new_tokens": 10}) + "\n" for r in records))
     code = main(
         ["bench", "--model", "tiny-code", "--drafter", "ngram", "--drafter",
-         "draft:tiny-code-draft", "--k", "2", "--batch", "3", "--prompts", str(prompts),
+         "draft:tiny-code-draft", "--k", "1,3", "--batch", "1,2", "--prompts", str(prompts),
          "--out", str(tmp_path / "report"), "--device", "cpu", "--dtype", "float32",
-         "--no-chat", "--no-compile"]
+         "--no-chat"]
     )  # fmt: skip
-    assert code == 0
+    err = capsys.readouterr().err
+    assert code == 0, err
+    assert "bench: CPU: compile when" in err and "-> eager" in err  # the rule, at the start
     report = json.loads((tmp_path / "report" / "report.json").read_text())
-    assert len(report["prompts"]) == len(TASKS)
+    assert report["failed_requests"] == []
+    assert report["timing"]["compile_choice"]["compile"] is False
     assert report["config"]["chat"] is False
-    assert {c["name"] for c in report["cells"]} == {
-        "ngram:3", "adaptive(ngram:3)", "draft:tiny-code-draft:2",
-        "adaptive(draft:tiny-code-draft:2)",
-    }  # fmt: skip
-    # --k 2: two drafted tokens, so N = 3 verified tokens for the tree and the chain alike.
-    assert {c["nodes"] for c in report["cells"]} == {3}
+    # --k 1,3: N = 2 and 4 verified tokens for the n-gram tree and the draft chain alike.
+    names = ["ngram:2", "ngram:4", "adaptive(ngram:4)", "draft:tiny-code-draft:1",
+             "draft:tiny-code-draft:3", "adaptive(draft:tiny-code-draft:3)"]  # fmt: skip
+    assert [(c["name"], c["batch"]) for c in report["cells"]] == [
+        (name, batch) for batch in (1, 2) for name in names
+    ]
     for cell in report["cells"]:
-        assert cell["metrics"]["error_rate"] == 0.0
+        assert cell["metrics"]["error_rate"] == 0.0 and cell["errors"] == {}
         q = cell["quality"]
-        assert q["greedy_exact_matches"] == q["greedy_prompts"] and q["quality_regressions"] == 0
-    drafted = [c for c in report["cells"] if c["name"] == "draft:tiny-code-draft:2"]
+        assert q["greedy_exact_matches"] == q["greedy_prompts"] == 3
+        assert q["quality_regressions"] == 0
+        assert cell["timing"]["measured_s"] > 0 and cell["timing"]["compile_s"] == 0.0
+    drafted = [c for c in report["cells"] if c["name"] == "draft:tiny-code-draft:3"]
     assert drafted[0]["metrics"]["accepted_tokens"] > 0  # the trained pair agrees sometimes
-    assert (tmp_path / "report" / "report.md").is_file()
+    assert "0 failed requests" in err and "eta" in err
+    text = (tmp_path / "report" / "report.md").read_text()
+    assert "Steps: CPU: compile when" in text and "FAILED" not in text
+
+
+def test_a_failed_request_fails_bench_loudly_after_the_report_is_written(
+    tmp_path, monkeypatch, capsys
+):
+    """A request that raises makes `bench` exit 1 naming the cell, the prompt and the error;
+    the report is written first and lists the failure."""
+    import specdec_fast.harness as harness
+
+    model = tiny_llama(vocab_size=VOCAB)
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"prompt": "abcabc", "id": "p0", "max_new_tokens": 4}\n')
+    monkeypatch.setattr("specdec_fast.loading.load_tokenizer", lambda name: CharTokenizer())
+    monkeypatch.setattr("specdec_fast.loading.load_model", lambda *args: model)
+    sweep = harness.run_sweep
+    monkeypatch.setattr(
+        harness,
+        "run_sweep",
+        lambda *args, **kwargs: sweep(*args, lambda spec, k: FailingDrafter(k), **kwargs),
+    )
+    out = tmp_path / "report"
+    code = main(
+        ["bench", "--model", "m", "--drafter", "ngram", "--k", "2", "--batch", "1",
+         "--no-adaptive", "--prompts", str(prompts), "--out", str(out), "--no-compile"]
+    )  # fmt: skip
+    err = capsys.readouterr().err
+    assert code == 1
+    assert "specdec-fast bench: error: FailedRequests: 1 failed requests" in err
+    assert "ngram:3 b=1 prompt 'p0' (speculative): RuntimeError: boom" in err
+    assert "1 FAILED requests" in err  # the cell's progress line says so too
+    (failure,) = json.loads((out / "report.json").read_text())["failed_requests"]
+    assert failure["cell"] == "ngram:3" and failure["side"] == "speculative"
+    assert failure["error"].startswith("RuntimeError: boom (test_harness.py:")
+    assert "## FAILED REQUESTS: 1" in (out / "report.md").read_text()
+
+
+def test_eta_predicts_the_cells_left_from_measured_steps_per_batch_size():
+    eta = Eta([(1, 100), (1, 200), (4, 50), (4, 50)])
+    assert eta.total_steps == 400 and eta.seconds_left() is None
+    eta.finished(2.0, warmup_s=3.0)  # 0.02 s a step at batch 1
+    # Batch 1 at its own rate; batch 4, not measured yet, at the overall one; one warm-up left.
+    assert eta.seconds_left(warmups_left=1) == pytest.approx(200 * 0.02 + 100 * 0.02 + 3.0)
+    eta.finished(40.0, warmup_s=0.0)  # a cell slowed 10x by other load on the machine
+    eta.finished(5.0, warmup_s=1.0)  # 0.1 s a step at batch 4
+    assert eta.seconds_left() == pytest.approx(50 * 0.1)
+    eta.finished(5.0, warmup_s=0.0)
+    assert eta.seconds_left() == 0.0
+    slow = Eta([(1, 100)] * 4)
+    for seconds in (2.0, 20.0, 2.0):
+        slow.finished(seconds, warmup_s=0.0)
+    assert slow.seconds_left() == pytest.approx(2.0)  # the median cell's rate, not the mean's
+
+
+def test_cpu_sweeps_compile_only_when_the_saving_beats_the_compilations():
+    small = choose_compile(step_s=0.01, sweep_steps=10_000, shapes=10)  # 100 s eager
+    assert not small.compile and "-> eager" in small.rule
+    assert small.eager_estimate_s == pytest.approx(100.0)
+    assert small.compile_estimate_s == pytest.approx(10 * CPU_COMPILE_S_PER_SHAPE)
+    saving = 1.0 - 1.0 / CPU_COMPILED_SPEEDUP
+    needed = 10 * CPU_COMPILE_S_PER_SHAPE / saving  # eager seconds that break even
+    assert choose_compile(0.01, int(needed / 0.01 * 1.1), 10).compile
+    assert not choose_compile(0.01, int(needed / 0.01 * 0.9), 10).compile

@@ -27,6 +27,7 @@ from specdec_fast.harness.sweep import BenchConfig, run_sweep
 
 __all__ = [
     "BenchConfig",
+    "FailedRequests",
     "PromptRecord",
     "bench",
     "default_prompts",
@@ -34,6 +35,24 @@ __all__ = [
     "run_sweep",
     "write_report",
 ]
+
+
+class FailedRequests(RuntimeError):
+    """A sweep in which some request failed: a benchmark with a failed request measures a
+    defect, so `bench` raises this once the report (which lists every failure) is written.
+
+    report: the whole report; failures: its `failed_requests`."""
+
+    def __init__(self, report: dict):
+        self.report = report
+        self.failures = report["failed_requests"]
+        first = self.failures[0]
+        where = report.get("files", {}).get("markdown", "the report")
+        super().__init__(
+            f"{len(self.failures)} failed requests (see {where}); the first: {first['cell']} "
+            f"b={first['batch']} prompt {first['prompt_id']!r} ({first['side']}): "
+            f"{first['error']}"
+        )
 
 
 def versions() -> dict[str, str]:
@@ -72,6 +91,7 @@ def bench(
     chat: bool | None = None,
     keep_special_tokens: bool = False,
     exact: bool = False,
+    compile: bool | None = None,
     progress: bool = True,
 ) -> dict:
     """Benchmark drafters against plain decoding; returns the report and writes it to `out`.
@@ -89,6 +109,11 @@ def bench(
         keep_special_tokens: keep special tokens in the outputs the checks judge.
         exact: decode every cell and the baseline in exact mode (`generate(..., exact=True)`);
             the report states the mode.
+        compile: compile the steps; None decides (compiled on a GPU; on the CPU when the
+            sweep is long enough to win back the compilation, see `harness.plan`).
+
+    Raises:
+        FailedRequests: some request failed (after the report is written).
     """
     from specdec_fast.loading import load_model, load_tokenizer, pick_device
 
@@ -122,6 +147,7 @@ def bench(
         chat=chat,
         keep_special_tokens=keep_special_tokens,
         exact=exact,
+        compile=compile,
     )
     report = run_sweep(model, tokenizer, records, config, progress=progress)
     report["meta"] = {
@@ -134,4 +160,6 @@ def bench(
     summarize(report)
     if out is not None:
         report["files"] = write_report(report, out)
+    if report["failed_requests"]:
+        raise FailedRequests(report)
     return report

@@ -110,6 +110,28 @@ def _grid(report: dict) -> str:
     )
 
 
+def _run_lines(report: dict) -> list[str]:
+    """The sweep's compile choice and time split, then every failed request (offline sweeps)."""
+    lines = []
+    timing = report.get("timing")
+    if timing is not None:
+        lines += [
+            "",
+            f"Steps: {timing['compile_choice']['rule']}. The sweep took {timing['total_s']:.0f} s: "
+            f"{timing['measured_s']:.0f} s measured, {timing['warmup_s']:.0f} s of warm-ups, "
+            f"{timing['calibration_s']:.0f} s calibrating, {timing['compile_s']:.0f} s compiling.",
+        ]
+    failed = report.get("failed_requests") or []
+    if failed:
+        lines += ["", f"## FAILED REQUESTS: {len(failed)}", ""]
+        lines += ["| cell | batch | side | prompt | error |", "|---|---|---|---|---|"]
+        lines += [
+            f"| {f['cell']} | {f['batch']} | {f['side']} | {f['prompt_id']} | {f['error']} |"
+            for f in failed
+        ]
+    return lines
+
+
 def markdown(report: dict) -> str:
     meta, lines = report.get("meta", {}), []
     level = axis(report)
@@ -121,6 +143,7 @@ def markdown(report: dict) -> str:
         _grid(report),
         "",
         f"Mode: {_mode(report['config'])}.",
+        *_run_lines(report),
         "",
         "## Baseline (plain decoding)",
         "",

@@ -10,6 +10,9 @@ tokens at the first differing position, under the baseline's context, are closer
 Adaptive cells (one `AdaptiveDrafter` around the largest size of each drafter, with a calibrated
 `CostModel`, serving the whole concurrency sweep as it would serve a service's traffic) run at
 every batch size; the report shows their ratio to the baseline next to the noise.
+
+The sweep records every failed request with its error (`failed_requests`) and goes on; `bench`
+then fails (`harness.FailedRequests`). The compile rule and the ETA are `harness.plan`'s.
 """
 
 from __future__ import annotations
@@ -17,19 +20,28 @@ from __future__ import annotations
 import resource
 import sys
 import time
+import traceback
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 
 import torch
 
 from specdec_fast.adaptive import BUDGETS, PLAIN, AdaptiveDrafter, CostModel
+from specdec_fast.compiled import COMPILE_LOG, compile_choice
 from specdec_fast.drafters.base import Drafter
 from specdec_fast.drafters.registry import DrafterSpec
 from specdec_fast.engine import GenerateOutput, generate
 from specdec_fast.guardrails import Guardrails
 from specdec_fast.harness.checks import passes
+from specdec_fast.harness.plan import (
+    CompileChoice,
+    Eta,
+    cell_steps,
+    choose_compile,
+    step_shapes,
+)
 from specdec_fast.harness.prompts import PromptRecord
-from specdec_fast.progress import Progress
 from specdec_fast.stats import SequenceStats, SpecStats, percentile
 from specdec_fast.text import decode, encode_prompt, stop_token_ids, use_chat
 
@@ -62,6 +74,7 @@ class BenchConfig:
     keep_special_tokens: keep special tokens in the decoded outputs that checks judge.
     exact: decode in exact mode (`generate(..., exact=True)`): every greedy output must then
         equal the baseline's.
+    compile: compile the steps (None: decided by `decide_compile`, printed at the start).
     near_tie_gap: the logit gap under which a greedy divergence counts as a near-tie.
     """
 
@@ -80,6 +93,7 @@ class BenchConfig:
     chat: bool | None = None
     keep_special_tokens: bool = False
     exact: bool = False
+    compile: bool | None = None
     near_tie_gap: float = NEAR_TIE_GAP
 
     def cells(self) -> list[tuple[str, DrafterSpec, int, bool]]:
@@ -125,7 +139,7 @@ class CellRun:
     outputs: dict[int, list[int] | None]  # prompt index -> generated tokens (None: failed)
     sequences: dict[int, SequenceStats]
     errors: dict[int, str]
-    wall_s: float
+    wall_s: float  # compilations excluded
     budgets: list[int] = field(default_factory=list)  # adaptive cells: every step's budget
     explorations: int = 0  # adaptive cells: requests that explored
 
@@ -158,11 +172,23 @@ def batches_of(prompts: list[Encoded], batch: int) -> list[list[Encoded]]:
 
 @dataclass
 class _Chunk:
-    """One `generate` call: its wall time and output, or the error it raised."""
+    """One `generate` call: its wall time less the compilations it made, and its output, or the
+    error it raised."""
 
     wall: float
     out: GenerateOutput | None = None
     error: str | None = None
+
+
+def describe_error(error: BaseException) -> str:
+    """`Type: message (file:line in function)`, the frame that raised it: a failed request's
+    entry in the report, enough to find its cause."""
+    text = f"{type(error).__name__}: {error}"
+    frames = traceback.extract_tb(error.__traceback__)
+    if frames:
+        where = frames[-1]
+        text += f" ({Path(where.filename).name}:{where.lineno} in {where.name})"
+    return text
 
 
 def _decode_chunk(
@@ -173,6 +199,7 @@ def _decode_chunk(
     stop: list[int] | None,
     exact: bool,
 ) -> _Chunk:
+    compiled_before = len(COMPILE_LOG)
     start = time.perf_counter()
     try:
         with torch.no_grad():
@@ -186,9 +213,15 @@ def _decode_chunk(
                 eos_token_id=stop,
                 exact=exact,
             )
-    except Exception as error:  # noqa: BLE001 - a failed request is a measured error
-        return _Chunk(time.perf_counter() - start, error=f"{type(error).__name__}: {error}")
-    return _Chunk(time.perf_counter() - start, out)
+    except Exception as error:  # noqa: BLE001 - a failed request is reported, then fails the run
+        wall = time.perf_counter() - start - compile_since(compiled_before)
+        return _Chunk(wall, error=describe_error(error))
+    return _Chunk(time.perf_counter() - start - compile_since(compiled_before), out)
+
+
+def compile_since(index: int) -> float:
+    """Seconds of the compilations logged since `COMPILE_LOG[index]`."""
+    return sum(seconds for _, seconds in COMPILE_LOG[index:])
 
 
 def _merge(model, chunks: list[list[Encoded]], results: list[_Chunk], drafter) -> CellRun:
@@ -449,7 +482,11 @@ def run_sweep(
     """Run the whole sweep and return the report as a JSON-ready dict (see `harness.report`).
 
     make_drafter(spec, size): builds a drafter for the target (default: the spec's factory,
-    which loads each spec's checkpoint once)."""
+    which loads each spec's checkpoint once). Cells run batch size by batch size, each drafter's
+    sizes together, so that a compiled step shape (batch 1 or more, each drafter's trees) is
+    compiled by the first cell that meets it and reused by the others; each cell's shapes are
+    warmed once, outside the timed runs, and compilation is reported apart from measured time.
+    A failed request is recorded with its error (`failed_requests`); the sweep goes on."""
     if make_drafter is None:
         factories: dict[DrafterSpec, Callable] = {}
 
@@ -458,76 +495,195 @@ def run_sweep(
                 factories[spec] = spec.factory(model)
             return factories[spec](size)
 
+    def say(line: str) -> None:
+        if progress:
+            print(f"bench: {line}", file=sys.stderr, flush=True)
+
     prompts = encode_prompts(records, tokenizer, config.max_new_tokens, config.chat)
     stop = stop_token_ids(model, tokenizer)
     cells = config.cells()
-    total = len(config.batches) * (1 + len(cells))
+    # Batch size by batch size, each one's baseline (None) first.
+    schedule = [(batch, cell) for batch in config.batches for cell in [None, *cells]]
+    runs = 2 * config.repeats  # every cell is paired with plain decoding
+    eta = Eta(
+        [
+            (batch, cell_steps([c[0].max_new_tokens for c in batches_of(prompts, batch)], runs))
+            for batch, _ in schedule
+        ]
+    )
+    choice = decide_compile(model, prompts, config, cells, eta)
+    say(choice.rule)
+    started = time.perf_counter()
+    with compile_choice(choice.compile):
+        report = _run_cells(
+            model,
+            tokenizer,
+            prompts,
+            config,
+            cells,
+            schedule,
+            make_drafter,
+            eta,
+            stop,
+            say,
+            choice.compile,
+        )
+    report["timing"] |= {
+        "compile_choice": asdict(choice),
+        "total_s": time.perf_counter() - started,
+    }
+    failed = report["failed_requests"]
+    say(
+        f"{len(schedule)} cells in {report['timing']['total_s']:.0f} s "
+        f"({report['timing']['measured_s']:.0f} s measured, "
+        f"{report['timing']['compile_s']:.0f} s compiling), {len(failed)} failed requests"
+    )
+    return report
+
+
+# Tokens of the eager probe that decides whether a CPU sweep compiles.
+PROBE_TOKENS = 16
+
+
+def decide_compile(
+    model, prompts: list[Encoded], config: BenchConfig, cells: list, eta: Eta
+) -> CompileChoice:
+    """`config.compile` when given; eager in exact mode; compiled on a GPU; on the CPU, by the
+    measured cost of an eager step (`plan.choose_compile`). The probe step is timed in CPU
+    seconds, as the compilations are counted: on a machine shared with other jobs both stretch
+    alike in wall time, and the decision does not swing with the load."""
+    if config.exact:
+        return CompileChoice(False, "exact mode: eager steps")
+    if config.compile is not None:
+        return CompileChoice(config.compile, f"compile={config.compile} (given)")
+    if model.device.type != "cpu":
+        return CompileChoice(True, f"{model.device.type}: compiled steps")
+    probe = [prompts[0].ids]
+    with torch.no_grad():
+        # The first eager call pays one-off costs (the attention switch, allocations).
+        generate(model, probe, drafter=None, max_new_tokens=2, eos_token_id=[], compile=False)
+        start = time.process_time()
+        generate(
+            model, probe, drafter=None, max_new_tokens=PROBE_TOKENS, eos_token_id=[], compile=False
+        )
+    step_s = (time.process_time() - start) / PROBE_TOKENS
+    kinds = len({spec.kind for _, spec, _, _ in cells})
+    return choose_compile(step_s, eta.total_steps, step_shapes(config.batches, cells, kinds))
+
+
+def _run_cells(
+    model, tokenizer, prompts, config, cells, schedule, make_drafter, eta, stop, say, compiled
+):
+    """The baseline and cells of `schedule` in order (`run_sweep`), under the compile choice
+    (`compiled`)."""
     repeats = config.repeats
-    # A sweep runs for minutes: to a log file it writes a plain line per minute at most.
-    bar = Progress(total, desc="bench cells", unit="cell", log_every_s=60.0, enabled=progress)
+    compiled_at_start = len(COMPILE_LOG)
     cost_model = None
+    calibration_s = 0.0
     if any(adaptive for *_, adaptive in cells):
         largest = max(spec.nodes(size) for _, spec, size, adaptive in cells if adaptive)
         budgets = [b for b in BUDGETS if b < largest] + [largest]
+        start = time.perf_counter()
         cost_model = CostModel().calibrate(model, config.batches, budgets)
+        calibration_s = time.perf_counter() - start
+    warmed: set[tuple] = set()
+    totals = {"warmup_s": 0.0, "measured_s": 0.0}
 
-    def warm(drafter: Drafter | None, batch: int) -> None:
-        if config.warmup:
-            short = [replace_tokens(p, 8) for p in prompts[:batch]]
-            decode_paired(model, short, batch, [drafter], 0, stop=stop, exact=config.exact)
+    def warm_key(batch: int, cell: tuple | None) -> tuple:
+        # Batch 1 and larger batches compile apart; larger ones share their shapes.
+        return (min(batch, 2), "baseline" if cell is None else cell[0])
+
+    def warm(key: tuple, drafter: Drafter | None, batch: int) -> float:
+        """Decode the first `batch` prompts once per `warm_key`: the first call of a shape
+        compiles it. Eager, a few tokens warm the caches. Compiled, the whole chunk: rows that
+        finish early leave a batch of 2+ rows down to one, and a one-row step left over from a
+        larger batch compiles graphs of its own (the draft model's chains compiled 60 s inside
+        timed runs when the warm-up decoded 8 tokens)."""
+        if not config.warmup or key in warmed:
+            return 0.0
+        warmed.add(key)
+        start = time.perf_counter()
+        chunk = prompts[:batch] if compiled else [replace_tokens(p, 8) for p in prompts[:batch]]
+        decode_paired(model, chunk, batch, [drafter], 0, stop=stop, exact=config.exact)
+        return time.perf_counter() - start
+
+    def finished(label: str, batch: int, warm_s: float, runs: list[CellRun], log: tuple) -> dict:
+        """Log the cell's line and return its timing; `log`: the `COMPILE_LOG` indices before
+        and after its warm-up."""
+        compiled, warmed_at = log
+        measured = sum(run.wall_s for run in runs)
+        timing = {
+            "warmup_s": warm_s,
+            "compile_s": compile_since(compiled),
+            # Compilations inside the timed runs: shapes the warm-up did not meet (left out of
+            # `measured_s`, but in the per-token latencies of the step that compiled).
+            "timed_compile_s": compile_since(warmed_at),
+            "measured_s": measured,
+        }
+        totals["warmup_s"] += warm_s
+        totals["measured_s"] += measured
+        eta.finished(measured, warm_s)
+        pending = {warm_key(b, c) for b, c in schedule[eta.done :]} - warmed
+        left = eta.seconds_left(len(pending) if config.warmup else 0)
+        errors = sum(len(run.errors) for run in runs)
+        say(
+            f"{eta.done}/{len(schedule)} {label} b={batch}: {measured:.1f} s measured, "
+            f"warm-up {warm_s:.1f} s, compiling {timing['compile_s']:.1f} s "
+            f"({timing['timed_compile_s']:.1f} s of it in timed runs)"
+            + (f", {errors} FAILED requests" if errors else "")
+            + (f"; eta {left:.0f} s" if left is not None and eta.done < len(schedule) else "")
+        )
+        return timing
 
     baseline_metrics: dict[int, dict] = {}
     noise: dict[int, float] = {}
     adaptive_drafters: dict[str, AdaptiveDrafter] = {}
     report_cells = []
-    for batch in config.batches:
-        warm(None, batch)
-        # Plain against plain, paired like every cell: how far from 1.0 a ratio strays by
-        # chance is the noise that every speed-up at this batch size is judged against.
-        baseline, again = decode_paired(
-            model, prompts, batch, [None, None], config.seed, repeats, stop, config.exact
+    failed: list[dict] = []
+    for batch, cell in schedule:
+        compiled = len(COMPILE_LOG)
+        if cell is None:
+            warm_s = warm(warm_key(batch, None), None, batch)
+            log = (compiled, len(COMPILE_LOG))
+            # Plain against plain, paired like every cell: how far from 1.0 a ratio strays by
+            # chance is the noise that every speed-up at this batch size is judged against.
+            baseline, again = decode_paired(
+                model, prompts, batch, [None, None], config.seed, repeats, stop, config.exact
+            )
+            failed += _failures(prompts, "baseline", batch, [baseline, again])
+            rates = [baseline.stats.tokens_per_second or 0.0, again.stats.tokens_per_second or 0.0]
+            noise[batch] = max(config.noise_floor, abs(1.0 - min(rates) / max(max(rates), 1e-9)))
+            metrics = cell_metrics(baseline, len(prompts), config.price_per_hour)
+            metrics["plain_vs_plain_tokens_per_second"] = rates
+            metrics["timing"] = finished("baseline", batch, warm_s, [baseline, again], log)
+            baseline_metrics[batch] = metrics
+            continue
+        name, spec, size, adaptive = cell
+        if adaptive:
+            # One adaptive drafter serves the whole concurrency sweep, as one would serve a
+            # service's traffic: what it learned at one batch size carries over.
+            if name not in adaptive_drafters:
+                adaptive_drafters[name] = AdaptiveDrafter(make_drafter(spec, size), cost_model)
+            drafter = adaptive_drafters[name]
+        else:
+            drafter = make_drafter(spec, size)
+        warm_s = warm(warm_key(batch, cell), drafter, batch)
+        log = (compiled, len(COMPILE_LOG))
+        warm_steps = len(drafter.chosen) if adaptive else 0
+        warm_explorations = drafter.explorations if adaptive else 0
+        reference, run = decode_paired(
+            model, prompts, batch, [None, drafter], config.seed, repeats, stop, config.exact
         )
-        bar.update(1, cell=f"baseline b={batch}")
-        rates = [baseline.stats.tokens_per_second or 0.0, again.stats.tokens_per_second or 0.0]
-        noise[batch] = max(config.noise_floor, abs(1.0 - min(rates) / max(max(rates), 1e-9)))
-        metrics = cell_metrics(baseline, len(prompts), config.price_per_hour)
-        metrics["plain_vs_plain_tokens_per_second"] = rates
-        baseline_metrics[batch] = metrics
-        for name, spec, size, adaptive in cells:
-            if adaptive:
-                # One adaptive drafter serves the whole concurrency sweep, as one would serve a
-                # service's traffic: what it learned at one batch size carries over.
-                if name not in adaptive_drafters:
-                    adaptive_drafters[name] = AdaptiveDrafter(make_drafter(spec, size), cost_model)
-                drafter = adaptive_drafters[name]
-            else:
-                drafter = make_drafter(spec, size)
-            warm(drafter, batch)
-            warm_steps = len(drafter.chosen) if adaptive else 0
-            warm_explorations = drafter.explorations if adaptive else 0
-            reference, run = decode_paired(
-                model, prompts, batch, [None, drafter], config.seed, repeats, stop, config.exact
-            )
-            if adaptive:
-                run.budgets = drafter.chosen[warm_steps:]
-                run.explorations = drafter.explorations - warm_explorations
-            bar.update(1, cell=f"{name} b={batch}")
-            report_cells.append(
-                _cell_record(
-                    name,
-                    spec,
-                    size,
-                    adaptive,
-                    batch,
-                    prompts,
-                    run,
-                    tokenizer,
-                    config,
-                    reference,
-                    model,
-                )
-            )
-    bar.close()
+        failed += _failures(prompts, name, batch, [reference, run])
+        if adaptive:
+            run.budgets = drafter.chosen[warm_steps:]
+            run.explorations = drafter.explorations - warm_explorations
+        timing = finished(name, batch, warm_s, [reference, run], log)
+        record = _cell_record(
+            name, spec, size, adaptive, batch, prompts, run, tokenizer, config, reference, model
+        )
+        record["timing"] = timing
+        report_cells.append(record)
     return {
         "config": {
             "drafters": config.drafters,
@@ -550,8 +706,31 @@ def run_sweep(
         "baseline": {str(b): m for b, m in baseline_metrics.items()},
         "cost_model": cost_model.to_dict() if cost_model is not None else None,
         "cells": report_cells,
+        "failed_requests": failed,
         "guardrails": _policies(config.guardrails) if config.guardrails else None,
+        "timing": {
+            "compile_s": compile_since(compiled_at_start),
+            "calibration_s": calibration_s,
+            **totals,
+        },
     }
+
+
+def _failures(prompts: list[Encoded], cell: str, batch: int, runs: list[CellRun]) -> list[dict]:
+    """Every failed request of `runs` (a cell and its paired plain run): cell, batch, prompt,
+    the side that failed and its error."""
+    ids = {p.index: p.record.id for p in prompts}
+    return [
+        {
+            "cell": cell,
+            "batch": batch,
+            "side": "plain" if side == 0 else "speculative",
+            "prompt_id": ids[index],
+            "error": error,
+        }
+        for side, run in enumerate(runs)
+        for index, error in sorted(run.errors.items())
+    ]
 
 
 def _policies(guardrails: Guardrails) -> dict:
@@ -612,6 +791,4 @@ def _cell_record(
         }
     if config.guardrails is not None:
         record["guardrails"] = guardrail_verdict(config.guardrails, metrics, base_metrics, splits)
-    if run.errors:
-        print(f"bench: {name} b={batch}: {len(run.errors)} failed requests", file=sys.stderr)
     return record
