@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from specdec_fast.serving.protocol import RequestError
+from specdec_fast.serving.errors import RequestError
 
 MAX_BODY_BYTES = 1 << 20
 MAX_MESSAGES = 256

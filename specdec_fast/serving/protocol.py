@@ -28,6 +28,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from specdec_fast.serving.errors import RequestError
 from specdec_fast.text import check_messages, decode, encode_prompt
 
 if TYPE_CHECKING:
@@ -50,35 +51,6 @@ NEUTRAL = {
     "suffix": (None, ""),
 }
 FINISH_REASONS = {"eos": "stop", "stop": "stop", "length": "length", "cache": "length"}
-
-
-class RequestError(ValueError):
-    """A request the server refuses: `status` (400 by default) with OpenAI's error body."""
-
-    def __init__(
-        self,
-        message: str,
-        param: str | None = None,
-        code: str | None = None,
-        status: int = 400,
-        kind: str = "invalid_request_error",
-    ):
-        super().__init__(message)
-        self.message, self.param, self.code, self.status, self.kind = (
-            message,
-            param,
-            code,
-            status,
-            kind,
-        )
-
-    def body(self) -> dict:
-        return error_body(self.message, self.kind, self.param, self.code)
-
-
-def error_body(message: str, kind: str, param: str | None = None, code: str | None = None) -> dict:
-    """OpenAI's error shape."""
-    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
 
 
 @dataclass

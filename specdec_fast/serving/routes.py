@@ -34,7 +34,7 @@ from pathlib import Path
 
 from specdec_fast.drafters.registry import DrafterSpec
 from specdec_fast.guardrails import DEFAULT_ROUTE
-from specdec_fast.serving.protocol import RequestError
+from specdec_fast.serving.errors import RequestError
 from specdec_fast.serving.scheduler import (
     CANCELLED,
     FAILED,

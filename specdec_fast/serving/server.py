@@ -44,15 +44,14 @@ from starlette.exceptions import HTTPException
 from specdec_fast.guardrails import Guardrails
 from specdec_fast.serving.access import API_KEY_ENV, ApiKeys, is_loopback
 from specdec_fast.serving.engine_process import EngineConfig, ProcessEngine
+from specdec_fast.serving.errors import RequestError, error_body
 from specdec_fast.serving.limits import Limits
 from specdec_fast.serving.protocol import (
     CHAT,
     COMPLETION,
     GenerationParams,
-    RequestError,
     TextStream,
     chunk,
-    error_body,
     finish_reason,
     new_id,
     parse_json,
