@@ -1,8 +1,9 @@
 """specdec_fast.kernels: Triton kernels for speculative-decoding verification.
 
 Each op has a Triton kernel (`jit/`), a launcher that validates inputs and picks the backend
-(`<op>.py`), and a plain-torch reference with the same signature (`reference/`). This package
-imports only torch and triton and knows nothing about models.
+(`<op>.py`, which also declares the op to `torch.library` with `ops.define_op`), and a
+plain-torch reference with the same signature (`reference/`). This package imports only torch
+and triton and knows nothing about models.
 """
 
 import os
@@ -13,7 +14,7 @@ if interpreter_needed():
     # Must precede the first `import triton`: @triton.jit decides interpretation at decoration time.
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from . import ops  # noqa: E402, F401  (registers the torch.library custom ops)
+from . import batch_invariant  # noqa: E402, F401  (declares the op linear_exact)
 from .backend import backend_for, requested_backend, use_triton  # noqa: E402
 from .kv_compact import kv_compact  # noqa: E402
 from .reference.kv_compact import kv_compact_reference  # noqa: E402

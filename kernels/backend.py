@@ -12,6 +12,7 @@
 """
 
 import os
+from functools import cache
 
 import torch
 
@@ -61,3 +62,12 @@ def use_triton(device: torch.device) -> bool:
 def interpreter_needed() -> bool:
     """Triton kernels must be interpreted: they were asked for and no GPU can compile them."""
     return requested_backend() == "triton" and not torch.cuda.is_available()
+
+
+@cache
+def sm_count(device: torch.device) -> int | None:
+    """Streaming multiprocessors of a CUDA device, which the launchers size their grids by; None
+    elsewhere (the interpreter)."""
+    if device.type != "cuda":
+        return None
+    return torch.cuda.get_device_properties(device).multi_processor_count

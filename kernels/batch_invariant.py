@@ -34,6 +34,7 @@ import torch.nn.functional as F
 
 from .fused.tree_attention import _plan_key, _same_key
 from .matmul import matmul_fixed_tile
+from .ops import define_op
 from .reference.tree_attention import key_visibility
 
 ROW_TILE = 16
@@ -61,6 +62,11 @@ def row_tiled(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> to
     return out[:count].reshape(*x.shape[:-1], out.shape[-1])
 
 
+def _linear_exact_fake(x: torch.Tensor, weight: torch.Tensor, bias) -> torch.Tensor:
+    return x.new_empty((*x.shape[:-1], weight.shape[0]))
+
+
+@define_op("linear_exact(Tensor x, Tensor weight, Tensor? bias) -> Tensor", _linear_exact_fake)
 def linear_exact(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
 ) -> torch.Tensor:

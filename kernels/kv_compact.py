@@ -13,6 +13,7 @@ import triton
 from .backend import backend_for
 from .fused.kv_compact import kv_compact_fused
 from .jit.kv_compact import kv_compact_kernel
+from .ops import define_op
 from .reference.kv_compact import kv_compact_reference
 from .validation import check_tensor, values_checkable
 
@@ -222,6 +223,15 @@ def kv_compact(
         run_kv_compact(kv, cache_lens, accepted_nodes, num_accepted)
 
 
+def _kv_compact_fake(kv, cache_lens, accepted_nodes, num_accepted) -> None:
+    return None
+
+
+@define_op(
+    "kv_compact(Tensor(a!) kv, Tensor(b!) cache_lens, Tensor accepted_nodes, "
+    "Tensor num_accepted) -> ()",
+    _kv_compact_fake,
+)
 def run_kv_compact(
     kv: torch.Tensor,
     cache_lens: torch.Tensor,

@@ -11,10 +11,11 @@ import torch
 import triton
 
 from . import interpreter_compat  # noqa: F401  (interpreted kernels need it before launch)
-from .backend import backend_for
+from .backend import backend_for, sm_count
 from .configs import tuned_configs
 from .fused.tree_attention import tree_attention_fused
 from .jit.tree_attention import tree_attention_combine_kernel, tree_attention_kernel
+from .ops import define_op
 from .reference.tree_attention import tree_attention_reference
 from .validation import check_ranges, check_tensor, check_unit_stride, values_checkable
 
@@ -370,15 +371,6 @@ def combine_block_t(batch_heads: int, num_new: int, block_d: int, slots: int) ->
     return block_t
 
 
-@cache
-def _sm_count(device: torch.device) -> int | None:
-    """Streaming multiprocessors of a CUDA device; None elsewhere (the interpreter, which counts
-    as one program slot: it splits only when asked)."""
-    if device.type != "cuda":
-        return None
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
 def launch_tree_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -423,8 +415,9 @@ def launch_tree_attention(
             head_dim, group, num_new, q.dtype, window is not None or softcap is not None, batch
         )
     row_blocks = triton.cdiv(group * num_new, config.block_m)
-    sm_count = _sm_count(q.device)
-    slots = 1 if sm_count is None else sm_count * config.programs_per_sm
+    # The interpreter counts as one program slot: it splits only when asked.
+    sms = sm_count(q.device)
+    slots = 1 if sms is None else sms * config.programs_per_sm
     if num_splits is None:
         num_splits = choose_num_splits(
             batch * num_kv_heads * row_blocks,
@@ -483,7 +476,7 @@ def launch_tree_attention(
         maxnreg=config.max_registers,
     )
     if num_splits > 1:
-        block_t = combine_block_t(batch * num_q_heads, num_new, config.block_d, sm_count or 1)
+        block_t = combine_block_t(batch * num_q_heads, num_new, config.block_d, sms or 1)
         tree_attention_combine_kernel[(batch * num_q_heads, triton.cdiv(num_new, block_t))](
             part_out,
             part_lse,
@@ -587,3 +580,23 @@ def run_tree_attention(
         )
     implementation = tree_attention_fused if backend == "fused" else tree_attention_reference
     return implementation(q, k_cache, v_cache, cache_lens, packed_mask, q_lens, scale, **features)
+
+
+def _tree_attention_fake(q: torch.Tensor, *args) -> torch.Tensor:
+    return torch.empty_like(q, memory_format=torch.contiguous_format)
+
+
+@define_op(
+    "tree_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor cache_lens, "
+    "Tensor? tree_mask, Tensor? q_lens, float scale, float? softcap, int? window, "
+    "Tensor? q_depths) -> Tensor",
+    _tree_attention_fake,
+)
+def tree_attention_op(
+    q, k_cache, v_cache, cache_lens, tree_mask, q_lens, scale, softcap, window, q_depths
+) -> torch.Tensor:
+    """`specdec_fast::tree_attention`: `run_tree_attention`, contiguous (the fake's layout)."""
+    out = run_tree_attention(
+        q, k_cache, v_cache, cache_lens, tree_mask, q_lens, scale, softcap, window, q_depths
+    )
+    return out.contiguous()

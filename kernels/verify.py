@@ -12,16 +12,16 @@ CUDA graph and replayed, and the Triton kernels and the reference draw the same 
 """
 
 from dataclasses import dataclass
-from functools import cache
 
 import torch
 import triton
 
 from . import interpreter_compat  # noqa: F401  (interpreted kernels need it before launch)
-from .backend import backend_for
+from .backend import backend_for, sm_count
 from .configs import tuned_configs
 from .fused.verify import verify_fused
 from .jit.verify import NUM_FIELDS, verify_stats_kernel, verify_walk_kernel
+from .ops import define_op
 from .reference.verify import (
     VerifyResult,
     draw_seed,
@@ -215,14 +215,6 @@ class LaunchConfig:
     walk_max_registers: int | None = None
 
 
-@cache
-def _sm_count(device: torch.device) -> int | None:
-    """Streaming multiprocessors of a CUDA device; None elsewhere (the interpreter)."""
-    if device.type != "cuda":
-        return None
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
 def launch_config(
     batch: int, num_nodes: int, vocab: int, sm_count: int | None, split_residual: bool = False
 ) -> LaunchConfig:
@@ -304,7 +296,7 @@ def launch_verify(
     device = logits.device
     if config is None:
         split_residual = draft_probs is not None and not params.has_filters
-        config = launch_config(batch, num_nodes, vocab, _sm_count(device), split_residual)
+        config = launch_config(batch, num_nodes, vocab, sm_count(device), split_residual)
     slice_len = triton.cdiv(triton.cdiv(vocab, config.num_splits), config.block_v) * config.block_v
     num_splits = triton.cdiv(vocab, slice_len)
     race_slice_len = config.walk_block_v * triton.cdiv(
@@ -543,3 +535,43 @@ def verify(
     if checking and bool((result.next_tokens < 0).any()):
         _raise_for_invalid_rows(logits, parents)
     return result
+
+
+def _verify_fake(logits: torch.Tensor, *args) -> tuple[torch.Tensor, ...]:
+    batch, num_nodes = logits.shape[:2]
+    return (
+        logits.new_empty((batch, num_nodes), dtype=torch.int32),
+        logits.new_empty((batch,), dtype=torch.int32),
+        logits.new_empty((batch,), dtype=torch.int64),
+    )
+
+
+@define_op(
+    "verify(Tensor logits, Tensor draft_tokens, Tensor parents, Tensor? draft_probs, "
+    "Tensor? temperature, float temperature_value, Tensor? top_k, int top_k_value, "
+    "Tensor? top_p, float top_p_value, Tensor? seed, int seed_value) "
+    "-> (Tensor, Tensor, Tensor)",
+    _verify_fake,
+)
+def verify_op(
+    logits,
+    draft_tokens,
+    parents,
+    draft_probs,
+    temperature,
+    temperature_value,
+    top_k,
+    top_k_value,
+    top_p,
+    top_p_value,
+    seed,
+    seed_value,
+) -> tuple[torch.Tensor, ...]:
+    """`specdec_fast::verify`: `run_verify` on the parameters `flatten_params` flattened."""
+    params = SamplingParams(
+        temperature_value if temperature is None else temperature,
+        top_k_value if top_k is None else top_k,
+        top_p_value if top_p is None else top_p,
+        seed_value if seed is None else seed,
+    )
+    return tuple(run_verify(logits, draft_tokens, parents, draft_probs, params))

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from specdec_fast.kernels.reference.verify import gumbel, stream_key
+from specdec_fast.kernels.rng import gumbel, stream_key
 from specdec_fast.transfer import host_resident, to_device, to_host_array
 
 # Probability that the rank-r candidate is the right token, used only to shape the default trees

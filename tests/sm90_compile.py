@@ -261,8 +261,8 @@ def _recording(module, kernels, launches):
     patches = [
         mock.patch.object(module, kernel.__name__, Recorder(kernel, launches)) for kernel in kernels
     ]
-    if hasattr(module, "_sm_count"):  # kv_compact's launch does not depend on the GPU
-        patches.append(mock.patch.object(module, "_sm_count", lambda device: H200_SMS))
+    if hasattr(module, "sm_count"):  # kv_compact's launch does not depend on the GPU
+        patches.append(mock.patch.object(module, "sm_count", lambda device: H200_SMS))
     return patches
 
 

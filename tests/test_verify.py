@@ -9,7 +9,7 @@ import torch
 import triton
 import triton.language as tl
 
-from specdec_fast.kernels import VerifyResult, verify, verify_reference
+from specdec_fast.kernels import VerifyResult, rng, verify, verify_reference
 from specdec_fast.kernels.jit.rng import gumbel, stream_key, uniform
 from specdec_fast.kernels.reference import verify as reference
 from specdec_fast.kernels.verify import LaunchConfig, launch_verify, sampling_params
@@ -129,11 +129,11 @@ def test_kernel_random_numbers_match_the_torch_mirror_bit_for_bit(stream):
     drawn_uniform = torch.full((64,), float("nan"))
     drawn_gumbel = torch.full((64,), float("nan"))
     _draw_kernel[(1,)](seed, sequence, node, counter, drawn_uniform, drawn_gumbel, stream)
-    key = reference.stream_key(seed, sequence, node, stream)
-    want = reference.uniform(key, counter)
+    key = rng.stream_key(seed, sequence, node, stream)
+    want = rng.uniform(key, counter)
     assert torch.equal(drawn_uniform, want)
     # log() may differ by an ulp between numpy, torch and libdevice: the noise agrees to rounding.
-    torch.testing.assert_close(drawn_gumbel, reference.gumbel(key, counter), rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(drawn_gumbel, rng.gumbel(key, counter), rtol=1e-6, atol=1e-6)
     assert bool(((want > 0) & (want < 1)).all())
 
 
@@ -141,13 +141,13 @@ def test_uniforms_are_uniform_and_streams_differ():
     """Chi-square over 64 bins, 2**16 draws of one stream (99.99% quantile of chi2(63) is 116),
     and neighbouring keys (node, stream, sequence) give unrelated values."""
     counter = torch.arange(2**16)
-    draws = reference.uniform(reference.stream_key(torch.tensor(7), 3, 5, 0), counter)
+    draws = rng.uniform(rng.stream_key(torch.tensor(7), 3, 5, 0), counter)
     expected = draws.numel() / 64
     chi2 = ((torch.bincount((draws * 64).long(), minlength=64) - expected) ** 2 / expected).sum()
     assert float(chi2) < 116
     keys = [(3, 5, 0), (3, 6, 0), (3, 5, 1), (4, 5, 0)]
     streams = torch.stack(
-        [reference.uniform(reference.stream_key(torch.tensor(7), *key), counter) for key in keys]
+        [rng.uniform(rng.stream_key(torch.tensor(7), *key), counter) for key in keys]
     )
     correlation = torch.corrcoef(streams)
     assert float((correlation - torch.eye(len(keys))).abs().max()) < 0.03

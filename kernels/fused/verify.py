@@ -16,15 +16,8 @@ import math
 import numpy as np
 import torch
 
-from ..reference.verify import (
-    STREAM_ACCEPT,
-    STREAM_SAMPLE,
-    VerifyResult,
-    gumbel,
-    kept_tokens,
-    node_keys,
-    uniform,
-)
+from ..reference.verify import VerifyResult, kept_tokens
+from ..rng import STREAM_ACCEPT, STREAM_SAMPLE, gumbel, node_keys, uniform
 
 
 def _ancestors_all(flags: torch.Tensor, parents: torch.Tensor) -> torch.Tensor:

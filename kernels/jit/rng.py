@@ -1,7 +1,7 @@
 """Counter-based random numbers: a stateless 32-bit hash of (seed, sequence, node, stream, counter).
 
 Only unsigned 32-bit xor, logical shift, wrapping add and multiply are used, so the torch mirror
-in `reference/verify.py` (int64 arithmetic masked to 32 bits) reproduces every bit. Nothing is
+in `kernels/rng.py` (int64 arithmetic masked to 32 bits) reproduces every bit. Nothing is
 stateful, so a kernel drawing from it can be captured in a CUDA graph and replayed.
 """
 
