@@ -63,33 +63,63 @@ def check_compatible(draft, target, draft_tokenizer=None, target_tokenizer=None)
             )
 
 
-def open_draft_runner(
-    draft_model, target, max_cache_len: int, draft_tokenizer=None, target_tokenizer=None
-) -> ModelRunner:
-    """The draft model's runner for sequences of `max_cache_len` tokens, after checking that it
-    can draft for `target` (`check_compatible`, same device). Its cache is sized in whole
-    `CACHE_BLOCK`s, as the target's storage is: calls of similar lengths then share one cache
-    shape, and the compiled draft loops, which see it, compile once for them."""
-    check_compatible(draft_model, target, draft_tokenizer, target_tokenizer)
-    if draft_model.device != target.device:
-        raise ValueError(f"draft model is on {draft_model.device}, the target on {target.device}")
-    return ModelRunner.for_model(draft_model, -(-max_cache_len // CACHE_BLOCK) * CACHE_BLOCK)
+class DraftRunnerRows:
+    """A draft model's runner kept row for row with the target's batch: the draft model drafter's
+    and the PARD block flavour's. `runner` (None until `open_runner`) caches every row's tokens
+    but the current root after `begin`; `_cached`, the host mirror of its lengths, is the tokens
+    cached per row. A subclass sets both to None and [] in its `__init__`."""
+
+    runner: ModelRunner | None
+    _cached: list[int]
+
+    def open_runner(
+        self, draft_model, target, max_cache_len: int, draft_tokenizer=None, target_tokenizer=None
+    ) -> None:
+        """Close any runner, then open the draft model's runner for sequences of `max_cache_len`
+        tokens, after checking that it can draft for `target` (`check_compatible`, same device).
+        Its cache is sized in whole `CACHE_BLOCK`s, as the target's storage is: calls of similar
+        lengths then share one cache shape, and the compiled draft loops, which see it, compile
+        once for them."""
+        self.end()
+        check_compatible(draft_model, target, draft_tokenizer, target_tokenizer)
+        if draft_model.device != target.device:
+            raise ValueError(
+                f"draft model is on {draft_model.device}, the target on {target.device}"
+            )
+        capacity = -(-max_cache_len // CACHE_BLOCK) * CACHE_BLOCK
+        self.runner = ModelRunner.for_model(draft_model, capacity)
+
+    def begin(self, state: DraftState) -> None:
+        """Prefill the draft's cache with every row's tokens but the last (the root)."""
+        width = max(len(row) for row in state.tokens)
+        ids = np.zeros((state.batch_size, width), dtype=np.int64)
+        mask = np.zeros_like(ids)
+        for row, tokens in enumerate(state.tokens):
+            ids[row, : len(tokens)] = tokens
+            mask[row, : len(tokens)] = 1
+        self.runner.prefill(to_device(ids, state.device), to_device(mask, state.device))
+        self._cached = [len(row) - 1 for row in state.tokens]
+
+    def keep(self, rows: list[int]) -> None:
+        self.runner.keep(rows)
+        self._cached = [self._cached[r] for r in rows]
+
+    def join(self, state: DraftState) -> None:
+        self.runner.prefill_rows(state.tokens)
+        self._cached += [len(row) - 1 for row in state.tokens]
+
+    def end(self) -> None:
+        if self.runner is not None:
+            self.runner.close()
+            self.runner = None
+
+    def _commit(self, lengths: torch.Tensor, host_lengths: list[int]) -> None:
+        """Set the draft cache's lengths (int `[B]` on the device) and their host mirror."""
+        self._cached = host_lengths
+        self.runner.cache.commit_lengths(lengths, max(host_lengths))
 
 
-def prefill_draft(runner: ModelRunner, state: DraftState) -> list[int]:
-    """Prefill the draft's cache with every row's tokens but the last (the root); returns the
-    cached count per row (a host mirror)."""
-    width = max(len(row) for row in state.tokens)
-    ids = np.zeros((state.batch_size, width), dtype=np.int64)
-    mask = np.zeros_like(ids)
-    for row, tokens in enumerate(state.tokens):
-        ids[row, : len(tokens)] = tokens
-        mask[row, : len(tokens)] = 1
-    runner.prefill(to_device(ids, state.device), to_device(mask, state.device))
-    return [len(row) - 1 for row in state.tokens]
-
-
-class DraftModelDrafter(Drafter):
+class DraftModelDrafter(DraftRunnerRows, Drafter):
     """Speculation with a small draft model sharing the target's tokenizer.
 
     Chain mode (`tree=None`): the draft proposes `num_tokens` = k tokens one after another,
@@ -152,32 +182,13 @@ class DraftModelDrafter(Drafter):
         return f"DraftModelDrafter({self.draft_model.config.model_type}, {mode})"
 
     def attach(self, target, max_cache_len: int) -> None:
-        self.end()
-        self.runner = open_draft_runner(
+        self.open_runner(
             self.draft_model, target, max_cache_len, self.draft_tokenizer, self.target_tokenizer
         )
 
-    def begin(self, state: DraftState) -> None:
-        self._cached = prefill_draft(self.runner, state)
-
-    def keep(self, rows: list[int]) -> None:
-        self.runner.keep(rows)
-        self._cached = [self._cached[r] for r in rows]
-
-    def join(self, state: DraftState) -> None:
-        self.runner.prefill_rows(state.tokens)
-        self._cached += [len(row) - 1 for row in state.tokens]
-
     def end(self) -> None:
-        if self.runner is not None:
-            self.runner.close()
-            self.runner = None
+        super().end()
         self._tree_index = None
-
-    def _commit(self, lengths: torch.Tensor, host_lengths: list[int]) -> None:
-        """Set the draft cache's lengths (int `[B]` on the device) and their host mirror."""
-        self._cached = host_lengths
-        self.runner.cache.commit_lengths(lengths, max(host_lengths))
 
     def _catch_up(self, state: DraftState) -> None:
         """Feed the tokens before the root that the draft has not seen (ragged, as one chain)."""

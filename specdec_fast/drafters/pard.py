@@ -37,7 +37,7 @@ from specdec_fast.trees import check_depth_scale
 
 from .base import DraftState, StepOutcome
 from .block_shape import BlockShape, block_sampling
-from .draft_model import check_compatible, open_draft_runner, prefill_draft
+from .draft_model import DraftRunnerRows, check_compatible
 
 PARD_TOKEN_FIELDS = ("pard_token", "ptd_token_id")
 PARD_TYPE = "pard"
@@ -123,7 +123,7 @@ def load_pard(
         raise ValueError(f"{what}: config.json: {error}") from None
 
 
-class PardBlock:
+class PardBlock(DraftRunnerRows):
     """The PARD flavour: a causal LM on its own runner, one chain forward per step."""
 
     hidden_layers: tuple[int, ...] = ()
@@ -136,15 +136,9 @@ class PardBlock:
         self._cached: list[int] = []  # tokens in the draft's cache per row (host mirror)
 
     def attach(self, target, max_cache_len: int, depth: int) -> None:
-        self.end()
         # A step feeds the accepted drafts (<= depth), the root and the masks past the cache.
-        self.runner = open_draft_runner(
-            self.draft.model, target, max_cache_len + depth + self.draft.block_size
-        )
+        self.open_runner(self.draft.model, target, max_cache_len + depth + self.draft.block_size)
         self._compile = compile_by_default()
-
-    def begin(self, state: DraftState) -> None:
-        self._cached = prefill_draft(self.runner, state)
 
     def propose(self, state: DraftState) -> tuple[torch.Tensor, ...]:
         """The proposal's `(tokens, parents, draft_probs)` (`BlockShape.propose`): one forward
@@ -176,8 +170,7 @@ class PardBlock:
             proposal = self._tree(*args)
         # The root is committed with the tokens before it; the masks' K/V are dropped.
         lengths = [len(row) for row in state.tokens]
-        self.runner.cache.commit_lengths(to_device(lengths, device, torch.int32), max(lengths))
-        self._cached = lengths
+        self._commit(to_device(lengths, device, torch.int32), lengths)
         return proposal
 
     def _tree(
@@ -191,16 +184,3 @@ class PardBlock:
 
     def update(self, state: DraftState, outcome: StepOutcome) -> None:
         """Nothing to follow: the next step feeds the accepted drafts."""
-
-    def keep(self, rows: list[int]) -> None:
-        self.runner.keep(rows)
-        self._cached = [self._cached[r] for r in rows]
-
-    def join(self, state: DraftState) -> None:
-        self.runner.prefill_rows(state.tokens)
-        self._cached += [len(row) - 1 for row in state.tokens]
-
-    def end(self) -> None:
-        if self.runner is not None:
-            self.runner.close()
-            self.runner = None
