@@ -205,23 +205,27 @@ def step_plan(quick: bool, compiled: bool = False) -> dict[str, float]:
     }
 
 
-# The tiny pair's runs on the GPU: one budget (the block drafters' targets' N = 16) and three
-# rounds, so that each peer's median skips the round that compiles and captures its graphs.
-# Draft-model chains are left to the CPU grid (HF's assisted generation runs the same pair).
-E2E_KINDS = {
-    True: ("ngram", "eagle", "block"),
-    False: ("ngram", "suffix", "draft-tree", "medusa", "eagle", "block"),
-}
+# The tiny pair's runs on the GPU, of the registry's kinds for benchmarks (`e2e_kinds`): one
+# budget (the block drafters' targets' N = 16) and three rounds, so that each peer's median skips
+# the round that compiles and captures its graphs.
 E2E_SIZE = {True: (2, 32), False: (4, 64)}  # prompts, new tokens (2 x 32 is --quick's)
 E2E_ROUNDS = 3
 HF_MODES = 3  # generate, assisted, prompt lookup
+
+
+def e2e_kinds(quick: bool) -> tuple[str, ...]:
+    """The drafter kinds of the tiny pair's runs (the registry's `kinds_for_benchmarks`)."""
+    from specdec_fast.drafters.registry import kinds_for_benchmarks
+
+    return kinds_for_benchmarks(quick)
 
 
 def e2e_plan(quick: bool) -> dict[str, float]:
     from specdec_fast.drafters.registry import bundled_specs
 
     peers = 1 + HF_MODES  # our plain decoding, then HF's modes
-    peers += sum(spec.kind in E2E_KINDS[quick] for spec in bundled_specs())
+    kinds = e2e_kinds(quick)
+    peers += sum(spec.kind in kinds for spec in bundled_specs())
     prompts, tokens = E2E_SIZE[quick]
     # Each peer's first round compiles (its first batch, one prompt, untimed); HF's runs, counted
     # the same, err high.
@@ -297,7 +301,7 @@ def tests_command(work: Path, quick: bool, dry_run: bool) -> list[str]:
 def e2e_command(work: Path, quick: bool, dry_run: bool) -> list[str]:
     prompts, tokens = (1, 8) if dry_run else E2E_SIZE[quick]
     size = ["--prompts", str(prompts), "--new-tokens", str(tokens)]
-    kinds = ["--kinds", ",".join(E2E_KINDS[quick])]
+    kinds = ["--kinds", ",".join(e2e_kinds(quick))]
     command = [PYTHON, "bench/bench_e2e_tiny.py", "--out", str(work / "e2e")]
     rounds = ["--rounds", str(1 if dry_run else E2E_ROUNDS)]
     return command + size + kinds + ["--budgets", "16"] + rounds

@@ -13,7 +13,7 @@ import json
 import os
 import sys
 
-from specdec_fast.drafters.registry import DrafterSpec, spec_help
+from specdec_fast.drafters.registry import DrafterSpec, kinds_with, spec_help
 from specdec_fast.loading import DTYPE_CHOICES, MissingExtra
 from specdec_fast.serving.limits import MAX_BODY_BYTES, MAX_MESSAGES, MAX_STOP
 from specdec_fast.serving.shutdown import DRAIN_DEADLINE_S
@@ -196,6 +196,12 @@ def _int_list(text: str) -> list[int]:
     return values
 
 
+def bench_default_kinds() -> tuple[str, ...]:
+    """What `bench` runs without --drafter: the registered kinds that need no checkpoint (they
+    draft for any model)."""
+    return kinds_with("none")
+
+
 def _add_bench(sub) -> None:
     bench = sub.add_parser(
         "bench",
@@ -212,7 +218,7 @@ def _add_bench(sub) -> None:
         action="append",
         type=DrafterSpec.parse,
         help="a drafter SPEC (below), repeatable; a SPEC without SIZE sweeps --k and --tree; "
-        "default: ngram and suffix",
+        f"default: {' and '.join(bench_default_kinds())}",
     )
     bench.add_argument(
         "--prompts",
@@ -360,7 +366,7 @@ def run_bench(args: argparse.Namespace) -> int:
 
     if args.threads is not None:
         torch.set_num_threads(args.threads)
-    drafters = [str(d) for d in args.drafter] if args.drafter else ["ngram", "suffix"]
+    drafters = [str(d) for d in args.drafter] if args.drafter else list(bench_default_kinds())
     report = bench(
         args.model,
         drafters,

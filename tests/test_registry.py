@@ -1,12 +1,15 @@
 """The drafter registry: spec parsing, one tree per budget everywhere, and every registered kind
 walked through parse -> build -> a greedy exactness check on a tiny model."""
 
+from pathlib import Path
+
 import pytest
 import torch
 from test_medusa import random_heads
 from tiny_models import repetitive_prompts, tiny_llama
 
 from specdec_fast import bundled, generate
+from specdec_fast.cli import build_parser
 from specdec_fast.drafters.registry import (
     KINDS,
     REGISTRY,
@@ -167,6 +170,38 @@ def test_every_list_of_drafters_names_every_registered_kind(monkeypatch):
         assert missing_kinds(specs) == set()
     monkeypatch.setitem(REGISTRY, "new", KINDS[0])
     assert missing_kinds(DRAFTERS) == {"new"}
+
+
+def test_benchmark_lists_are_the_registry_kinds_and_take_a_new_one(monkeypatch):
+    """The GPU suite's tiny-pair runs take every kind of tree (all but the chains; the quick run
+    the kinds tagged `quick`) and the CLI's `bench` without --drafter every kind that needs no
+    checkpoint, read from the registry: a kind registered later is in them."""
+    import dataclasses
+
+    from bench_smoke import import_bench
+
+    from specdec_fast import cli
+    from specdec_fast.drafters import registry
+
+    suite = import_bench(monkeypatch, "gpu_suite")
+
+    def e2e_kinds(quick):
+        command = suite.e2e_command(Path("work"), quick, dry_run=False)
+        return tuple(command[command.index("--kinds") + 1].split(","))
+
+    def bench_help():
+        bench = build_parser()._subparsers._group_actions[0].choices["bench"]
+        return next(a.help for a in bench._actions if "--drafter" in a.option_strings)
+
+    assert e2e_kinds(False) == ("ngram", "suffix", "draft-tree", "medusa", "eagle", "block")
+    assert e2e_kinds(True) == ("ngram", "eagle", "block")
+    assert cli.bench_default_kinds() == ("ngram", "suffix")
+    assert bench_help().endswith("default: ngram and suffix")
+    new = dataclasses.replace(REGISTRY["ngram"], name="new", quick=False)
+    monkeypatch.setattr(registry, "KINDS", (*KINDS, new))
+    assert e2e_kinds(False)[-1] == "new" and "new" not in e2e_kinds(True)
+    assert cli.bench_default_kinds() == ("ngram", "suffix", "new")
+    assert bench_help().endswith("default: ngram and suffix and new")
 
 
 def test_every_trained_kind_has_a_training_command():

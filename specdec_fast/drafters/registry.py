@@ -59,6 +59,9 @@ class DrafterKind:
         of the target's vocabulary: a benchmark with a random target and draft pair runs it),
         or "trained" (heads or a block drafter trained for the target, `python -m
         specdec_fast.train`).
+    quick: in the short list of quick benchmarks (`kinds_for_benchmarks(quick=True)`): one kind
+        per way of drafting that the others repeat (a lookup, a trained head's dynamic tree, a
+        block drafter).
     """
 
     name: str
@@ -71,6 +74,7 @@ class DrafterKind:
     deterministic: bool = True
     bundled: tuple[str, ...] = ()
     checkpoint: str = "none"
+    quick: bool = False
 
     def __post_init__(self):
         if self.checkpoint not in CHECKPOINTS:
@@ -136,6 +140,7 @@ KINDS = (
         "prompt lookup: repeated n-grams' continuations merged into a tree",
         8,
         _ngram,
+        quick=True,
     ),
     DrafterKind(
         "suffix",
@@ -181,6 +186,7 @@ KINDS = (
         load=load_eagle_head,
         bundled=("tiny-code-eagle", "tiny-code-eagle3"),
         checkpoint="trained",
+        quick=True,
     ),
     DrafterKind(
         "block",
@@ -190,6 +196,7 @@ KINDS = (
         load=load_block_model,
         bundled=("tiny-code-dflash", "tiny-code-pard"),
         checkpoint="trained",
+        quick=True,
     ),
 )
 REGISTRY: dict[str, DrafterKind] = {kind.name: kind for kind in KINDS}
@@ -199,6 +206,13 @@ def kinds_with(*checkpoints: str) -> tuple[str, ...]:
     """The registered kinds whose checkpoint is one of `checkpoints` (`DrafterKind.checkpoint`),
     in registry order: e.g. what a random target and draft model pair can run."""
     return tuple(kind.name for kind in KINDS if kind.checkpoint in checkpoints)
+
+
+def kinds_for_benchmarks(quick: bool = False) -> tuple[str, ...]:
+    """The registered kinds a benchmark of trees runs, in registry order: every kind but the
+    chains (a draft model's chain is benchmarked against HF's assisted generation on the same
+    pair instead), only the `quick` ones when `quick`."""
+    return tuple(kind.name for kind in KINDS if not kind.chain and (kind.quick or not quick))
 
 
 def spec_syntax() -> str:
