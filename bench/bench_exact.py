@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 
 import torch
-from bench_overhead import SMOLLM2_SHAPE
+from bench_overhead import SMOLLM2_SHAPE, TINY_SHAPE
 from common import RESULTS_DIR, environment, write_results
 from transformers import AutoTokenizer, GenerationConfig, LlamaConfig, LlamaForCausalLM
 
@@ -60,8 +60,10 @@ def random_llama(seed: int, **shape) -> LlamaForCausalLM:
     return model
 
 
-def smol_model() -> LlamaForCausalLM:
-    return random_llama(0, **SMOL_SHAPE)
+def smol_model(tiny: bool = False) -> LlamaForCausalLM:
+    """The SmolLM2-135M-shaped model; with `tiny` (the GPU suite's dry run), `bench_overhead`'s
+    2-layer shape at the same vocabulary: the same code, a fraction of the CPU's time."""
+    return random_llama(0, **(SMOL_SHAPE | TINY_SHAPE if tiny else SMOL_SHAPE))
 
 
 def smol_draft() -> LlamaForCausalLM:
@@ -232,13 +234,16 @@ def main() -> None:
         "--equality-tokens", type=int, default=None, help="new tokens of the equality runs"
     )
     parser.add_argument("--json", default=None, help="also write the JSON results here")
+    parser.add_argument(
+        "--tiny", action="store_true", help="the SmolLM2-shaped model at 2 layers (a smoke run)"
+    )
     args = parser.parse_args()
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     batches = [int(b) for b in args.batches.split(",")]
     device = torch.device(args.device)
     env = environment(device)
-    smol = smol_model().to(device)
+    smol = smol_model(args.tiny).to(device)
     speed_rows = speed(
         smol, motif_prompts(4, SMOL_SHAPE["vocab_size"]), [1, 4], args.speed_tokens, args.repeats
     )

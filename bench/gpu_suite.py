@@ -351,7 +351,7 @@ def exact_plan(quick: bool) -> dict[str, float]:
 def exact_command(work: Path, quick: bool, dry_run: bool) -> list[str]:
     if dry_run:
         size = ["--prompts", "1", "--batches", "1", "--repeats", "1", "--speed-tokens", "2"]
-        size += ["--equality-tokens", "2", "--device", "cpu", "--threads", "1"]
+        size += ["--equality-tokens", "2", "--device", "cpu", "--threads", "1", "--tiny"]
     else:
         size = ["--prompts", str(EXACT_SIZE["prompts"]), "--device", "cuda"]
         size += ["--batches", ",".join(map(str, EXACT_SIZE["batches"]))]

@@ -1,7 +1,8 @@
 """bench/gpu_suite.py fits the device's limits: its dry run plays every part on the CPU with tiny
-shapes and writes exactly two files (archive and summary), the quick plan is predicted under 8
-minutes and each part's full plan under 4; a part that does not fit what is left of the budget
-is skipped, and one that overruns its timeout is killed with its output kept."""
+shapes (the tuning part's winners written elsewhere) and writes exactly two files (archive and
+summary), the quick plan is predicted under 8 minutes and each part's full plan under 4; a part
+that does not fit what is left of the budget is skipped, and one that overruns its timeout is
+killed with its output kept."""
 
 import json
 import os
@@ -10,7 +11,7 @@ import sys
 import tarfile
 
 import pytest
-from bench_smoke import BENCH_DIR, import_bench
+from bench_smoke import BENCH_DIR, ROOT, import_bench
 
 
 @pytest.fixture
@@ -31,7 +32,8 @@ def run_suite(tmp_path, *args):
     return result, out
 
 
-def test_dry_run_plays_every_part_and_predicts_the_quick_budget(tmp_path, suite):
+def test_dry_run_plays_every_part_and_predicts_the_quick_budget(tmp_path, suite, monkeypatch):
+    committed = (ROOT / "kernels" / "configs.json").read_text()  # tune_kernels.CONFIG_PATH
     result, out = run_suite(tmp_path, "--dry-run", "--quick")
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert sorted(path.name for path in out.iterdir()) == sorted([suite.ARCHIVE, suite.SUMMARY])
@@ -48,11 +50,27 @@ def test_dry_run_plays_every_part_and_predicts_the_quick_budget(tmp_path, suite)
     assert {"tree_attention.json", "verify.json", "kv_compact.json", "e2e.json"} <= results
     assert {"overhead.json", "draft_loop.json"} <= results
     with tarfile.open(out / suite.ARCHIVE) as archive:
-        names = {name.rsplit("/", 1)[-1] for name in archive.getnames()}
-    assert {f"{name}.log" for name in suite.PARTS} <= names
+        members = {member.name.rsplit("/", 1)[-1]: member for member in archive.getmembers()}
+        assert {f"{name}.log" for name in suite.PARTS} <= members.keys()
+        configs = json.load(archive.extractfile(members["configs.json"]))
     assert "| total (quick) |" in result.stdout and "estimated device s" in result.stdout
     # Rows are printed as cases finish, before each benchmark's closing table.
     assert "| shape | peer | us median (min-max) | floor us |" in result.stdout
+    (tune,) = [part["results"]["tune.json"] for part in summary["parts"] if part["name"] == "tune"]
+    check_tuning_play(tune, configs, import_bench(monkeypatch, "tune_kernels"), committed)
+
+
+def check_tuning_play(result: dict, written: dict, tune, committed: str) -> None:
+    """The tuning part's CPU play: every candidate timed, winners among the candidates, written
+    to the file asked for (the committed configuration untouched)."""
+    attention = tune.attention_candidates()
+    assert len(result["rows"]) == len(attention) + 2 * len(tune.verify_candidates())
+    assert written["verify_race_tiles"] in tune.RACE_TILE_CANDIDATES
+    assert written["verify_stats_programs_per_sm"] in tune.STATS_PROGRAMS_CANDIDATES
+    assert any(
+        all(written[key] == value for key, value in candidate.items()) for candidate in attention
+    )
+    assert tune.CONFIG_PATH.read_text() == committed
 
 
 def test_every_full_part_is_predicted_under_four_minutes(suite):
@@ -75,22 +93,3 @@ def test_a_part_past_its_timeout_is_killed_and_its_output_kept(tmp_path, suite):
     assert result["status"] == "timed out" and result["seconds"] < 30
     assert result["tail"] == ["started"]
     assert (tmp_path / "slow.log").read_text() == "started\n"
-
-
-def test_tuning_dry_run_writes_candidates_elsewhere(tmp_path, monkeypatch):
-    """The tuning part's CPU play: every candidate timed, winners among the candidates, written
-    to the file asked for (the committed configuration untouched)."""
-    tune = import_bench(monkeypatch, "tune_kernels")
-    committed = tune.CONFIG_PATH.read_text()
-    out, rows = tmp_path / "configs.json", tmp_path / "tune.json"
-    assert tune.main(["--tiny", "--config-out", str(out), "--json", str(rows)]) == 0
-    written = json.loads(out.read_text())
-    result = json.loads(rows.read_text())
-    attention = tune.attention_candidates()
-    assert len(result["rows"]) == len(attention) + 2 * len(tune.verify_candidates())
-    assert written["verify_race_tiles"] in tune.RACE_TILE_CANDIDATES
-    assert written["verify_stats_programs_per_sm"] in tune.STATS_PROGRAMS_CANDIDATES
-    assert any(
-        all(written[key] == value for key, value in candidate.items()) for candidate in attention
-    )
-    assert tune.CONFIG_PATH.read_text() == committed
