@@ -57,8 +57,10 @@ case "$cmd" in
         # `pytest`, not `python -m pytest`: the repository root must not be on sys.path, where the
         # kernels/ folder would pose as a top-level `kernels` package. Two worker processes
         # (pytest-xdist; SPECDEC_TEST_WORKERS, 0 for none), each single-threaded, a test file at a
-        # time on each so module fixtures are built once.
-        exec "$VENV/bin/pytest" -n "${SPECDEC_TEST_WORKERS:-2}" --dist loadfile tests "$@"
+        # time on each so module fixtures are built once, the slowest files first (in the order
+        # tests/conftest.py collects them, not xdist's by number of tests).
+        exec "$VENV/bin/pytest" -n "${SPECDEC_TEST_WORKERS:-2}" --dist loadfile \
+            --no-loadscope-reorder tests "$@"
         ;;
     *)
         echo "usage: bash run.sh {demo|test|setup} [args...]" >&2

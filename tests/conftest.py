@@ -29,7 +29,23 @@ HAS_CUDA = torch.cuda.is_available()
 DEVICE = torch.device("cuda" if HAS_CUDA else "cpu")
 
 
+# The modules that take longest on the CPU (CI's slowest tests), longest first. `run.sh test`
+# hands whole modules to its two workers in collection order (`--dist loadfile
+# --no-loadscope-reorder`): starting these first keeps the last one from running on alone.
+SLOWEST_MODULES = (
+    "test_step_budget.py",
+    "test_gpu_suite.py",
+    "test_bench_e2e.py",
+    "test_block.py",
+    "test_continuous_batching.py",
+    "test_eagle.py",
+    "test_compiled_drafters.py",
+)
+
+
 def pytest_collection_modifyitems(config, items):
+    first = {name: rank for rank, name in enumerate(SLOWEST_MODULES)}
+    items.sort(key=lambda item: first.get(item.path.name, len(first)))
     if HAS_CUDA:
         return
     skip_gpu = pytest.mark.skip(reason="needs a CUDA device")
