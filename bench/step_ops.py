@@ -17,7 +17,8 @@ GPU, so `counting()` runs `generate` as an accelerator would and counts:
     the step takes the accelerator's path.
 - **Blocking host reads**: `transfer.to_host` and `to_host_array`, and every implicit read a
   tensor offers (`tolist`, `item`, `bool(t)`, `int(t)`, ...) when made by the engine or a
-  drafter; reads inside our kernels (device work on a GPU), torch or transformers are theirs.
+  drafter; reads inside our kernels (device work on a GPU), torch or transformers are theirs,
+  and those of a compiled graph's own code are inside its region (not counted, as operators).
 
 `step_counts(run)` takes the difference between a short and a long `generate` so that the
 once-per-call work (prefill, the drafter's attach and begin, argument checks) cancels out.
@@ -118,6 +119,10 @@ NOT_ENGINE = tuple(
     Path(module.__file__).resolve().parent for module in (specdec_fast.kernels, torch, transformers)
 )
 TRANSFER = Path(transfer.__file__).resolve()
+# The code of a compiled graph that dynamo's `eager` backend runs as captured (an FX module's
+# generated `forward`): its reads are operators inside the compiled region, as they are under
+# any other backend (`aot_eager` and inductor run them as the graph's `_local_scalar_dense`).
+GRAPH_CODE_PREFIX = "<eval_with_key>"
 IMPLICIT_READS = ("tolist", "item", "cpu", "numpy", "__bool__", "__int__", "__float__", "__index__")
 
 
@@ -188,7 +193,8 @@ def counting() -> Iterator[list[Read]]:
         def method(self, *args, **kwargs):
             frame = sys._getframe(1)
             caller = Path(frame.f_code.co_filename).resolve()
-            if caller != TRANSFER and not any(caller.is_relative_to(p) for p in NOT_ENGINE):
+            engine = caller != TRANSFER and not any(caller.is_relative_to(p) for p in NOT_ENGINE)
+            if engine and not frame.f_code.co_filename.startswith(GRAPH_CODE_PREFIX):
                 reads.append(Read(name, f"{caller.name}:{frame.f_lineno}"))
             return original(self, *args, **kwargs)
 
