@@ -74,8 +74,10 @@ def run(cells, count: int, tokens: int, rounds: int) -> list[dict]:
         [tokenizer.bos_token_id, *tokenizer.encode(r["prompt"], add_special_tokens=False)]
         for r in load_code_prompts(count)
     ]
+    # The block drafters' models of the cells that use them, for each target.
+    kinds = {cell.partition(":")[0] for cell in cells} & {"dflash", "pard"}
     heads = {
-        mode: {kind: load_block_model(f"tiny-code-{kind}", t) for kind in ("dflash", "pard")}
+        mode: {kind: load_block_model(f"tiny-code-{kind}", t) for kind in kinds}
         for mode, t in targets.items()
     }
     previous = os.environ.get(FREEZE_ENV)
