@@ -14,7 +14,9 @@ Launched as N ranks of `torch.distributed` (`torchrun --nproc-per-node N`, or
   decoder layer's output is all-reduced), so the sampler and the drafters see what a
   single-process run sees;
 - runs the drafter replicated (drafters are small: each rank holds a whole copy) and the same
-  engine, `specdec_fast.step`, step for step.
+  engine, `specdec_fast.step`, step for step: `generate` on a sharded target
+  (`cache.model_shards`) checks what TP supports (`check_tensor_parallel`), runs eagerly, and
+  checks after the call that the ranks agree (`check_agreement`).
 
 How the ranks agree on accept/reject: each rank runs the sampler itself, on the same logits with
 the same seeds. The gathered logits are the same bytes on every rank (an all-gather copies; the
@@ -23,9 +25,9 @@ and deterministic, and sampling seeds are derived on the device from each row's 
 node's position, so every rank's verify kernel reaches the same decisions without a collective
 of its own. The alternative, rank 0 deciding and broadcasting the accepted paths, adds one
 blocking broadcast to every step, on the critical path, for a guarantee the data already give.
-`generate` checks the guarantee after each call: the ranks' outputs are compared through one
-all-gather of a digest (`check_agreement`), and a disagreement raises RuntimeError naming the
-ranks instead of passing silently.
+`generate` checks the guarantee after each call on a sharded target: the ranks' outputs are
+compared through one all-gather of a digest (`check_agreement`), and a disagreement raises
+RuntimeError naming the ranks instead of passing silently.
 
 What is not supported under tensor parallelism (a ValueError says so before anything runs):
 compiled steps and CUDA graphs (the target runs eagerly), exact mode (it replaces the linear
@@ -36,6 +38,9 @@ drafters whose own models are sharded (`check_drafter`).
 from __future__ import annotations
 
 import os
+import signal
+import subprocess
+import sys
 from collections.abc import Sequence
 
 import torch
@@ -44,7 +49,6 @@ from transformers import AutoConfig, PreTrainedModel
 
 from specdec_fast.cache import local_heads, model_shards
 from specdec_fast.drafters.base import Drafter
-from specdec_fast.engine import GenerateOutput, generate
 from specdec_fast.loading import load_model, resolve_model
 
 # A prime below 2**31: each product of the digest stays below 2**62 and each term is reduced
@@ -63,6 +67,31 @@ def init_ranks() -> tuple[int, int]:
         else:
             dist.init_process_group("gloo")
     return dist.get_rank(), dist.get_world_size()
+
+
+def in_ranks() -> bool:
+    """Whether this process is a rank that a launcher started (`WORLD_SIZE` is set)."""
+    return "WORLD_SIZE" in os.environ
+
+
+def launch(ranks: int, argv: Sequence[str], timeout: float | None = None) -> int:
+    """Run `specdec-fast argv` as `ranks` local ranks through `torch.distributed.run` (a
+    standalone rendezvous on this host) and return its exit status: 0 when every rank
+    succeeded. The ranks run the same command; rank 0 prints and writes.
+
+    The launcher and its ranks run in a process group of their own, ended as a whole (SIGTERM)
+    on an interrupt or after `timeout` seconds (then TimeoutError): no rank outlives the call."""
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+    command += ["--nproc-per-node", str(ranks), "-m", "specdec_fast", *argv]
+    process = subprocess.Popen(command, start_new_session=True)
+    try:
+        return process.wait(timeout)
+    except subprocess.TimeoutExpired:
+        raise TimeoutError(f"{ranks} ranks of specdec-fast ran past {timeout} s") from None
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGTERM)
+            process.wait()
 
 
 def rank_device() -> torch.device:
@@ -141,34 +170,3 @@ def check_agreement(sequences: Sequence[torch.Tensor], device: torch.device) -> 
             f"tensor parallelism: ranks {differ} generated other tokens than rank 0; the ranks' "
             "accept/reject decisions diverged (docs/PARALLEL.md)"
         )
-
-
-def generate_parallel(
-    model: PreTrainedModel,
-    input_ids,
-    *,
-    drafter: Drafter | None,
-    max_new_tokens: int,
-    compile: bool | None = None,
-    use_cuda_graphs: bool | None = None,
-    exact: bool = False,
-    **kwargs,
-) -> GenerateOutput:
-    """`generate` on a tensor-parallel target (`load_target`), called by every rank with the
-    same arguments: it checks what TP supports (`check_tensor_parallel`), runs the steps eagerly
-    and, after the call, that every rank generated the same tokens (`check_agreement`). Each rank
-    returns the whole output."""
-    check_tensor_parallel(
-        model, drafter, compile=compile, use_cuda_graphs=use_cuda_graphs, exact=exact
-    )
-    out = generate(
-        model,
-        input_ids,
-        drafter=drafter,
-        max_new_tokens=max_new_tokens,
-        compile=False,
-        use_cuda_graphs=False,
-        **kwargs,
-    )
-    check_agreement(out.sequences, model.device)
-    return out

@@ -65,12 +65,13 @@ def _rank_main(rank: int, world: int, port: int, folder: Path, work, args) -> No
 def tensor_parallel_work(specs, blocks, prompts, new_tokens, temperatures, seeds, joining) -> dict:
     """On this rank's shard of tiny-code: `generate_every_drafter` under "generate" and
     `rows_leave_and_join` under "cache" (one launch: starting ranks costs seconds)."""
-    from specdec_fast.parallel import generate_parallel, load_target
+    from specdec_fast import generate
+    from specdec_fast.parallel import load_target
 
     target = load_target("tiny-code")
     return {
         "generate": generate_every_drafter(
-            generate_parallel, target, specs, blocks, prompts, new_tokens, temperatures, seeds
+            generate, target, specs, blocks, prompts, new_tokens, temperatures, seeds
         ),
         "cache": rows_leave_and_join(target, prompts, joining),
         "disagreement": disagreement(target),
@@ -92,9 +93,8 @@ def disagreement(target) -> str | None:
 def generate_every_drafter(
     generate, target, specs, blocks, prompts, new_tokens, temperatures, seeds
 ) -> dict:
-    """`generate` (`specdec_fast.generate` or `generate_parallel`) for every drafter spec: per
-    spec, the sequences and the call's accepted-token count (the same trees were accepted, not
-    only the same tokens)."""
+    """`generate` for every drafter spec: per spec, the sequences and the call's accepted-token
+    count (the same trees were accepted, not only the same tokens)."""
     from specdec_fast.drafters.registry import DrafterSpec
 
     results = {}

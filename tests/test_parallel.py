@@ -7,6 +7,9 @@ and join; what TP does not support is refused with a ValueError.
 The ranks are spawned and bounded (`tensor_parallel_ranks.run_ranks`): a hang fails the test.
 """
 
+import json
+from functools import partial
+
 import pytest
 import torch
 from built_in_drafters import DRAFTERS, missing_kinds, write_untrained_blocks
@@ -17,8 +20,9 @@ from tensor_parallel_ranks import (
     tensor_parallel_work,
 )
 
-from specdec_fast import bundled, generate
+from specdec_fast import bundled, generate, parallel
 from specdec_fast.cache import local_heads
+from specdec_fast.cli import main
 from specdec_fast.drafters.registry import DrafterSpec
 from specdec_fast.loading import load_model
 from specdec_fast.parallel import check_tensor_parallel, sequences_digest
@@ -66,6 +70,7 @@ def ranks(blocks, prompts, tmp_path_factory):
 
 def test_every_drafter_generates_under_tp_what_one_process_does(target, prompts, blocks, ranks):
     ranks = [rank["generate"] for rank in ranks]
+    # Compared with a single-process run of the same function over the whole model.
     # The ranks never disagree: every rank's every sequence is rank 0's.
     assert all(rank == ranks[0] for rank in ranks[1:])
     single = generate_every_drafter(
@@ -112,3 +117,19 @@ def test_sequences_digest_tells_outputs_apart():
     assert torch.equal(one, sequences_digest([torch.tensor([1, 2, 3]), torch.tensor([4])]))
     for other in ([[1, 2], [3, 4]], [[1, 2, 3, 4]], [[1, 2, 3], [5]], [[4], [1, 2, 3]]):
         assert not torch.equal(one, sequences_digest([torch.tensor(s) for s in other])), other
+
+
+def test_generate_command_launches_ranks_that_print_what_one_process_does(capfd, monkeypatch):
+    """`specdec-fast generate --tensor-parallel 2` starts two ranks through
+    torch.distributed.run; rank 0 alone prints, the completion one process prints."""
+    monkeypatch.setattr(parallel, "launch", partial(parallel.launch, timeout=TIMEOUT))
+    command = ["generate", "--model", "tiny-code", "--prompt", "def fib(n):", "--json"]
+    command += ["--max-new-tokens", "12", "--drafter", "ngram"]
+    assert main([*command, "--tensor-parallel", str(WORLD)]) == 0
+    printed = capfd.readouterr().out.splitlines()
+    records = [json.loads(line) for line in printed if line.startswith("{")]
+    assert len(records) == 1 and records[0]["tensor_parallel"] == WORLD
+    assert main(command) == 0
+    single = json.loads(capfd.readouterr().out)
+    assert records[0]["completion"] == single["completion"]
+    assert records[0]["stats"]["accepted_tokens"] == single["stats"]["accepted_tokens"]
