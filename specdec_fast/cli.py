@@ -67,9 +67,10 @@ def _add_tensor_parallel(parser: argparse.ArgumentParser) -> None:
         type=_positive,
         default=1,
         metavar="N",
-        help="shard the target over N ranks (transformers' tp_plan, one GPU each, or gloo "
-        "processes on the CPU), started through torch.distributed.run; drafters run "
-        "replicated and the steps eagerly (docs/PARALLEL.md)",
+        help="shard the target over N ranks (transformers' tp_plan), started through "
+        "torch.distributed.run: one GPU each (NCCL) when CUDA is available, else N gloo "
+        "processes on the CPU (--device is not read); drafters run replicated and the steps "
+        "eagerly (docs/PARALLEL.md)",
     )
 
 

@@ -18,15 +18,16 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_ranks(work, world: int, timeout: float, folder: Path, *args) -> list:
-    """Run `work(*args)` on `world` spawned ranks of a gloo group on this host and return each
-    rank's result (what `work` returned, saved by the rank under `folder`). The ranks are
-    terminated after `timeout` seconds (a hang fails the test instead of stalling it); a rank's
-    exception is raised here."""
+def run_ranks(work, world: int, timeout: float, folder: Path, *args, gpus: bool = False) -> list:
+    """Run `work(*args)` on `world` spawned ranks on this host and return each rank's result
+    (what `work` returned, saved by the rank under `folder`): a gloo group on the CPU, or with
+    `gpus` an NCCL group of one GPU per rank (`parallel.init_ranks` picks by what the rank
+    sees). The ranks are terminated after `timeout` seconds (a hang fails the test instead of
+    stalling it); a rank's exception is raised here."""
     port = free_port()
     context = mp.start_processes(
         _rank_main,
-        args=(world, port, folder, work, args),
+        args=(world, port, folder, gpus, work, args),
         nprocs=world,
         join=False,
         start_method="spawn",
@@ -44,7 +45,9 @@ def run_ranks(work, world: int, timeout: float, folder: Path, *args) -> list:
     return [torch.load(folder / f"rank{r}.pt", weights_only=False) for r in range(world)]
 
 
-def _rank_main(rank: int, world: int, port: int, folder: Path, work, args) -> None:
+def _rank_main(rank: int, world: int, port: int, folder: Path, gpus: bool, work, args) -> None:
+    if not gpus:
+        os.environ["CUDA_VISIBLE_DEVICES"] = ""  # before CUDA initializes: CPU ranks, gloo
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
@@ -62,13 +65,15 @@ def _rank_main(rank: int, world: int, port: int, folder: Path, work, args) -> No
             dist.destroy_process_group()
 
 
-def tensor_parallel_work(specs, blocks, prompts, new_tokens, temperatures, seeds, joining) -> dict:
-    """On this rank's shard of tiny-code: `generate_every_drafter` under "generate" and
-    `rows_leave_and_join` under "cache" (one launch: starting ranks costs seconds)."""
+def tensor_parallel_work(
+    specs, blocks, prompts, new_tokens, temperatures, seeds, joining, dtype="float32"
+) -> dict:
+    """On this rank's shard of tiny-code in `dtype`: `generate_every_drafter` under "generate"
+    and `rows_leave_and_join` under "cache" (one launch: starting ranks costs seconds)."""
     from specdec_fast import generate
     from specdec_fast.parallel import load_target
 
-    target = load_target("tiny-code")
+    target = load_target("tiny-code", dtype)
     return {
         "generate": generate_every_drafter(
             generate, target, specs, blocks, prompts, new_tokens, temperatures, seeds
@@ -119,7 +124,7 @@ def rows_leave_and_join(target, prompts, joining) -> dict:
     logits, lengths, heads = cache_steps(target, prompts, joining)
     gathered = [torch.empty_like(lengths) for _ in range(dist.get_world_size())]
     dist.all_gather(gathered, lengths)
-    return {"logits": logits, "lengths": gathered, "kv_heads": heads}
+    return {"logits": logits, "lengths": [g.cpu() for g in gathered], "kv_heads": heads}
 
 
 def cache_steps(target, prompts, joining):
@@ -129,17 +134,19 @@ def cache_steps(target, prompts, joining):
     from specdec_fast.engine import _pad_prompts
     from specdec_fast.runner import ModelRunner
 
-    with ModelRunner(target, 128, compile=False) as runner:
+    with ModelRunner(target, 128, compile=False, use_cuda_graphs=False) as runner:
         prefill = runner.prefill(*_pad_prompts(prompts, target.device))
         chain = torch.stack([prefill.root_tokens, prefill.root_tokens + 1], dim=1)
-        parents = torch.tensor([[-1, 0]]).expand(len(prompts), 2)
+        parents = torch.tensor([[-1, 0]], device=target.device).expand(len(prompts), 2)
         first = runner.verify(chain, parents).logits.clone()
         runner.cache.compact(
-            torch.tensor([[0, 1]] * len(prompts), dtype=torch.int32),
-            torch.ones(len(prompts), dtype=torch.int32),
+            torch.tensor([[0, 1]] * len(prompts), dtype=torch.int32, device=target.device),
+            torch.ones(len(prompts), dtype=torch.int32, device=target.device),
         )
         runner.keep([2, 0])
         joined = runner.prefill_rows(joining)
         roots = torch.cat([chain[[2, 0], 1], joined.root_tokens])
-        second = runner.verify(roots[:, None], torch.full((len(roots), 1), -1)).logits.clone()
-        return (first, second), runner.cache.cache_lens.clone(), runner.cache.kv.shape[3]
+        root_parents = torch.full((len(roots), 1), -1, device=target.device)
+        second = runner.verify(roots[:, None], root_parents).logits.clone()
+        lengths = runner.cache.cache_lens.clone()
+        return (first.cpu(), second.cpu()), lengths, runner.cache.kv.shape[3]

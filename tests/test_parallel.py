@@ -82,6 +82,12 @@ def test_every_drafter_generates_under_tp_what_one_process_does(target, prompts,
 
 def test_caches_stay_consistent_when_rows_leave_and_join(target, prompts, ranks):
     logits, lengths, heads = cache_steps(target, prompts, JOINING)
+    check_caches(ranks, logits, lengths, heads)
+
+
+def check_caches(ranks, logits, lengths, heads):
+    """Each rank holds its half of the KV heads, every rank's committed lengths are the single
+    process's, and so are its logits up to the row-wise layers' reduction order."""
     assert heads == 2 and all(rank["cache"]["kv_heads"] == heads // WORLD for rank in ranks)
     for rank in (rank["cache"] for rank in ranks):
         assert all(torch.equal(length, lengths) for length in rank["lengths"])
@@ -89,6 +95,32 @@ def test_caches_stay_consistent_when_rows_leave_and_join(target, prompts, ranks)
             # The row-wise layers sum two partial products: reduction order only.
             torch.testing.assert_close(tp, single, rtol=1e-4, atol=1e-4)
     assert lengths.tolist() == [6, 10, 6, 1]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < WORLD, reason="needs two or more CUDA devices")
+def test_nccl_ranks_generate_what_one_gpu_does(prompts, tmp_path):
+    """The same checks on GPUs: two NCCL ranks, one GPU each, against one process on GPU 0,
+    every built-in drafter, in float32 (bfloat16's reductions would part near-ties)."""
+    target = load_model("tiny-code", torch.device("cuda", 0), "float32")
+    blocks = write_untrained_blocks(target, tmp_path / "blocks")
+    arguments = (DRAFTERS, blocks, prompts, NEW_TOKENS, TEMPERATURES, SEEDS, JOINING, "float32")
+    ranks = run_ranks(tensor_parallel_work, WORLD, TIMEOUT, tmp_path, *arguments, gpus=True)
+    generated = [rank["generate"] for rank in ranks]
+    assert all(rank == generated[0] for rank in generated[1:])
+    single = generate_every_drafter(
+        partial(generate, compile=False, use_cuda_graphs=False),
+        target,
+        DRAFTERS,
+        blocks,
+        prompts,
+        NEW_TOKENS,
+        TEMPERATURES,
+        SEEDS,
+    )
+    assert generated[0] == single
+    logits, lengths, heads = cache_steps(target, prompts, JOINING)
+    check_caches(ranks, logits, lengths.cpu(), heads)
 
 
 def test_ranks_that_disagree_raise(ranks):
@@ -123,7 +155,9 @@ def test_generate_command_launches_ranks_that_print_what_one_process_does(capfd,
     """`specdec-fast generate --tensor-parallel 2` starts two ranks through
     torch.distributed.run; rank 0 alone prints, the completion one process prints."""
     monkeypatch.setattr(parallel, "launch", partial(parallel.launch, timeout=TIMEOUT))
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")  # CPU ranks (gloo), also on a GPU machine
     command = ["generate", "--model", "tiny-code", "--prompt", "def fib(n):", "--json"]
+    command += ["--device", "cpu"]
     command += ["--max-new-tokens", "12", "--drafter", "ngram"]
     assert main([*command, "--tensor-parallel", str(WORLD)]) == 0
     printed = capfd.readouterr().out.splitlines()
