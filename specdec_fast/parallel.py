@@ -108,15 +108,17 @@ def load_target(name_or_path: str, dtype: torch.dtype | str | None = None) -> Pr
     Raises ValueError, naming the model type and the counts, when the world size divides neither
     the query nor the KV heads (checked on the config, before any weight is read)."""
     _, world = init_ranks()
-    folder, _ = resolve_model(name_or_path)
-    local_heads(AutoConfig.from_pretrained(folder, local_files_only=True), world)
+    folder, gguf_file = resolve_model(name_or_path)
+    extra = {} if gguf_file is None else {"gguf_file": gguf_file}
+    local_heads(AutoConfig.from_pretrained(folder, local_files_only=True, **extra), world)
     return load_model(name_or_path, rank_device(), dtype, tp_size=world)
 
 
 def check_drafter(drafter: Drafter | None) -> None:
-    """Raise ValueError, naming the drafter, for one that cannot run replicated: a drafter whose
-    own model (a draft model, a PARD model) is itself sharded over ranks would run its forwards
-    over our cache with the wrong head count, and its collectives beside the target's."""
+    """Raise ValueError, naming the drafter, for one that does not run replicated: a drafter
+    whose own model (a draft model, a PARD model) is itself sharded over ranks. Drafters are
+    small, and their steps (their own caches, compiled loops, host-side trees) are built for a
+    whole model on the rank's device."""
     if drafter is None:
         return
     for value in vars(drafter).values():
