@@ -26,6 +26,7 @@ from specdec_fast.cli import main
 from specdec_fast.drafters.registry import DrafterSpec
 from specdec_fast.loading import load_model
 from specdec_fast.parallel import check_tensor_parallel, sequences_digest
+from specdec_fast.serving import Scheduler
 
 WORLD = 2
 NEW_TOKENS = 12
@@ -137,6 +138,10 @@ def test_unsupported_cases_are_refused(target, monkeypatch):
             check_tensor_parallel(target, None, **options, exact=False)
     with pytest.raises(ValueError, match="exact mode"):
         check_tensor_parallel(target, None, compile=None, use_cuda_graphs=None, exact=True)
+    with monkeypatch.context() as sharded:
+        sharded.setattr(target, "_tp_size", WORLD)
+        with pytest.raises(ValueError, match="a tensor-parallel target is not served yet"):
+            Scheduler(target)
     # A draft model that is itself sharded (as transformers records it) is refused.
     drafter = DrafterSpec.parse("draft:tiny-code-draft:4").build(target)
     monkeypatch.setattr(drafter.draft_model, "_tp_size", WORLD)
