@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from specdec_fast.cache import kv_shape
+from specdec_fast.cache import kv_shape, model_shards
 from specdec_fast.kernels.tree_attention import MAX_TREE_NODES
 from specdec_fast.kernels.validation import SAMPLING_RULES, sampling_values_valid
 from specdec_fast.requests import Sampling, StopRule, row_seeds
@@ -348,7 +348,7 @@ def _capacity(
         )
     storage = -(-capacity // CACHE_BLOCK) * CACHE_BLOCK
     if max_new_tokens > 0:
-        shape = kv_shape(model.config, len(prompts), storage)
+        shape = kv_shape(model.config, len(prompts), storage, model_shards(model))
         needed = int(np.prod(shape, dtype=object)) * model.dtype.itemsize
         limit, where = _memory_limit(model.device)
         if limit is not None and needed > limit:

@@ -50,19 +50,42 @@ def attention_windows(config: PreTrainedConfig) -> list[int | None]:
     return [sliding_window if kind == "sliding_attention" else None for kind in layer_types]
 
 
-def kv_shape(config: PreTrainedConfig, batch_size: int, max_cache_len: int) -> tuple[int, ...]:
+def kv_shape(
+    config: PreTrainedConfig, batch_size: int, max_cache_len: int, shards: int = 1
+) -> tuple[int, ...]:
     """`[num_layers, 2, B, Hkv, Lmax, D]`: the shape of a `SpecKVCache` for a config (raises
-    ValueError, like `attention_windows`, for layer kinds the cache cannot hold)."""
+    ValueError, like `attention_windows`, for layer kinds the cache cannot hold). `shards`: the
+    tensor-parallel world size of the model; each rank's cache holds its `Hkv / shards` KV heads
+    (`specdec_fast.parallel`), and a head count it does not divide raises ValueError."""
     text_config = config.get_text_config(decoder=True)
-    num_kv_heads = (
-        getattr(text_config, "num_key_value_heads", None) or text_config.num_attention_heads
-    )
+    num_kv_heads = local_heads(text_config, shards)
     head_dim = (
         getattr(text_config, "head_dim", None)
         or text_config.hidden_size // text_config.num_attention_heads
     )
     num_layers = len(attention_windows(text_config))
     return (num_layers, 2, batch_size, num_kv_heads, max_cache_len, head_dim)
+
+
+def model_shards(model: torch.nn.Module) -> int:
+    """The tensor-parallel world size a model was loaded over (transformers' `tp_size`, set by
+    `from_pretrained(..., tp_plan=...)`); 1 for a model on one device."""
+    return getattr(model, "tp_size", None) or 1
+
+
+def local_heads(config: PreTrainedConfig, shards: int) -> int:
+    """The KV heads one of `shards` tensor-parallel ranks holds: the config's (query heads
+    without GQA) divided by `shards`. Raises ValueError, naming the model type and the counts,
+    when `shards` divides neither the KV nor the query heads (the plan shards both by head)."""
+    text_config = config.get_text_config(decoder=True)
+    query_heads = text_config.num_attention_heads
+    kv_heads = getattr(text_config, "num_key_value_heads", None) or query_heads
+    if shards < 1 or kv_heads % shards or query_heads % shards:
+        raise ValueError(
+            f"{text_config.model_type}: tensor parallelism over {shards} ranks needs head counts "
+            f"divisible by {shards}, the model has {query_heads} query and {kv_heads} KV heads"
+        )
+    return kv_heads // shards
 
 
 class SpecKVLayer(CacheLayerMixin):
@@ -148,7 +171,8 @@ class SpecKVCache(Cache):
 
     Attributes:
         kv: `[num_layers, 2, B, Hkv, Lmax, D]` in the model's dtype (a view of the storage's first
-            B sequences); layer l's K is `kv[l, 0]`.
+            B sequences); layer l's K is `kv[l, 0]`. Under tensor parallelism over `shards`
+            ranks, Hkv is the rank's own `Hkv / shards` heads.
         cache_lens: int32 `[B]`, committed tokens per sequence, on the cache's device.
         write_slots: int64 `[B, N]`, the slots the current forward writes (set by `prepare_write`).
     """
@@ -161,6 +185,7 @@ class SpecKVCache(Cache):
         *,
         dtype: torch.dtype,
         device: torch.device | str,
+        shards: int = 1,
     ):
         text_config = config.get_text_config(decoder=True)
         self.model_type = text_config.model_type
@@ -170,7 +195,7 @@ class SpecKVCache(Cache):
                 f"batch_size and max_cache_len must be positive, got {batch_size} and "
                 f"{max_cache_len}"
             )
-        shape = kv_shape(text_config, batch_size, max_cache_len)
+        shape = kv_shape(text_config, batch_size, max_cache_len, shards)
         # Zeros, not empty: unwritten slots are masked out, but NaN garbage would survive 0 * NaN.
         self._setup(
             torch.zeros(shape, dtype=dtype, device=device),

@@ -61,6 +61,19 @@ def add_model_options(
     )
 
 
+def _add_tensor_parallel(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--tensor-parallel",
+        type=_positive,
+        default=1,
+        metavar="N",
+        help="shard the target over N ranks (transformers' tp_plan), started through "
+        "torch.distributed.run: one GPU each (NCCL) when CUDA is available, else N gloo "
+        "processes on the CPU (--device is not read); drafters run replicated and the steps "
+        "eagerly (docs/PARALLEL.md)",
+    )
+
+
 def _add_chat(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--chat",
@@ -152,6 +165,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="the prompt text (a user message in chat); not empty",
     )
     gen.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+    _add_tensor_parallel(gen)
     _add_exact(gen)
     _add_sampling(gen)
     _add_bench(sub)
@@ -212,6 +226,7 @@ def _add_bench(sub) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     add_model_options(bench, "tiny-code")
+    _add_tensor_parallel(bench)
     _add_exact(bench)
     bench.add_argument(
         "--drafter",
@@ -367,15 +382,21 @@ def run_bench(args: argparse.Namespace) -> int:
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     drafters = [str(d) for d in args.drafter] if args.drafter else list(bench_default_kinds())
+    model, tokenizer, out, adaptive = args.model, None, args.out, not args.no_adaptive
+    if args.tensor_parallel > 1:
+        # Every rank runs the sweep; rank 0 writes the report. Adaptive cells tune themselves
+        # on measured times, which differ between ranks, so the sweep leaves them out.
+        model, tokenizer, rank = _load_shard(args)
+        out, adaptive = out if rank == 0 else None, False
     report = bench(
-        args.model,
+        model,
         drafters,
         args.prompts,
-        args.out,
+        out,
         k=args.k,
         trees=args.tree,
         batch=args.batch,
-        adaptive=not args.no_adaptive,
+        adaptive=adaptive,
         max_new_tokens=args.max_new_tokens,
         price_per_hour=args.price_per_hour,
         guardrails=args.guardrails,
@@ -386,10 +407,27 @@ def run_bench(args: argparse.Namespace) -> int:
         chat=args.chat,
         keep_special_tokens=args.keep_special_tokens,
         exact=args.exact,
-        compile=args.compile,
+        # Ranks deciding by their own timings could decide differently: TP runs eagerly.
+        compile=False if args.tensor_parallel > 1 else args.compile,
+        tokenizer=tokenizer,
+        progress=out is not None or args.tensor_parallel == 1,
     )
-    print(f"wrote {report['files']['markdown']} and {report['files']['json']}")
+    if "files" in report:
+        print(f"wrote {report['files']['markdown']} and {report['files']['json']}")
     return 0
+
+
+def _load_shard(args: argparse.Namespace):
+    """This rank's shard of `--model`, its tokenizer and the rank (`specdec_fast.parallel`)."""
+    from specdec_fast.loading import load_tokenizer
+    from specdec_fast.parallel import init_ranks, load_target
+
+    rank, world = init_ranks()
+    if world != args.tensor_parallel:
+        raise ValueError(
+            f"--tensor-parallel: {args.tensor_parallel} given, the launcher started {world} ranks"
+        )
+    return load_target(args.model, args.dtype), load_tokenizer(args.model), rank
 
 
 def _add_serve(sub) -> None:
@@ -541,9 +579,12 @@ def run_generate(args: argparse.Namespace) -> int:
     from specdec_fast.progress import Progress
     from specdec_fast.text import decode, encode_prompt, stop_token_ids, use_chat
 
-    device = pick_device(args.device)
-    model = load_model(args.model, device, args.dtype)
-    tokenizer = load_tokenizer(args.model)
+    rank = 0
+    if args.tensor_parallel > 1:
+        model, tokenizer, rank = _load_shard(args)
+    else:
+        model = load_model(args.model, pick_device(args.device), args.dtype)
+        tokenizer = load_tokenizer(args.model)
     chat = use_chat(tokenizer, args.chat)
     drafter = args.drafter.build(model)
     prompt_ids = encode_prompt(tokenizer, args.prompt, chat=chat)
@@ -551,7 +592,9 @@ def run_generate(args: argparse.Namespace) -> int:
         raise ValueError("prompt: it encodes to no tokens")
     with (
         torch.no_grad(),
-        Progress(args.max_new_tokens, desc="generate", unit="tok", compiles=True) as bar,
+        Progress(
+            args.max_new_tokens, desc="generate", unit="tok", compiles=True, enabled=rank == 0
+        ) as bar,
     ):
         out = generate(
             model,
@@ -566,6 +609,8 @@ def run_generate(args: argparse.Namespace) -> int:
             on_tokens=lambda row, tokens: bar.update(len(tokens)),
             exact=args.exact,
         )
+    if rank != 0:
+        return 0  # every rank holds the same output (checked by generate): rank 0 prints it
     completion = decode(tokenizer, out.sequences[0][len(prompt_ids) :], args.keep_special_tokens)
     if args.json:
         record = {
@@ -575,6 +620,7 @@ def run_generate(args: argparse.Namespace) -> int:
             "completion": completion,
             "drafter": str(args.drafter),
             "exact": args.exact,
+            "tensor_parallel": args.tensor_parallel,
         }
         print(json.dumps(record | {"stats": out.stats.summary()}))
     else:
@@ -617,6 +663,11 @@ def main(argv: list[str] | None = None) -> int:
     saved = os.environ.get("SPECDEC_COMPILE")
     try:
         _choose_compile(args)
+        from specdec_fast.parallel import in_ranks, launch
+
+        if getattr(args, "tensor_parallel", 1) > 1 and not in_ranks():
+            # The ranks run this same command line (and see the launcher's WORLD_SIZE).
+            return launch(args.tensor_parallel, sys.argv[1:] if argv is None else argv)
         return _dispatch(args)
     except (Exception, KeyboardInterrupt) as error:
         if args.debug:
@@ -640,9 +691,13 @@ def _choose_compile(args: argparse.Namespace) -> None:
     from specdec_fast.loading import pick_device
 
     compile = args.compile
-    if getattr(args, "exact", False):
+    eager = {
+        "exact mode": getattr(args, "exact", False),
+        "a tensor-parallel target": getattr(args, "tensor_parallel", 1) > 1,
+    }
+    for flag in (flag for flag, on in eager.items() if on):
         if compile:
-            raise ValueError("--compile: exact mode runs the model eagerly; drop --compile")
+            raise ValueError(f"--compile: {flag} runs the model eagerly; drop --compile")
         compile = False
     if compile is None:
         if args.command == "bench":

@@ -27,8 +27,10 @@ from transformers import PreTrainedModel
 
 from specdec_fast.arguments import check_generate_arguments
 from specdec_fast.batch import SAMPLING_FIELDS, Batch, Row, TokenCallback
+from specdec_fast.cache import model_shards
 from specdec_fast.compiled import COMPILE_LOG, compile_choice
 from specdec_fast.drafters.base import Drafter
+from specdec_fast.parallel import check_agreement, check_tensor_parallel
 from specdec_fast.requests import Sampling
 from specdec_fast.runner import ModelRunner
 from specdec_fast.stats import SpecStats
@@ -79,6 +81,10 @@ def generate(
     Greedy output (temperature 0) equals the target's own greedy decoding; sampled output has the
     target's distribution (temperature, then top-k, then top-p, per sequence).
 
+    A target sharded over ranks (`specdec_fast.parallel.load_target`; every rank calls with the
+    same arguments) runs eagerly (compile and CUDA graphs must be left unset or off), and each
+    rank returns the whole output, checked to be every rank's (`parallel.check_agreement`).
+
     Args:
         model: an HF causal LM whose attention goes through `AttentionInterface`.
         input_ids: LongTensor [B, T] with `attention_mask` (left or right padding), or B token
@@ -122,6 +128,13 @@ def generate(
         RuntimeError: another thread is running `generate` on the same model.
     """
     start = time.perf_counter()
+    sharded = model_shards(model) > 1
+    if sharded:
+        # A tensor-parallel target (`specdec_fast.parallel`) runs eagerly.
+        check_tensor_parallel(
+            model, drafter, compile=compile, use_cuda_graphs=use_cuda_graphs, exact=exact
+        )
+        compile = use_cuda_graphs = False
     arguments = check_generate_arguments(
         model,
         input_ids,
@@ -188,6 +201,8 @@ def generate(
         torch.tensor(p + g, dtype=torch.int64)
         for p, g in zip(prompts, (row.generated for row in rows), strict=True)
     ]
+    if sharded:
+        check_agreement(sequences, model.device)
     return GenerateOutput(sequences, stats)
 
 

@@ -165,11 +165,19 @@ def _silent(bar_class):
     return silent
 
 
-def load_model(name_or_path: str, device: torch.device, dtype: torch.dtype | str | None = None):
+def load_model(
+    name_or_path: str,
+    device: torch.device,
+    dtype: torch.dtype | str | None = None,
+    tp_size: int | None = None,
+):
     """An HF causal LM from a folder, a `.gguf` file or a bundled name, in eval mode on `device`.
 
     dtype: a torch dtype or its name; None or "auto" picks `auto_dtype` (float32 on the CPU, the
-    checkpoint's 16-bit dtype or bfloat16 on a GPU). GGUF weights are dequantized on loading."""
+    checkpoint's 16-bit dtype or bfloat16 on a GPU). GGUF weights are dequantized on loading.
+    tp_size: shard the model over that many ranks of the initialized process group with
+    transformers' own plan (`tp_plan="auto"`); each rank then holds its shard on `device`
+    (`specdec_fast.parallel.load_target` checks the model first)."""
     from transformers import AutoModelForCausalLM
 
     folder, gguf_file = resolve_model(name_or_path)
@@ -178,6 +186,10 @@ def load_model(name_or_path: str, device: torch.device, dtype: torch.dtype | str
     recorded = _checkpoint_dtype(folder, gguf_file)  # reads config.json: a bad field fails here
     dtype = parse_dtype(dtype) or auto_dtype(device, recorded)
     extra = {} if gguf_file is None else {"gguf_file": gguf_file}
+    if tp_size is not None:
+        from transformers.distributed import DistributedConfig
+
+        extra["distributed_config"] = DistributedConfig(tp_plan="auto", tp_size=tp_size)
     from safetensors import SafetensorError
 
     with quiet_transformers():
@@ -198,7 +210,7 @@ def load_model(name_or_path: str, device: torch.device, dtype: torch.dtype | str
                 "loaded (they could run code); save them with safetensors or "
                 "torch.save(state_dict)"
             ) from None
-    return model.to(device).eval()
+    return (model if tp_size is not None else model.to(device)).eval()
 
 
 def load_tokenizer(name_or_path: str):

@@ -80,7 +80,7 @@ from specdec_fast.attention import (
     check_model_attention,
     register_attention,
 )
-from specdec_fast.cache import SpecKVCache, attention_windows
+from specdec_fast.cache import SpecKVCache, attention_windows, model_shards
 from specdec_fast.compiled import CompiledSteps, compile_by_default, freeze_by_default, kept
 from specdec_fast.exact import switch_exact
 from specdec_fast.kernels import pack_tree_mask
@@ -731,7 +731,12 @@ class ModelRunner:
         self._drop_graphs()
         self.cache = None  # free the old storage before allocating the new one
         self.cache = SpecKVCache(
-            self.model.config, batch, self.max_cache_len, dtype=dtype, device=self.device
+            self.model.config,
+            batch,
+            self.max_cache_len,
+            dtype=dtype,
+            device=self.device,
+            shards=model_shards(self.model),
         )
 
     def _empty_outputs(self, batch: int) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:

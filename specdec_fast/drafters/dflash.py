@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
 from torch.utils.weak import WeakIdKeyDictionary
 
 from specdec_fast.cache import SpecKVCache
@@ -46,13 +47,16 @@ _CAST_COPIES: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
 def cast_copy(weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """`weight` (detached) in `dtype`: the weight itself when it has that dtype, else a copy
-    made once per dtype and weight version (`_CAST_COPIES`)."""
-    if weight.dtype == dtype:
+    made once per dtype and weight version (`_CAST_COPIES`). A weight sharded over ranks (a
+    `DTensor` of a tensor-parallel target, `specdec_fast.parallel`) is gathered whole into the
+    copy (a collective, on every rank alike): the drafter runs replicated."""
+    sharded = isinstance(weight, DTensor)
+    if weight.dtype == dtype and not sharded:
         return weight.detach()
     copies = _CAST_COPIES.setdefault(weight, {})
     version, copy = copies.get(dtype, (None, None))
     if version != weight._version:
-        copy = weight.detach().to(dtype)
+        copy = (weight.detach().full_tensor() if sharded else weight.detach()).to(dtype)
         copies[dtype] = (weight._version, copy)
     return copy
 

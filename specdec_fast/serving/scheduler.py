@@ -48,6 +48,7 @@ import torch
 
 from specdec_fast.arguments import build_sampling
 from specdec_fast.batch import Batch, Row
+from specdec_fast.cache import model_shards
 from specdec_fast.compiled import compile_choice
 from specdec_fast.drafters.base import Drafter, supports_join
 from specdec_fast.guardrails import DEFAULT_ROUTE, Guardrails, RouteGuard, token_latency
@@ -321,6 +322,11 @@ class Scheduler:
         overlap_prefill: bool | None = None,
         after_step: Callable[[], None] | None = None,
     ):
+        if model_shards(model) > 1:
+            # Every rank would have to take rank 0's admissions (docs/PARALLEL.md).
+            raise ValueError(
+                "model: a tensor-parallel target is not served yet; generate and bench run it"
+            )
         routes = dict(routes) if routes is not None else {DEFAULT_ROUTE: None}
         if not routes:
             raise ValueError("routes: expected at least one route")
