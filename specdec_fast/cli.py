@@ -134,9 +134,11 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument(
         "--prompts", type=_positive, help="prompts (default: the chat demo's 5, else 4)"
     )
-    demo.add_argument("--max-new-tokens", type=_count, help="default: 64")
     demo.add_argument(
-        "--rounds", type=_positive, default=3, help="chat demo: timed rounds (default: 3)"
+        "--max-new-tokens", type=_count, help="default: 48 (chat demo), 64 (tiny-code)"
+    )
+    demo.add_argument(
+        "--rounds", type=_positive, default=2, help="chat demo: timed rounds (default: 2)"
     )
     demo.add_argument(
         "--threads",

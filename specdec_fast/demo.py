@@ -132,7 +132,7 @@ def main(
     chat: bool | None = None,
     keep_special_tokens: bool = False,
     drafters: Sequence[DrafterSpec] | None = None,
-    rounds: int = 3,
+    rounds: int = 2,
     threads: int | None = None,
 ) -> int:
     """Run the demo; returns the exit status (0 when greedy speculation was exact everywhere).

@@ -30,11 +30,11 @@ from specdec_fast.text import check_messages, decode, encode_prompt, stop_token_
 
 CHAT_TARGET = "smollm2-135m-instruct"
 CHAT_DRAFTERS = (
-    "eagle:smollm2-135m-instruct-eagle3:16",
+    "eagle:smollm2-135m-instruct-eagle3:8",
     "block:smollm2-135m-instruct-dflash:16",
 )
 DEMO_PROMPTS = DATA_DIR / "demo_chat_prompts.jsonl"
-CHAT_NEW_TOKENS = 64
+CHAT_NEW_TOKENS = 48
 HF = "HF generate"
 PLAIN = "plain"
 
@@ -140,7 +140,7 @@ def stream_answer(target, tokenizer, make_drafter, ids: list[int], max_new_token
 
 def run_chat_demo(
     max_new_tokens: int = CHAT_NEW_TOKENS,
-    rounds: int = 3,
+    rounds: int = 2,
     device: str | None = None,
     *,
     model: str = CHAT_TARGET,

@@ -25,19 +25,16 @@ was there, so the model comes out as it went in. Runners open and close it throu
 from __future__ import annotations
 
 import functools
-import threading
-import weakref
 
 import torch
 from torch import nn
 from transformers import PreTrainedModel
 
 from specdec_fast.kernels.batch_invariant import linear_exact, row_tiled
+from specdec_fast.layer_switch import LayerForwards, LayerSwitch
 
 ROW_WISE_SUFFIXES = ("RMSNorm", "MLP")
 EXPERT_MARKERS = ("moe", "expert")
-_MISSING = object()
-_LOCK = threading.Lock()
 
 
 def _exact_linear_forward(module: nn.Linear, x):
@@ -51,8 +48,8 @@ def _row_tiled_forward(forward, x, *args, **kwargs):
     return row_tiled(lambda tile: forward(tile, *args, **kwargs), x)
 
 
-class ExactLayers:
-    """The layers of `model` that exact mode switches, and what their `forward` was.
+class ExactLayers(LayerForwards):
+    """The layers of `model` that exact mode switches, with their batch-invariant forwards.
 
     Raises:
         ValueError: naming the model type, for mixture-of-experts models and for linear layers
@@ -62,9 +59,7 @@ class ExactLayers:
 
     def __init__(self, model: PreTrainedModel):
         model_type = model.config.model_type
-        self.model = model
-        self._layers: list[tuple[nn.Module, object]] = []
-        self._saved: list[object] = []
+        layers: list[tuple[nn.Module, object]] = []
         for name, module in model.named_modules():
             kind = type(module).__name__
             if any(marker in kind.lower() for marker in EXPERT_MARKERS):
@@ -78,48 +73,17 @@ class ExactLayers:
                         f"exact: {model_type} has a linear layer of kind {kind} ({name}); "
                         "exact mode supports plain nn.Linear layers only"
                     )
-                self._layers.append((module, functools.partial(_exact_linear_forward, module)))
+                layers.append((module, functools.partial(_exact_linear_forward, module)))
             elif isinstance(module, nn.LayerNorm) or kind.endswith(ROW_WISE_SUFFIXES):
-                self._layers.append(
+                layers.append(
                     (
                         module,
                         functools.partial(_row_tiled_forward, type(module).forward.__get__(module)),
                     )
                 )
 
-    def install(self) -> None:
-        """Switch the layers to their batch-invariant forms."""
-        self._saved = [module.__dict__.get("forward", _MISSING) for module, _ in self._layers]
-        for module, forward in self._layers:
-            module.forward = forward
-
-    def remove(self) -> None:
-        """Put back each layer's `forward` as it was before `install`."""
-        for (module, _), saved in zip(self._layers, self._saved, strict=True):
-            if saved is _MISSING:
-                del module.__dict__["forward"]
-            else:
-                module.__dict__["forward"] = saved
-        self._saved = []
+        super().__init__(layers)
 
 
-# Models switched to exact mode by open runners, with how many such runners are open.
-_SWITCHED: weakref.WeakKeyDictionary[PreTrainedModel, list] = weakref.WeakKeyDictionary()
-
-
-def switch_exact(model: PreTrainedModel, on: bool) -> None:
-    """Switch `model`'s layers to exact mode (`on`), or back when the last exact runner closes."""
-    with _LOCK:
-        entry = _SWITCHED.get(model)
-        if on:
-            if entry is None:
-                layers = ExactLayers(model)
-                layers.install()
-                _SWITCHED[model] = [layers, 1]
-            else:
-                entry[1] += 1
-            return
-        entry[1] -= 1
-        if entry[1] == 0:
-            del _SWITCHED[model]
-            entry[0].remove()
+# switch_exact(model, on): exact mode on for the first exact runner of `model`, off after the last.
+switch_exact = LayerSwitch(ExactLayers)

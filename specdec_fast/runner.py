@@ -85,6 +85,7 @@ from specdec_fast.compiled import CompiledSteps, compile_by_default, freeze_by_d
 from specdec_fast.exact import switch_exact
 from specdec_fast.kernels import pack_tree_mask
 from specdec_fast.kernels.validation import check_tensor
+from specdec_fast.onednn import switch_onednn, use_onednn
 from specdec_fast.transfer import to_device
 from specdec_fast.tree_mask import ancestor_mask, node_depths
 
@@ -321,11 +322,13 @@ class ModelRunner:
                 f"use_cuda_graphs needs a model on CUDA, the model is on {self.device}"
             )
         self._layers, self._final_norm = _decoder_modules(model)
+        self._onednn = use_onednn(model, self.compile, exact)
         self._mkl_rows = (
             self.device.type == "cpu"
             and model.dtype == torch.float32
             and torch.backends.mkl.is_available()
             and not exact
+            and not self._onednn
         )
         self.cache: SpecKVCache | None = None
         self._captured: dict[int, torch.Tensor] = {}
@@ -395,6 +398,8 @@ class ModelRunner:
             if self.exact:
                 switch_exact(self.model, on=False)
             raise
+        if self._onednn:
+            switch_onednn(self.model, on=True)
         self._open = True
         self.max_cache_len = max_cache_len
 
@@ -413,6 +418,8 @@ class ModelRunner:
         finally:
             if self.exact:
                 switch_exact(self.model, on=False)
+            if self._onednn:
+                switch_onednn(self.model, on=False)
 
     def capture_hidden(self, layers: Sequence[int]) -> None:
         """Return these layers' hidden states from now on.

@@ -24,6 +24,7 @@ from specdec_fast.compiled import CompiledSteps, compile_by_default
 from specdec_fast.heads.block import DFlashHead
 from specdec_fast.kernels import pack_tree_mask
 from specdec_fast.kernels.tree_attention import run_tree_attention
+from specdec_fast.onednn import follow_target
 from specdec_fast.transfer import to_device
 
 from .base import DraftState, StepOutcome
@@ -143,6 +144,7 @@ class DFlashBlock:
         # copy of the LM head when the target's dtype differs (one per weight and dtype, shared
         # by every drafter over the target, `cast_copy`; 2 bytes a weight for bfloat16).
         self.head.to(device=target.device).eval()
+        follow_target(self.head, target)
         dtype = self.head.fc.weight.dtype
         self._embed = target.get_input_embeddings()
         lm_head = target.get_output_embeddings()

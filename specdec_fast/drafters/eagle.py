@@ -41,6 +41,7 @@ from specdec_fast.compiled import CompiledSteps, module_steps
 from specdec_fast.heads.eagle import Eagle3Head, EagleHead, load_eagle_head
 from specdec_fast.kernels import pack_tree_mask
 from specdec_fast.kernels.tree_attention import MAX_TREE_NODES
+from specdec_fast.onednn import follow_target
 from specdec_fast.runner import step_metadata, switch_attention
 from specdec_fast.transfer import to_device
 from specdec_fast.trees import DynamicTreeBuilder, check_dynamic_tree, dynamic_tree_shape
@@ -109,6 +110,7 @@ class EagleDrafter(Drafter):
         max_nodes), so each batch size runs one compiled draft graph and one update graph."""
         self.head.check_target(target)
         self.head.to(device=target.device, dtype=target.dtype).eval()
+        follow_target(self.head, target)
         self._embed = target.get_input_embeddings()
         self._lm_head = target.get_output_embeddings()
         if not self._attached:

@@ -8,6 +8,7 @@ import torch
 
 from specdec_fast.compiled import CompiledSteps, module_steps
 from specdec_fast.heads.medusa import MedusaHeads, load_medusa_heads
+from specdec_fast.onednn import follow_target
 from specdec_fast.transfer import to_device
 from specdec_fast.trees import TreeSpec, default_tree, parse_tree
 
@@ -73,6 +74,7 @@ class MedusaDrafter(Drafter):
     def attach(self, target, max_cache_len: int) -> None:
         self.heads.check_target(target)
         self.heads.to(device=target.device, dtype=target.dtype).eval()
+        follow_target(self.heads, target)
         self._lm_head = target.get_output_embeddings()
         self._steps = module_steps(self.heads, "medusa")
 
