@@ -7,6 +7,7 @@ from tiny_models import repetitive_prompts, tiny_llama
 
 import specdec_fast.runner as runner_module
 from specdec_fast import NGramDrafter, generate
+from specdec_fast.onednn import ONEDNN_ENV, onednn_available
 from specdec_fast.runner import ModelRunner
 
 VOCAB = 96
@@ -16,6 +17,13 @@ SLOW_ROWS = set(runner_module.MKL_SLOW_ROWS)
 needs_mkl = pytest.mark.skipif(
     not torch.backends.mkl.is_available(), reason="the padding rule follows MKL's GEMM"
 )
+
+
+@pytest.fixture(autouse=True)
+def mkl_linears(monkeypatch):
+    """The widening is for torch's own float32 linear (MKL): eager runners send it to oneDNN
+    (`specdec_fast.onednn`) unless SPECDEC_ONEDNN=0; compiled runners keep it."""
+    monkeypatch.setenv(ONEDNN_ENV, "0")
 
 
 @pytest.fixture(scope="module")
@@ -143,3 +151,10 @@ def test_plain_decoding_of_12_rows_widened_emits_the_same(target, monkeypatch, t
     monkeypatch.setattr(runner_module, "MKL_SLOW_ROWS", range(0))
     widths.clear()
     assert plain() == widened and set(widths) == {1}
+
+
+@pytest.mark.skipif(not onednn_available(), reason="this torch has no oneDNN")
+def test_eager_runners_on_onednn_verify_at_the_trees_own_width(target, monkeypatch):
+    monkeypatch.setenv(ONEDNN_ENV, "1")
+    with opened(target) as runner:
+        assert runner.verify_width(1, 11, widest=11) == 11
