@@ -22,12 +22,9 @@ _MISSING = object()
 class LayerForwards:
     """`forward` replacements for some layers of a model: `layers` are (module, forward) pairs."""
 
-    def __init__(self, layers: list[tuple[nn.Module, Callable]] | None = None):
-        self._layers: list[tuple[nn.Module, Callable]] = layers or []
+    def __init__(self, layers: list[tuple[nn.Module, Callable]]):
+        self._layers = layers
         self._saved: list[object] = []
-
-    def __len__(self) -> int:
-        return len(self._layers)
 
     def install(self) -> None:
         """Set each layer's `forward` on the instance to its replacement."""
