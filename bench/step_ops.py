@@ -42,6 +42,7 @@ from unittest import mock
 
 import torch
 import transformers
+from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile, record_function
 
 import specdec_fast
@@ -134,23 +135,55 @@ class Read:
     where: str
 
 
-def _does_work(event) -> bool:
+class _Event:
+    """A CPU event of the profiler's trace and the events it encloses."""
+
+    __slots__ = ("name", "start", "end", "children")
+
+    def __init__(self, name: str, start: int, end: int):
+        self.name, self.start, self.end = name, start, end
+        self.children: list[_Event] = []
+
+
+def _event_trees(raw_events) -> list[_Event]:
+    """The roots of the trace's CPU events nested by enclosure on each thread (one event is
+    another's child when it lies inside it), as `torch.autograd.profiler_util.EventList`
+    nests them; built from kineto's raw events, without the per-event `FunctionEvent`s that
+    `prof.events()` makes (seconds for the 100k events of a compiled run's graphs)."""
+    threads: dict[int, list[_Event]] = {}
+    for raw in raw_events:
+        if raw.device_type() == DeviceType.CPU and not raw.is_async():
+            event = _Event(raw.name(), raw.start_ns(), raw.end_ns())
+            threads.setdefault(raw.start_thread_id(), []).append(event)
+    roots: list[_Event] = []
+    for events in threads.values():
+        events.sort(key=lambda event: (event.start, -event.end))
+        stack: list[_Event] = []
+        for event in events:
+            while stack and (event.start >= stack[-1].end or event.end > stack[-1].end):
+                stack.pop()
+            (stack[-1].children if stack else roots).append(event)
+            stack.append(event)
+    return roots
+
+
+def _does_work(event: _Event) -> bool:
     if event.name not in NO_KERNEL:
         return True
     return any(
-        _does_work(child)
-        for child in event.cpu_children
-        if child.name.startswith(OPERATOR_PREFIXES)
+        _does_work(child) for child in event.children if child.name.startswith(OPERATOR_PREFIXES)
     )
 
 
-def _outside_compiled(event) -> bool:
-    parent = event.cpu_parent
-    while parent is not None:
-        if parent.name.startswith(OPERATOR_PREFIXES) or parent.name.startswith(COMPILED_REGION):
-            return False
-        parent = parent.cpu_parent
-    return True
+def _outermost_operators(roots: list[_Event]) -> Iterator[_Event]:
+    """The operators that no operator and no compiled region encloses."""
+    pending = list(reversed(roots))
+    while pending:
+        event = pending.pop()
+        if event.name.startswith(OPERATOR_PREFIXES):
+            yield event
+        elif not event.name.startswith(COMPILED_REGION):
+            pending.extend(reversed(event.children))
 
 
 def _library_modules() -> list:
@@ -239,12 +272,8 @@ def eager_ops(fn: Callable[[], object]) -> tuple[Counter, object]:
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         result = fn()
     counts: Counter = Counter()
-    for event in prof.events():
-        if (
-            event.name.startswith(OPERATOR_PREFIXES)
-            and _outside_compiled(event)
-            and _does_work(event)
-        ):
+    for event in _outermost_operators(_event_trees(prof.profiler.kineto_results.events())):
+        if _does_work(event):
             counts[event.name] += _weight(event.name)
     return counts, result
 

@@ -11,6 +11,7 @@ import torch
 
 import specdec_fast
 import specdec_fast.kernels as kernels
+from specdec_fast.cli import main
 from specdec_fast.kernels.backend import requested_backend, use_triton
 
 
@@ -55,13 +56,22 @@ def test_bad_backend_is_a_clear_error(monkeypatch):
         requested_backend()
 
 
-@pytest.mark.parametrize("command", ["demo", "generate", "bench", "serve"])
-def test_cli_help(command):
+def test_the_module_runs_as_the_cli():
+    """`python -m specdec_fast` is the `specdec-fast` command, in a fresh interpreter."""
     result = subprocess.run(
-        [sys.executable, "-m", "specdec_fast", command, "--help"],
+        [sys.executable, "-m", "specdec_fast", "demo", "--help"],
         capture_output=True,
         text=True,
         check=False,
     )
     assert result.returncode == 0, result.stderr
-    assert "usage: specdec-fast" in result.stdout
+    assert "usage: specdec-fast demo" in result.stdout
+
+
+@pytest.mark.parametrize("command", ["demo", "generate", "bench", "serve"])
+def test_cli_help(command, capsys):
+    # In this interpreter: a fresh one per command would cost seconds of imports each.
+    with pytest.raises(SystemExit) as exit_info:
+        main([command, "--help"])
+    assert exit_info.value.code == 0
+    assert f"usage: specdec-fast {command}" in capsys.readouterr().out
