@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 from transformers import AutoModelForCausalLM
 
+from specdec_fast.engine import generate
 from specdec_fast.prompts import load_code_prompts
 
 from . import corpus
@@ -121,21 +122,17 @@ def code_prompt_repeats(
     model, tokenizer, limit: int | None = None, new_tokens: int = REPEAT_NEW_TOKENS
 ) -> list[int]:
     """`max_ngram_repeats` of the model's greedy continuation (up to `new_tokens`, ending at
-    EOS) of each shipped code prompt, the demo's prompts first."""
+    EOS) of each shipped code prompt, the demo's prompts first: one batch through the engine's
+    plain decoding (greedy, each row the model's own greedy continuation)."""
+    prompts = [tokenizer(record["prompt"]).input_ids for record in load_code_prompts(limit)]
+    eos = tokenizer.eos_token_id
+    with torch.no_grad():
+        out = generate(model, prompts, drafter=None, max_new_tokens=new_tokens, eos_token_id=eos)
     counts = []
-    for record in load_code_prompts(limit):
-        ids = tokenizer(record["prompt"], return_tensors="pt").input_ids
-        out = model.generate(
-            ids,
-            attention_mask=torch.ones_like(ids),
-            max_new_tokens=new_tokens,
-            do_sample=False,
-            eos_token_id=tokenizer.eos_token_id,
-            pad_token_id=tokenizer.pad_token_id,
-        )
-        new = out[0, ids.shape[1] :].tolist()
-        if tokenizer.eos_token_id in new:
-            new = new[: new.index(tokenizer.eos_token_id)]
+    for prompt, sequence in zip(prompts, out.sequences, strict=True):
+        new = sequence[len(prompt) :].tolist()
+        if eos in new:
+            new = new[: new.index(eos)]
         counts.append(max_ngram_repeats(new))
     return counts
 
