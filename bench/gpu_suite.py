@@ -31,13 +31,14 @@ the opt-in ones follow by name in a second command.
 `--quick` runs each part's quick plan (the default parts predicted under 8 minutes); without it
 each part runs its full plan (each predicted under 4 minutes, so run them one `--part` at a time).
 
-Each part runs in its own process under a timeout (twice its estimate, at most PART_LIMIT_S),
-its output streamed as it comes (the benchmarks print a row per finished case). The suite starts
-no part whose estimate exceeds what is left of `--budget` (default: under the device's 10-minute
-command limit). Everything a part writes, and its log, goes to a work folder that is packed after
-every part into $OUT/gpu_suite.tar.gz, beside $OUT/gpu_suite.json (versions, the plan with its
-estimates, per part: status, seconds, the last lines and the JSON results it wrote): two files,
-however the run ends.
+Each part runs in its own process (in the dry run, a fork of the suite's, which has imported
+torch, transformers and the library once for all parts) under a timeout (twice its estimate, at
+most PART_LIMIT_S), its output streamed as it comes (the benchmarks print a row per finished
+case). The suite starts no part whose estimate exceeds what is left of `--budget` (default:
+under the device's 10-minute command limit). Everything a part writes, and its log, goes to a
+work folder that is packed after every part into $OUT/gpu_suite.tar.gz, beside
+$OUT/gpu_suite.json (versions, the plan with its estimates, per part: status, seconds, the last
+lines and the JSON results it wrote): two files, however the run ends.
 
 `--dry-run` plays the same plan on the CPU with tiny shapes (each benchmark at its CPU sizes,
 the GPU tests collected only, every step eager: compiling each tiny shape would cost the CPU
@@ -56,6 +57,7 @@ import argparse
 import importlib
 import json
 import os
+import runpy
 import shutil
 import signal
 import subprocess
@@ -64,6 +66,7 @@ import tarfile
 import tempfile
 import threading
 import time
+import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
@@ -436,31 +439,33 @@ def versions() -> dict:
 
 
 def run_part(
-    part: Part, command: list[str], work: Path, timeout: float, env: dict | None = None
+    part: Part,
+    command: list[str],
+    work: Path,
+    timeout: float,
+    env: dict | None = None,
+    forked: bool = False,
 ) -> dict:
     """Run one part in its own process group (environment `env`, default ours), streaming its
     output to stdout and its log; on timeout the whole group is killed and the part recorded
-    as timed out."""
+    as timed out. `forked` (the dry run's scripts): the process is a fork of this one, which
+    has imported torch, transformers and the library already, instead of a new interpreter
+    that imports them again (seconds of CPU per part); `python -m` commands (the GPU tests'
+    pytest) always start afresh."""
     print(f"\n=== {part.name}: {' '.join(command)} (timeout {timeout:.0f} s)", flush=True)
     log_path = work / f"{part.name}.log"
     start = time.perf_counter()
     lines = []
     with log_path.open("w") as log:
-        process = subprocess.Popen(
-            command,
-            cwd=ROOT,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            start_new_session=True,
-            env=env,
-        )
-        timer = _Deadline(process, timeout)
-        for line in process.stdout:
-            print(line, end="", flush=True)
-            log.write(line)
-            lines.append(line.rstrip("\n"))
-        code = process.wait()
+        script = command[1] != "-m"
+        pid, output = _fork(command, env) if forked and script else _spawn(command, env)
+        timer = _Deadline(pid, timeout)
+        with output:
+            for line in output:
+                print(line, end="", flush=True)
+                log.write(line)
+                lines.append(line.rstrip("\n"))
+        code = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
         timer.cancel()
     status = "timed out" if timer.fired else ("ok" if code == 0 else f"failed ({code})")
     return {
@@ -474,17 +479,79 @@ def run_part(
     }
 
 
+def _spawn(command: list[str], env: dict | None):
+    """(pid, its output as text lines) of `command` in a new interpreter and session."""
+    process = subprocess.Popen(
+        command,
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+        env=env,
+    )
+    return process.pid, process.stdout
+
+
+def _fork(command: list[str], env: dict | None):
+    """(pid, its output as text lines) of `command` (`PYTHON script args...`) run by a fork of
+    this process, in a new session."""
+    read_end, write_end = os.pipe()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    pid = os.fork()
+    if pid == 0:
+        os.setsid()
+        os.close(read_end)
+        os.dup2(write_end, 1)
+        os.dup2(write_end, 2)
+        os.close(write_end)
+        # Whatever this process's sys.stdout was (a capture, a terminal's), the child's is fd 1.
+        sys.stdout = open(1, "w", buffering=1, closefd=False)  # noqa: SIM115
+        sys.stderr = open(2, "w", buffering=1, closefd=False)  # noqa: SIM115
+        os._exit(_run_in_child(command, env))
+    os.close(write_end)
+    return pid, os.fdopen(read_end)
+
+
+def _run_in_child(command: list[str], env: dict | None) -> int:
+    """Run the script of `command` as its interpreter would (`__main__`, its argv, its folder
+    first on the path, `env`): the exit code."""
+    code = 0
+    try:
+        os.chdir(ROOT)
+        if env is not None:
+            os.environ.clear()
+            os.environ.update(env)
+        script = ROOT / command[1]
+        sys.argv = [str(script), *command[2:]]
+        sys.path.insert(0, str(script.parent))
+        runpy.run_path(str(script), run_name="__main__")
+    except SystemExit as exit_:
+        if exit_.code is None or isinstance(exit_.code, int):
+            code = exit_.code or 0
+        else:  # sys.exit("message"): the message on stderr and status 1, as the interpreter does
+            print(exit_.code, file=sys.stderr)
+            code = 1
+    except BaseException:
+        traceback.print_exc()
+        code = 1
+    sys.stdout.flush()
+    sys.stderr.flush()
+    return code
+
+
 class _Deadline:
     """Kills a process group after `timeout` seconds unless cancelled."""
 
-    def __init__(self, process: subprocess.Popen, timeout: float):
-        self.process, self.fired = process, False
+    def __init__(self, pid: int, timeout: float):
+        self.pid, self.fired = pid, False
         self.timer = threading.Timer(timeout, self._kill)
         self.timer.start()
 
     def _kill(self) -> None:
         self.fired = True
-        os.killpg(self.process.pid, signal.SIGKILL)
+        os.killpg(self.pid, signal.SIGKILL)
 
     def cancel(self) -> None:
         self.timer.cancel()
@@ -563,7 +630,7 @@ def main(argv: list[str] | None = None) -> int:
                 # bench_step.py --compile alone compiled for two of the dry run's five minutes).
                 env = {**os.environ, "SPECDEC_COMPILE": "0", "TORCHDYNAMO_DISABLE": "1"}
             command = part.command(work, args.quick, args.dry_run)
-            result = run_part(part, command, work, timeout, env)
+            result = run_part(part, command, work, timeout, env, forked=args.dry_run)
             result["results"] = {
                 path.name: json.loads(path.read_text())
                 for path in part.result_files(work)

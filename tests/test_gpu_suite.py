@@ -93,3 +93,31 @@ def test_a_part_past_its_timeout_is_killed_and_its_output_kept(tmp_path, suite):
     assert result["status"] == "timed out" and result["seconds"] < 30
     assert result["tail"] == ["started"]
     assert (tmp_path / "slow.log").read_text() == "started\n"
+
+
+def test_a_forked_part_runs_its_script_as_main_with_its_argv_and_environment(tmp_path, suite):
+    """The dry run's parts run in forks of the suite: the script as `__main__`, its arguments,
+    its folder on the path, the part's environment, its output and exit code kept; killed past
+    its timeout."""
+    script = tmp_path / "part_script.py"
+    script.write_text(
+        "import os, sys\n"
+        "import part_helper\n"
+        "print(__name__, sys.argv[1:], os.environ['PART_FLAG'], part_helper.VALUE, flush=True)\n"
+        "print('to stderr', file=sys.stderr, flush=True)\n"
+        "if sys.argv[1] == 'sleep':\n"
+        "    import time; time.sleep(60)\n"
+        "sys.exit(int(sys.argv[1]))\n"
+    )
+    (tmp_path / "part_helper.py").write_text("VALUE = 'beside'\n")
+    part = suite.Part("forked", command=None, plan=None)
+    env = {**os.environ, "PART_FLAG": "on"}
+    result = suite.run_part(part, [sys.executable, str(script), "3"], tmp_path, 60, env, True)
+    assert result["status"] == "failed (3)"
+    assert result["tail"] == ["__main__ ['3'] on beside", "to stderr"]
+    assert "PART_FLAG" not in os.environ
+    result = suite.run_part(part, [sys.executable, str(script), "0"], tmp_path, 60, env, True)
+    assert result["status"] == "ok"
+    result = suite.run_part(part, [sys.executable, str(script), "sleep"], tmp_path, 2, env, True)
+    assert result["status"] == "timed out" and result["seconds"] < 30
+    assert (tmp_path / "forked.log").read_text().startswith("__main__ ['sleep'] on beside\n")
