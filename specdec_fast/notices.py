@@ -11,17 +11,20 @@ from __future__ import annotations
 import logging
 import sys
 
+from tqdm import tqdm
+
 LOGGER = logging.getLogger("specdec_fast")
 # Keys of the notices given once per process (`notice_once`).
 _GIVEN: set[str] = set()
 
 
 def notice(message: str) -> None:
-    """Tell `message` (one line) to the logger, or to stderr without a logging setup."""
+    """Tell `message` (one line) to the logger, or to stderr without a logging setup (above a
+    progress bar there, if one is showing: `specdec_fast.progress`)."""
     if LOGGER.hasHandlers():
         LOGGER.info(message)
     else:
-        print(f"specdec-fast: {message}", file=sys.stderr, flush=True)
+        tqdm.write(f"specdec-fast: {message}", file=sys.stderr)
 
 
 def notice_once(key: str, message: str) -> None:

@@ -1,7 +1,10 @@
 """Notices of a slow first call: a compiled step says which shape compiles, once per shape; the
-Triton interpreter on the CPU is named once; without a logging setup they reach stderr."""
+Triton interpreter on the CPU is named once; without a logging setup they reach stderr, above a
+progress bar on a terminal."""
 
+import io
 import logging
+import sys
 
 import pytest
 import torch
@@ -9,6 +12,7 @@ from tiny_models import tiny_llama
 
 from specdec_fast import notices
 from specdec_fast.compiled import CompiledSteps
+from specdec_fast.progress import Progress
 from specdec_fast.runner import ModelRunner
 
 
@@ -71,3 +75,21 @@ def test_without_a_logging_setup_a_notice_is_a_line_on_stderr(monkeypatch, capsy
     monkeypatch.setattr(notices.LOGGER, "hasHandlers", lambda: False)
     notices.notice("compiling toy verify B=1 N=3")
     assert capsys.readouterr().err == "specdec-fast: compiling toy verify B=1 N=3\n"
+
+
+def test_on_a_terminal_a_notice_is_a_line_of_its_own_above_the_progress_bar(monkeypatch):
+    class Terminal(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    terminal = Terminal()
+    monkeypatch.setattr(sys, "stderr", terminal)
+    monkeypatch.setattr(notices.LOGGER, "hasHandlers", lambda: False)
+    with Progress(4, desc="generate", min_interval_s=0.0) as progress:
+        progress.update(1)
+        notices.notice("compiling toy verify B=1 N=3")
+        progress.update(1)
+    text = terminal.getvalue()
+    before, _, after = text.partition("specdec-fast: compiling toy verify B=1 N=3\n")
+    assert before.endswith("\r")  # the bar's line was cleared first
+    assert "generate" in after  # and the bar drawn again below the notice
