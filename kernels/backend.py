@@ -28,12 +28,18 @@ def requested_backend() -> str:
 
 
 def interpreting() -> bool:
-    """Whether this process's Triton kernels were built for the interpreter."""
+    """Whether this process's Triton kernels, and Triton's own library functions that they call,
+    were built for the interpreter: Triton decides it for each function as it is defined, so a
+    Triton imported before `TRITON_INTERPRET` was set (transformers' model classes import it)
+    built its library for the compiler, and interpreted kernels fail calling it."""
+    from triton.language import standard
     from triton.runtime.interpreter import InterpretedFunction
 
     from .jit.kv_compact import kv_compact_kernel
 
-    return isinstance(kv_compact_kernel, InterpretedFunction)
+    return isinstance(kv_compact_kernel, InterpretedFunction) and isinstance(
+        standard.cdiv, InterpretedFunction
+    )
 
 
 def backend_for(device: torch.device) -> str:
@@ -48,8 +54,9 @@ def backend_for(device: torch.device) -> str:
     if backend == "triton" and device.type != "cuda" and not interpreting():
         raise RuntimeError(
             "SPECDEC_BACKEND=triton on CPU tensors runs the Triton interpreter, which has to be on "
-            "before specdec_fast is imported: set SPECDEC_BACKEND=triton (or TRITON_INTERPRET=1) "
-            "in the environment of the process, not after the import"
+            "before Triton is imported: set SPECDEC_BACKEND=triton in the environment of the "
+            "process and import specdec_fast before anything that imports Triton (transformers' "
+            "model classes do), or set TRITON_INTERPRET=1 there too"
         )
     return backend
 

@@ -4,6 +4,7 @@ from importlib.metadata import PackageNotFoundError, version
 
 from . import bundled
 from .adaptive import AdaptiveDrafter, CostModel
+from .batch import UnusableLogits
 from .drafters import (
     BlockDrafter,
     Drafter,
@@ -50,6 +51,7 @@ __all__ = [
     "SpecStats",
     "StepOutcome",
     "SuffixDrafter",
+    "UnusableLogits",
     "__version__",
     "bundled",
     "generate",

@@ -11,6 +11,10 @@ device and the sampling parameters as `verify` takes them. It emits a step's rea
 rows (`emit`: stop rules, finish reasons, statistics, streaming), and rows join (`join`) and
 leave (`keep`) it between steps. The step itself (`specdec_fast.step`) is the same for
 `generate` and the scheduler.
+
+A row whose target logits the verify kernel could not use (NaN or +inf: a float16 model whose
+activations overflow) emits nothing more: it finishes with reason `FAILED` and `Row.error` says
+why. `generate` raises `UnusableLogits` for it; the scheduler ends that request alone.
 """
 
 from __future__ import annotations
@@ -28,6 +32,21 @@ from specdec_fast.transfer import to_device, to_host
 
 TokenCallback = Callable[[int, list[int]], None]
 SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "seed")
+# The finish reason of a row that ended on an error (`Row.error`).
+FAILED = "error"
+
+
+class UnusableLogits(RuntimeError):
+    """`generate`: the target's logits of a sequence were NaN or +inf, so no token follows."""
+
+
+def unusable_logits_error(generated: int) -> str:
+    """Why a row whose logits the verify kernel marked unusable stopped (`Row.error`)."""
+    return (
+        f"the target's logits were NaN or infinite after {generated} generated tokens, so no "
+        "token can be chosen: its activations overflowed (float16's largest value is 65504; "
+        "load the model in bfloat16 or float32) or its weights hold NaN or inf"
+    )
 
 
 @dataclass
@@ -121,6 +140,7 @@ class Row:
         self.on_tokens = on_tokens
         # Committed cache slots: the prompt but its last token (the first root), then accepted.
         self.cached = len(tokens) - 1
+        self.error: str | None = None  # why it ended, when its finish reason is FAILED
 
 
 def _uniform(values: torch.Tensor):
@@ -240,6 +260,14 @@ class Batch:
         set in their statistics)."""
         emitted, finished = [], []
         for r, row in enumerate(self.rows):
+            if host.next_tokens[r] < 0:
+                # The verify kernel's mark of logits it cannot use (its contract: next token
+                # -1, nothing accepted); the next step would embed -1.
+                row.error = unusable_logits_error(len(row.generated))
+                row.stats.finish_reason = FAILED
+                emitted.append([])
+                finished.append(r)
+                continue
             accepted = host.num_accepted[r]
             taken, reason = row.rule.take(row.generated, [*host.paths[r], host.next_tokens[r]])
             row.cached += accepted + 1

@@ -1,7 +1,8 @@
 """Compiled steps: `torch.compile` of the runners' and drafters' own step functions, the switch
 that turns it on (`SPECDEC_COMPILE`, or the compile choice of the call in progress), the
 freezing of CPU runners' weights into their graphs (`SPECDEC_FREEZE`, default on for models of
-up to 1 GiB) and the log of every compilation in this process."""
+up to 1 GiB), the log of every compilation in this process and the notice that one has started
+(a first call of a step shape compiles for tens of seconds on a CPU before its first step)."""
 
 import gc
 import os
@@ -14,6 +15,8 @@ from contextvars import ContextVar
 from typing import Any
 
 import torch
+
+from specdec_fast.notices import notice
 
 COMPILE_ENV = "SPECDEC_COMPILE"
 FREEZE_ENV = "SPECDEC_FREEZE"
@@ -29,6 +32,32 @@ STEP_RECOMPILE_LIMIT = 64
 # (what compiled, seconds) of every compilation and graph capture in this process, in order:
 # `generate` reports the ones its call made (`SpecStats.compiled`), drafters' too.
 COMPILE_LOG: list[tuple[str, float]] = []
+
+
+# What the `CompiledSteps.run` call in progress on this thread would compile ("llama verify B=1
+# N=8"), for the notice given when dynamo starts compiling (`_announce`); None outside one.
+_RUNNING: ContextVar[str | None] = ContextVar("specdec_compiled_step", default=None)
+_ANNOUNCING = False
+
+
+def _announce(_args) -> None:
+    """Dynamo's start-of-compilation callback: say which step compiles, when one of ours does."""
+    label = _RUNNING.get()
+    if label is not None:
+        notice(
+            f"compiling {label}: the first call of this step shape compiles it (10-30 s on a "
+            "CPU, longer on a loaded one; later calls of the shape reuse it)"
+        )
+
+
+def _announce_compilations() -> None:
+    """Register `_announce` with dynamo, once per process."""
+    global _ANNOUNCING
+    if not _ANNOUNCING:
+        from torch._dynamo.callback import callback_handler
+
+        callback_handler.register_start_callback(_announce)
+        _ANNOUNCING = True
 
 
 # The compile choice of the `generate` call or scheduler attaching drafters (`compile_choice`).
@@ -280,7 +309,8 @@ class CompiledSteps:
             `weights`); None compiles unfrozen.
 
     `compile_seconds` maps each label passed to `run` whose call compiled a graph to the
-    seconds it took; every compilation is also logged (`record_compile`).
+    seconds it took; every compilation is also logged (`record_compile`), and its start is told
+    (`specdec_fast.notices`): "compiling MODEL LABEL ...".
     """
 
     def __init__(
@@ -305,7 +335,12 @@ class CompiledSteps:
             if compiled is None:
                 what = f"the {kind} step of this {self.model} model"
                 compiled = self._steps[kind] = CompiledStep(step, what, self.weights)
-            out, seconds = compiled(*args)
+                _announce_compilations()
+            running = _RUNNING.set(f"{self.model} {label}")
+            try:
+                out, seconds = compiled(*args)
+            finally:
+                _RUNNING.reset(running)
         if seconds is not None:
             self.record(label, seconds)
         return out

@@ -26,7 +26,7 @@ import torch
 from transformers import PreTrainedModel
 
 from specdec_fast.arguments import check_generate_arguments
-from specdec_fast.batch import SAMPLING_FIELDS, Batch, Row, TokenCallback
+from specdec_fast.batch import SAMPLING_FIELDS, Batch, Row, TokenCallback, UnusableLogits
 from specdec_fast.cache import model_shards
 from specdec_fast.compiled import COMPILE_LOG, compile_choice
 from specdec_fast.drafters.base import Drafter
@@ -125,6 +125,8 @@ def generate(
             vocabulary, prompts beyond the model's positions, a KV cache larger than the
             device's memory, sampling parameters out of range, ...
         DrafterError: the drafter proposed a malformed tree (`specdec_fast.drafters.checks`).
+        UnusableLogits: the target's logits of a sequence were NaN or infinite (a float16 model
+            whose activations overflow), naming the sequence.
         RuntimeError: another thread is running `generate` on the same model.
     """
     start = time.perf_counter()
@@ -234,4 +236,6 @@ def _decode(
         drafter.begin(state)
     while batch:
         report = step(runner, batch, lanes, vocab)
-        drop(runner, batch, lanes, report.finished)
+        for row in drop(runner, batch, lanes, report.finished):
+            if row.error is not None:
+                raise UnusableLogits(f"sequence {rows.index(row)}: {row.error}")

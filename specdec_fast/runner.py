@@ -83,8 +83,9 @@ from specdec_fast.attention import (
 from specdec_fast.cache import SpecKVCache, attention_windows, model_shards
 from specdec_fast.compiled import CompiledSteps, compile_by_default, freeze_by_default, kept
 from specdec_fast.exact import switch_exact
-from specdec_fast.kernels import pack_tree_mask
+from specdec_fast.kernels import pack_tree_mask, requested_backend
 from specdec_fast.kernels.validation import check_tensor
+from specdec_fast.notices import notice_once
 from specdec_fast.onednn import switch_onednn, use_onednn
 from specdec_fast.transfer import to_device
 from specdec_fast.tree_mask import ancestor_mask, node_depths
@@ -322,6 +323,14 @@ class ModelRunner:
                 f"use_cuda_graphs needs a model on CUDA, the model is on {self.device}"
             )
         self._layers, self._final_norm = _decoder_modules(model)
+        if self.device.type == "cpu" and requested_backend() == "triton":
+            notice_once(
+                "interpreter",
+                "SPECDEC_BACKEND=triton on the CPU: the Triton kernels run under Triton's "
+                "interpreter, in Python: about a second a step on the bundled tiny-code target, "
+                "where the fused CPU kernels take milliseconds; leave SPECDEC_BACKEND unset for "
+                "those",
+            )
         self._onednn = use_onednn(model, self.compile, exact)
         self._mkl_rows = (
             self.device.type == "cpu"

@@ -355,6 +355,29 @@ def test_a_cancelled_request_frees_its_slot_for_the_next():
     assert queued.completion.finish_reason == "cancelled" and queued.completion.admitted is None
 
 
+def test_a_request_whose_logits_are_nan_ends_alone_with_the_error():
+    model = tiny_llama(VOCAB, seed=5)
+    clean, later = repetitive_prompts([7, 12], VOCAB, seed=6)
+    expected = [
+        generate(model, [p], drafter=None, max_new_tokens=10, eos_token_id=[]).sequences[0]
+        for p in (clean, later)
+    ]
+    poison = next(t for t in range(VOCAB) if all(t not in e.tolist() for e in expected))
+    with torch.no_grad():
+        model.model.embed_tokens.weight[poison] = float("nan")
+    scheduler = Scheduler(model, max_batch=2, eos_token_id=[])
+    bad = scheduler.submit(Request([*clean[:3], poison, *clean[3:]], 10))
+    good = scheduler.submit(Request(clean, 10))
+    scheduler.run_until_idle()
+    assert bad.completion.finish_reason == FAILED and bad.completion.tokens == []
+    assert "logits were NaN or infinite after 0 generated tokens" in bad.completion.error
+    assert good.completion.tokens == expected[0][7:].tolist()
+    # The slot the failed request left (NaN in its cache rows) serves the next one cleanly.
+    after = scheduler.submit(Request(later, 10))
+    scheduler.run_until_idle()
+    assert after.completion.tokens == expected[1][12:].tolist()
+
+
 def test_after_step_follows_each_step_of_the_thread_with_its_deliveries_made():
     # The engine process sends a step's events from `after_step`: by then the step's callbacks
     # have run, and it runs after every step of the thread, a failed one included.

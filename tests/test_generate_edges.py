@@ -7,7 +7,7 @@ import torch
 from drafter_wrappers import OracleChain
 from tiny_models import repetitive_prompts, tiny_llama
 
-from specdec_fast import DraftModelDrafter, NGramDrafter, SpecStats, generate
+from specdec_fast import DraftModelDrafter, NGramDrafter, SpecStats, UnusableLogits, generate
 
 VOCAB = 96
 
@@ -218,3 +218,39 @@ def test_models_leave_a_failed_generate_as_they_entered(target, where, error):
         target, [prompt], drafter=DraftModelDrafter(draft, num_tokens=2), max_new_tokens=8
     )
     assert out.sequences[0].tolist()[len(prompt) :] == plain_continuation(target, prompt, 8)
+
+
+def overflowing_float16_model():
+    """A float16 `tiny_llama` whose MLP outputs overflow float16 (beyond 65504): its logits
+    are NaN from the first step."""
+    model = tiny_llama(vocab_size=VOCAB)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.mlp.down_proj.weight.mul_(3000.0)
+    return model.half()
+
+
+@pytest.mark.parametrize("drafter, temperature", [(None, 0.0), (4, 1.0)])
+def test_logits_that_overflow_float16_are_a_clear_error(drafter, temperature):
+    # The verify kernel marks such a row with next token -1: before the engine looked, the
+    # next step embedded -1 (IndexError eagerly, an inductor bounds assertion when compiled).
+    model = overflowing_float16_model()
+    with pytest.raises(UnusableLogits, match=r"^sequence 0: the target's logits were NaN or inf"):
+        generate(
+            model,
+            repetitive_prompts([9, 6], VOCAB, seed=1),
+            drafter=None if drafter is None else NGramDrafter(drafter),
+            max_new_tokens=8,
+            temperature=temperature,
+            seed=0,
+        )
+
+
+def test_the_sequence_whose_logits_are_nan_is_named(target):
+    clean = [5, 6, 7, 5, 6, 7]
+    poison = next(t for t in range(VOCAB) if t not in clean + plain_continuation(target, clean, 6))
+    model = tiny_llama(vocab_size=VOCAB)
+    with torch.no_grad():
+        model.model.embed_tokens.weight[poison] = float("nan")
+    with pytest.raises(UnusableLogits, match=r"^sequence 1: .* after 0 generated tokens"):
+        generate(model, [clean, [poison, *clean]], drafter=None, max_new_tokens=6, eos_token_id=[])

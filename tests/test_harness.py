@@ -298,8 +298,41 @@ def test_failing_requests_count_as_errors_and_the_sweep_goes_on():
     assert {e.split(" (")[0] for e in cell["errors"].values()} == {"RuntimeError: boom"}
     assert report["baseline"]["1"]["error_rate"] == 0.0
     assert [(f["cell"], f["side"]) for f in report["failed_requests"]] == [
-        ("ngram:3", "speculative")
-    ] * 2
+        ("ngram:3", "speculative warm-up"),
+        ("ngram:3", "speculative"),
+        ("ngram:3", "speculative"),
+    ]
+
+
+class FailingFirst(NGramDrafter):
+    """Raises in its first proposal only: the warm-up's request fails, the measured ones not."""
+
+    proposals = 0
+
+    def propose(self, state):
+        self.proposals += 1
+        if self.proposals == 1:
+            raise RuntimeError("first call")
+        return super().propose(state)
+
+
+def test_a_request_failing_in_the_warm_up_is_a_failed_request():
+    # Warm-ups are where a sweep's compilations run: their failures were dropped unreported.
+    model = tiny_llama(vocab_size=VOCAB)
+    records = [PromptRecord("abcabc", "qa", 6, id="p0"), PromptRecord("defdef", "qa", 6)]
+    config = BenchConfig(drafters=["ngram"], sizes=[2], batches=[1], adaptive=False)
+    with torch.no_grad():
+        report = run_sweep(
+            model, CharTokenizer(), records, config, lambda s, k: FailingFirst(k), False
+        )
+    (failure,) = report["failed_requests"]
+    assert (failure["cell"], failure["side"], failure["prompt_id"]) == (
+        "ngram:3",
+        "speculative warm-up",
+        "p0",
+    )
+    assert failure["error"].startswith("RuntimeError: first call")
+    assert report["cells"][0]["metrics"]["error_rate"] == 0.0  # the measured requests passed
 
 
 def test_bench_help_and_bad_grid(capsys):
@@ -383,13 +416,15 @@ def test_a_failed_request_fails_bench_loudly_after_the_report_is_written(
     )  # fmt: skip
     err = capsys.readouterr().err
     assert code == 1
-    assert "specdec-fast bench: error: FailedRequests: 1 failed requests" in err
-    assert "ngram:3 b=1 prompt 'p0' (speculative): RuntimeError: boom" in err
-    assert "1 FAILED requests" in err  # the cell's progress line says so too
-    (failure,) = json.loads((out / "report.json").read_text())["failed_requests"]
-    assert failure["cell"] == "ngram:3" and failure["side"] == "speculative"
-    assert failure["error"].startswith("RuntimeError: boom (test_harness.py:")
-    assert "## FAILED REQUESTS: 1" in (out / "report.md").read_text()
+    # The warm-up's request first, then the measured one.
+    assert "specdec-fast bench: error: FailedRequests: 2 failed requests" in err
+    assert "ngram:3 b=1 prompt 'p0' (speculative warm-up): RuntimeError: boom" in err
+    assert "1 FAILED requests" in err  # the cell's progress line counts its measured runs
+    warm_up, measured = json.loads((out / "report.json").read_text())["failed_requests"]
+    assert warm_up["side"] == "speculative warm-up" and measured["side"] == "speculative"
+    assert measured["cell"] == "ngram:3"
+    assert measured["error"].startswith("RuntimeError: boom (test_harness.py:")
+    assert "## FAILED REQUESTS: 2" in (out / "report.md").read_text()
 
 
 def test_eta_predicts_the_cells_left_from_measured_steps_per_batch_size():

@@ -3,7 +3,10 @@ ValueError/TypeError whose message starts with the argument's name; and SPECDEC_
 where the interpreter is off is a clear error."""
 
 import math
+import os
 import re
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -238,8 +241,38 @@ def test_the_triton_backend_without_the_interpreter_is_a_clear_error(monkeypatch
     """SPECDEC_BACKEND=triton set after import: CPU tensors cannot run the Triton kernels."""
     monkeypatch.setenv("SPECDEC_BACKEND", "triton")
     monkeypatch.setattr(backend, "interpreting", lambda: False)
-    with pytest.raises(RuntimeError, match="has to be on before specdec_fast is imported"):
+    with pytest.raises(RuntimeError, match="has to be on before Triton is imported"):
         tree_attention(**{k: v for k, v in _attention_args().items() if v is not None})
     monkeypatch.setenv("SPECDEC_BACKEND", "cuda")
     with pytest.raises(ValueError, match=r"SPECDEC_BACKEND must be one of"):
         verify(**_verify_args())
+
+
+def test_triton_imported_before_the_interpreter_was_asked_for_is_a_clear_error(tmp_path):
+    """transformers' model classes import Triton: with SPECDEC_BACKEND=triton alone in the
+    environment, Triton's own library was built for the compiler before specdec_fast switched
+    the interpreter on, and the interpreted kernels failed calling it with Triton's "Cannot call
+    @triton.jit'd outside of the scope of a kernel"."""
+    code = (
+        "from transformers import LlamaForCausalLM\n"
+        "import torch\n"
+        "from specdec_fast.kernels import backend\n"
+        "try:\n"
+        "    print(backend.backend_for(torch.device('cpu')))\n"
+        "except RuntimeError as error:\n"
+        "    print(error)\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["SPECDEC_BACKEND"] = "triton"
+    # Away from the repository root, whose kernels/ folder transformers would import as its
+    # optional `kernels` package (switching the interpreter on before Triton's import).
+    run = subprocess.run(
+        [sys.executable, "-c", code],
+        env=env,
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert run.returncode == 0, run.stderr
+    assert "has to be on before Triton is imported" in run.stdout

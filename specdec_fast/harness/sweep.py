@@ -11,8 +11,9 @@ Adaptive cells (one `AdaptiveDrafter` around the largest size of each drafter, w
 `CostModel`, serving the whole concurrency sweep as it would serve a service's traffic) run at
 every batch size; the report shows their ratio to the baseline next to the noise.
 
-The sweep records every failed request with its error (`failed_requests`) and goes on; `bench`
-then fails (`harness.FailedRequests`). The compile rule and the ETA are `harness.plan`'s.
+The sweep records every failed request with its error (`failed_requests`), warm-ups included,
+and goes on; `bench` then fails (`harness.FailedRequests`). The compile rule and the ETA are
+`harness.plan`'s.
 """
 
 from __future__ import annotations
@@ -588,6 +589,7 @@ def _run_cells(
         calibration_s = time.perf_counter() - start
     warmed: set[tuple] = set()
     totals = {"warmup_s": 0.0, "measured_s": 0.0}
+    failed: list[dict] = []
 
     def warm_key(batch: int, cell: tuple | None) -> tuple:
         # Batch 1 and larger batches compile apart; larger ones share their shapes.
@@ -598,13 +600,16 @@ def _run_cells(
         compiles it. Eager, a few tokens warm the caches. Compiled, the whole chunk: rows that
         finish early leave a batch of 2+ rows down to one, and a one-row step left over from a
         larger batch compiles graphs of its own (the draft model's chains compiled 60 s inside
-        timed runs when the warm-up decoded 8 tokens)."""
+        timed runs when the warm-up decoded 8 tokens). Its failed requests count as any other
+        (their side says "warm-up"): the warm-up is where compilations, and their failures, are."""
         if not config.warmup or key in warmed:
             return 0.0
         warmed.add(key)
         start = time.perf_counter()
         chunk = prompts[:batch] if compiled else [replace_tokens(p, 8) for p in prompts[:batch]]
-        decode_paired(model, chunk, batch, [drafter], 0, stop=stop, exact=config.exact)
+        (run,) = decode_paired(model, chunk, batch, [drafter], 0, stop=stop, exact=config.exact)
+        side = "plain warm-up" if drafter is None else "speculative warm-up"
+        failed.extend(_failures(chunk, key[1], batch, [run], (side,)))
         return time.perf_counter() - start
 
     def finished(label: str, batch: int, warm_s: float, runs: list[CellRun], log: tuple) -> dict:
@@ -639,7 +644,6 @@ def _run_cells(
     noise: dict[int, float] = {}
     adaptive_drafters: dict[str, AdaptiveDrafter] = {}
     report_cells = []
-    failed: list[dict] = []
     for batch, cell in schedule:
         compiled = len(COMPILE_LOG)
         if cell is None:
@@ -716,19 +720,25 @@ def _run_cells(
     }
 
 
-def _failures(prompts: list[Encoded], cell: str, batch: int, runs: list[CellRun]) -> list[dict]:
-    """Every failed request of `runs` (a cell and its paired plain run): cell, batch, prompt,
-    the side that failed and its error."""
+def _failures(
+    prompts: list[Encoded],
+    cell: str,
+    batch: int,
+    runs: list[CellRun],
+    sides: tuple[str, ...] = ("plain", "speculative"),
+) -> list[dict]:
+    """Every failed request of `runs` (by default a cell's paired plain run and its own; `sides`
+    names each run): cell, batch, prompt, the side that failed and its error."""
     ids = {p.index: p.record.id for p in prompts}
     return [
         {
             "cell": cell,
             "batch": batch,
-            "side": "plain" if side == 0 else "speculative",
+            "side": side,
             "prompt_id": ids[index],
             "error": error,
         }
-        for side, run in enumerate(runs)
+        for side, run in zip(sides, runs, strict=True)
         for index, error in sorted(run.errors.items())
     ]
 

@@ -47,7 +47,7 @@ from dataclasses import dataclass, field
 import torch
 
 from specdec_fast.arguments import build_sampling
-from specdec_fast.batch import Batch, Row
+from specdec_fast.batch import FAILED, Batch, Row
 from specdec_fast.cache import model_shards
 from specdec_fast.compiled import compile_choice
 from specdec_fast.drafters.base import Drafter, supports_join
@@ -59,8 +59,8 @@ from specdec_fast.step import Drafted, Lane, StepReport, drop, index_lanes, step
 from specdec_fast.transfer import to_device
 
 PREFILL_CHUNK = 256
-# Reasons a request ends besides its stop rule's ("eos", "stop", "length") and "cache".
-CANCELLED, FAILED = "cancelled", "error"
+# Reasons a request ends besides its stop rule's ("eos", "stop", "length"), "cache" and FAILED.
+CANCELLED = "cancelled"
 
 
 class QueueFull(RuntimeError):
@@ -711,7 +711,7 @@ class Scheduler:
             if not lane.rows:
                 lane.end()
         for row in finished:
-            self._finish(row, row.stats.finish_reason)
+            self._finish(row, row.stats.finish_reason, row.error)
 
     def _drop_cancelled(self) -> None:
         with self._lock:
