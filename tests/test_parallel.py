@@ -129,6 +129,14 @@ def test_ranks_that_disagree_raise(ranks):
         assert "ranks [1] generated other tokens than rank 0" in rank["disagreement"]
 
 
+def test_serving_ranks_whose_finished_requests_differ_raise(ranks):
+    """The check the serving lockstep runs after steps that finished requests: rank 1 finished
+    other tokens than rank 0, and every rank raises; the same tokens pass."""
+    for rank in (rank["lockstep"] for rank in ranks):
+        assert rank["same"] is None
+        assert "ranks [1] generated other tokens than rank 0" in rank["different"]
+
+
 def test_unsupported_cases_are_refused(target, monkeypatch):
     with pytest.raises(ValueError, match="divisible by 4, the model has 8 query and 2 KV heads"):
         local_heads(target.config, 4)
