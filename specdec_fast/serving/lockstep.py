@@ -70,6 +70,7 @@ class Lockstep:
         self.leads = dist.get_rank() == 0
         self.device = device
         self.handles: dict[int, object] = {}  # key -> the handle of a request not yet ended
+        self.stopped = False  # a plan stopped the schedulers
         self._lock = threading.Lock()
         self._rows: list = []  # rank 0: rows submitted since the last exchange
         self._cancelled: list[int] = []
@@ -119,6 +120,7 @@ class Lockstep:
         message = [plan]
         dist.broadcast_object_list(message, src=0)
         plan = message[0]
+        self.stopped = plan.stop
         if not self.leads:
             rows = [make_row(request, key) for key, request in plan.submitted]
         for row in rows:

@@ -32,6 +32,10 @@ the metrics. A step reads the device once (the emitted tokens, `batch.read_back`
 chunks and joins read nothing back. `step()` runs one iteration on the calling thread;
 `start()` runs steps on a thread of its own, and `submit` and `Handle.cancel` may then be called
 from any thread.
+
+On a tensor-parallel target (`specdec_fast.parallel.load_target`) every rank holds the same
+scheduler: rank 0's takes the requests, the others' run its steps (`follow`), and at the top of
+each step every rank applies rank 0's plan of what changed (`specdec_fast.serving.lockstep`).
 """
 
 from __future__ import annotations
@@ -540,7 +544,8 @@ class Scheduler:
             self._wakeup.notify()
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join()
-        if self._lockstep is not None and self._lockstep.leads and self.error is None:
+        lockstep = self._lockstep
+        if lockstep is not None and lockstep.leads and not lockstep.stopped and self.error is None:
             self._follow_plan(stop=True)
         self._abort(CANCELLED)
         if self._feeder is not None:

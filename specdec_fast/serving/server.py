@@ -468,12 +468,12 @@ def serve(args) -> int:
 
 def follow(config: EngineConfig) -> int:
     """A rank other than 0 of `serve --tensor-parallel N`: no server; its scheduler runs rank
-    0's steps on this thread until rank 0's closes (`specdec_fast.serving.lockstep`). Signals are
-    left to rank 0, whose drain ends this rank too: a rank that left on its own would leave the
-    others waiting in a collective."""
+    0's steps on this thread until rank 0's closes (`specdec_fast.serving.lockstep`). Once it
+    serves, signals are left to rank 0, whose drain ends this rank too: a rank that left on its
+    own would leave the others waiting in a collective."""
+    service = config.build()
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    service = config.build()
     try:
         service.scheduler.follow()
     finally:
