@@ -37,7 +37,6 @@ drafters whose own models are sharded (`check_drafter`).
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import os
 import signal
@@ -70,13 +69,13 @@ def init_ranks() -> tuple[int, int]:
             dist.init_process_group("nccl")
         else:
             dist.init_process_group("gloo")
-        # A group left to the interpreter's teardown can abort the process (its threads are
-        # destroyed while joinable: "terminate called without an active exception").
-        atexit.register(_leave_ranks)
     return dist.get_rank(), dist.get_world_size()
 
 
-def _leave_ranks() -> None:
+def leave_ranks() -> None:
+    """Leave the process group, if joined. A server's ranks call it when they stop: a group
+    left to the interpreter's teardown aborted rank 0's engine process at exit ("terminate
+    called without an active exception")."""
     if dist.is_initialized():
         dist.destroy_process_group()
 
