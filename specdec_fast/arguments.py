@@ -204,6 +204,12 @@ def _per_row(name: str, value, batch: int) -> torch.Tensor:
     return tensor
 
 
+def draw_seed() -> int:
+    """A seed for a call or request that gives none: drawn from torch's generator, so that it
+    follows `torch.manual_seed`, like sampling in HF generate."""
+    return int(torch.randint(0, 2**62, (1,)).item())
+
+
 def build_sampling(batch: int, temperature, top_k, top_p, seed) -> Sampling:
     """The per-row sampling parameters of `batch` rows from scalars or per-row values, each
     checked by `SAMPLING_RULES` (a ValueError names the argument and the row)."""
@@ -211,8 +217,7 @@ def build_sampling(batch: int, temperature, top_k, top_p, seed) -> Sampling:
     top_k = _per_row("top_k", top_k, batch)
     top_p = _per_row("top_p", top_p, batch).float()
     if seed is None:
-        # Follows torch.manual_seed, like sampling in HF generate.
-        seed = int(torch.randint(0, 2**62, (1,)).item())
+        seed = draw_seed()
     seeds = _per_row("seed", seed, batch)
     # One seed for the batch: row r takes seed + r.
     shared = (seed.numel() if isinstance(seed, torch.Tensor) else np.size(seed)) == 1

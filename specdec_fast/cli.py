@@ -70,7 +70,8 @@ def _add_tensor_parallel(parser: argparse.ArgumentParser) -> None:
         help="shard the target over N ranks (transformers' tp_plan), started through "
         "torch.distributed.run: one GPU each (NCCL) when CUDA is available, else N gloo "
         "processes on the CPU (--device is not read); drafters run replicated and the steps "
-        "eagerly (docs/PARALLEL.md)",
+        "eagerly. serve: rank 0 runs the HTTP server and admits requests, every rank runs the "
+        "same steps (docs/PARALLEL.md)",
     )
 
 
@@ -424,12 +425,9 @@ def _load_shard(args: argparse.Namespace):
     from specdec_fast.loading import load_tokenizer
     from specdec_fast.parallel import init_ranks, load_target
 
-    rank, world = init_ranks()
-    if world != args.tensor_parallel:
-        raise ValueError(
-            f"--tensor-parallel: {args.tensor_parallel} given, the launcher started {world} ranks"
-        )
-    return load_target(args.model, args.dtype), load_tokenizer(args.model), rank
+    rank, _ = init_ranks()
+    target = load_target(args.model, args.dtype, args.tensor_parallel)
+    return target, load_tokenizer(args.model), rank
 
 
 def _add_serve(sub) -> None:
@@ -444,6 +442,7 @@ def _add_serve(sub) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     add_model_options(serve, "tiny-code", chat=False)
+    _add_tensor_parallel(serve)
     serve.add_argument(
         "--drafter",
         default="ngram",

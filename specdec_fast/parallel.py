@@ -37,11 +37,14 @@ drafters whose own models are sharded (`check_drafter`).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
 import sys
+import threading
 from collections.abc import Sequence
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -69,9 +72,22 @@ def init_ranks() -> tuple[int, int]:
     return dist.get_rank(), dist.get_world_size()
 
 
+def leave_ranks() -> None:
+    """Leave the process group, if joined. A server's ranks call it when they stop: a group
+    left to the interpreter's teardown aborted rank 0's engine process at exit ("terminate
+    called without an active exception")."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
 def in_ranks() -> bool:
     """Whether this process is a rank that a launcher started (`WORLD_SIZE` is set)."""
     return "WORLD_SIZE" in os.environ
+
+
+def launched_rank() -> int:
+    """This process's rank as its launcher set it (`RANK`), without joining the group."""
+    return int(os.environ.get("RANK", 0))
 
 
 def launch(ranks: int, argv: Sequence[str], timeout: float | None = None) -> int:
@@ -79,19 +95,50 @@ def launch(ranks: int, argv: Sequence[str], timeout: float | None = None) -> int
     standalone rendezvous on this host) and return its exit status: 0 when every rank
     succeeded. The ranks run the same command; rank 0 prints and writes.
 
-    The launcher and its ranks run in a process group of their own, ended as a whole (SIGTERM)
-    on an interrupt or after `timeout` seconds (then TimeoutError): no rank outlives the call."""
+    SIGTERM or SIGINT to this process is passed on to the ranks as SIGTERM (a server's rank 0
+    drains and stops the others, `serving.lockstep`) and the call waits for them. The launcher
+    runs in a process group of its own, which is ended (SIGTERM: the launcher ends its ranks)
+    on an interrupt or after `timeout` seconds (then TimeoutError): no rank outlives the
+    call."""
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
     command += ["--nproc-per-node", str(ranks), "-m", "specdec_fast", *argv]
     process = subprocess.Popen(command, start_new_session=True)
     try:
-        return process.wait(timeout)
+        with _signals_to_ranks(process.pid):
+            return process.wait(timeout)
     except subprocess.TimeoutExpired:
         raise TimeoutError(f"{ranks} ranks of specdec-fast ran past {timeout} s") from None
     finally:
         if process.poll() is None:
             os.killpg(process.pid, signal.SIGTERM)
             process.wait()
+
+
+@contextlib.contextmanager
+def _signals_to_ranks(launcher: int):
+    """While in the block (on the main thread), SIGTERM and SIGINT go to the ranks that the
+    launcher `launcher` started, as SIGTERM: each rank decides how it stops. The launcher itself
+    would end them too, but counts the stop as its own failure."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def forward(signum, frame) -> None:
+        children = Path(f"/proc/{launcher}/task/{launcher}/children")
+        ranks = [int(pid) for pid in children.read_text().split()] if children.exists() else []
+        for pid in ranks:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGTERM)
+        if not ranks:  # no /proc: the launcher ends them
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(launcher, signal.SIGTERM)
+
+    previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 def rank_device() -> torch.device:
@@ -101,13 +148,18 @@ def rank_device() -> torch.device:
     return torch.device("cpu")
 
 
-def load_target(name_or_path: str, dtype: torch.dtype | str | None = None) -> PreTrainedModel:
+def load_target(
+    name_or_path: str, dtype: torch.dtype | str | None = None, ranks: int | None = None
+) -> PreTrainedModel:
     """This rank's shard of the target (a folder, a `.gguf` file or a bundled name), sharded over
     every rank of the process group (joined first, `init_ranks`) by transformers' plan.
 
     Raises ValueError, naming the model type and the counts, when the world size divides neither
-    the query nor the KV heads (checked on the config, before any weight is read)."""
+    the query nor the KV heads (checked on the config, before any weight is read), and when it is
+    not `ranks` (the ranks a command was told to use)."""
     _, world = init_ranks()
+    if ranks is not None and world != ranks:
+        raise ValueError(f"--tensor-parallel: {ranks} given, the launcher started {world} ranks")
     folder, gguf_file = resolve_model(name_or_path)
     extra = {} if gguf_file is None else {"gguf_file": gguf_file}
     local_heads(AutoConfig.from_pretrained(folder, local_files_only=True, **extra), world)

@@ -68,8 +68,9 @@ def _rank_main(rank: int, world: int, port: int, folder: Path, gpus: bool, work,
 def tensor_parallel_work(
     specs, blocks, prompts, new_tokens, temperatures, seeds, joining, dtype="float32"
 ) -> dict:
-    """On this rank's shard of tiny-code in `dtype`: `generate_every_drafter` under "generate"
-    and `rows_leave_and_join` under "cache" (one launch: starting ranks costs seconds)."""
+    """On this rank's shard of tiny-code in `dtype`: `generate_every_drafter` under "generate",
+    `rows_leave_and_join` under "cache", and the agreement checks under "disagreement" and
+    "lockstep" (one launch: starting ranks costs seconds)."""
     from specdec_fast import generate
     from specdec_fast.parallel import load_target
 
@@ -80,6 +81,7 @@ def tensor_parallel_work(
         ),
         "cache": rows_leave_and_join(target, prompts, joining),
         "disagreement": disagreement(target),
+        "lockstep": lockstep_disagreement(),
     }
 
 
@@ -93,6 +95,26 @@ def disagreement(target) -> str | None:
     except RuntimeError as error:
         return str(error)
     return None
+
+
+def lockstep_disagreement() -> dict:
+    """The serving lockstep's check (`serving.lockstep`) on this rank, after a request (key 3)
+    finished with the same tokens on every rank ("same"), then with this rank's own token
+    ("different"): the error each raised, or None."""
+    from specdec_fast.parallel import init_ranks
+    from specdec_fast.serving.lockstep import Lockstep
+
+    rank, _ = init_ranks()  # joined already, by load_target
+    lockstep = Lockstep(torch.device("cpu"))
+    errors = {}
+    for case, tokens in (("same", [5, 6]), ("different", [5, 6 + rank])):
+        lockstep.finished(3, tokens)
+        try:
+            lockstep.exchange(make_row=None)  # rank 0 asks for the check: it finished one
+            errors[case] = None
+        except RuntimeError as error:
+            errors[case] = str(error)
+    return errors
 
 
 def generate_every_drafter(

@@ -129,6 +129,14 @@ def test_ranks_that_disagree_raise(ranks):
         assert "ranks [1] generated other tokens than rank 0" in rank["disagreement"]
 
 
+def test_serving_ranks_whose_finished_requests_differ_raise(ranks):
+    """The check the serving lockstep runs after steps that finished requests: rank 1 finished
+    other tokens than rank 0, and every rank raises; the same tokens pass."""
+    for rank in (rank["lockstep"] for rank in ranks):
+        assert rank["same"] is None
+        assert "ranks [1] generated other tokens than rank 0" in rank["different"]
+
+
 def test_unsupported_cases_are_refused(target, monkeypatch):
     with pytest.raises(ValueError, match="divisible by 4, the model has 8 query and 2 KV heads"):
         local_heads(target.config, 4)
@@ -139,9 +147,13 @@ def test_unsupported_cases_are_refused(target, monkeypatch):
     with pytest.raises(ValueError, match="exact mode"):
         check_tensor_parallel(target, None, compile=None, use_cuda_graphs=None, exact=True)
     with monkeypatch.context() as sharded:
+        # The scheduler serves a sharded target (tests/test_parallel_serving.py), eagerly and
+        # with its prompts fed between the steps.
         sharded.setattr(target, "_tp_size", WORLD)
-        with pytest.raises(ValueError, match="a tensor-parallel target is not served yet"):
-            Scheduler(target)
+        with pytest.raises(ValueError, match="compile: a tensor-parallel target runs eagerly"):
+            Scheduler(target, compile=True)
+        with pytest.raises(ValueError, match="overlap_prefill: a tensor-parallel target feeds"):
+            Scheduler(target, overlap_prefill=True)
     # A draft model that is itself sharded (as transformers records it) is refused.
     drafter = DrafterSpec.parse("draft:tiny-code-draft:4").build(target)
     monkeypatch.setattr(drafter.draft_model, "_tp_size", WORLD)

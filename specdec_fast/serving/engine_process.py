@@ -58,7 +58,9 @@ class EngineConfig:
     model: an HF folder, a .gguf file or a bundled name (`load_model`); device, dtype: as
     `load_model` takes them (None: cuda if available, else cpu; "auto"). threads: torch's CPU
     threads in the child (None: torch's default). engine: `Service`'s keyword arguments
-    (model_name, max_batch, chat_template, ...).
+    (model_name, max_batch, chat_template, ...). tensor_parallel: the ranks the model is
+    sharded over (`parallel.load_target`, in the process that builds: the rank; `--device` is
+    then not read); rank 0's `Service` serves, the others follow it (`serving.lockstep`).
     """
 
     model: str
@@ -68,6 +70,7 @@ class EngineConfig:
     dtype: str = "auto"
     threads: int | None = None
     engine: dict = field(default_factory=dict)
+    tensor_parallel: int = 1
 
     def build(self, **extra):
         """The `Service` this describes, in this process (torch's threads set, the model
@@ -75,11 +78,15 @@ class EngineConfig:
         import torch
 
         from specdec_fast.loading import load_model, load_tokenizer, pick_device
+        from specdec_fast.parallel import load_target
         from specdec_fast.serving.service import Service
 
         if self.threads is not None:
             torch.set_num_threads(self.threads)
-        model = load_model(self.model, pick_device(self.device), self.dtype)
+        if self.tensor_parallel > 1:
+            model = load_target(self.model, self.dtype, self.tensor_parallel)
+        else:
+            model = load_model(self.model, pick_device(self.device), self.dtype)
         tokenizer = load_tokenizer(self.model)
         return Service(
             model, tokenizer, self.routes, guardrails=self.guardrails, **self.engine, **extra

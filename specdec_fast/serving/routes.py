@@ -308,6 +308,5 @@ class Router(RouteTable):
         counters.requests += 1
         if served.tokens != shadow.tokens:
             counters.mismatches += 1
-            guard = self.scheduler.lanes[route].guard
-            if pair.greedy and guard is not None:
-                guard.record_quality_regression()
+            if pair.greedy and self.scheduler.lanes[route].guard is not None:
+                self.scheduler.record_quality_regression(route)

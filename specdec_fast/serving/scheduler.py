@@ -32,6 +32,10 @@ the metrics. A step reads the device once (the emitted tokens, `batch.read_back`
 chunks and joins read nothing back. `step()` runs one iteration on the calling thread;
 `start()` runs steps on a thread of its own, and `submit` and `Handle.cancel` may then be called
 from any thread.
+
+On a tensor-parallel target (`specdec_fast.parallel.load_target`) every rank holds the same
+scheduler: rank 0's takes the requests, the others' run its steps (`follow`), and at the top of
+each step every rank applies rank 0's plan of what changed (`specdec_fast.serving.lockstep`).
 """
 
 from __future__ import annotations
@@ -42,18 +46,20 @@ import time
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
-from specdec_fast.arguments import build_sampling
+from specdec_fast.arguments import build_sampling, draw_seed
 from specdec_fast.batch import FAILED, Batch, Row
 from specdec_fast.cache import model_shards
 from specdec_fast.compiled import compile_choice
 from specdec_fast.drafters.base import Drafter, supports_join
 from specdec_fast.guardrails import DEFAULT_ROUTE, Guardrails, RouteGuard, token_latency
+from specdec_fast.parallel import check_tensor_parallel
 from specdec_fast.requests import Sampling, StopRule
 from specdec_fast.runner import ModelRunner
+from specdec_fast.serving.lockstep import HEARTBEAT_S, Lockstep
 from specdec_fast.stats import SequenceStats
 from specdec_fast.step import Drafted, Lane, StepReport, drop, index_lanes, step
 from specdec_fast.transfer import to_device
@@ -131,12 +137,12 @@ class Handle:
         self.done = threading.Event()
         self._scheduler = scheduler
         self.cancelled = False
+        self.key: int | None = None  # under tensor parallelism, its key on every rank
 
     def cancel(self) -> None:
         """End the request (finish reason "cancelled") and free its slot before the next step;
         a request that already ended is left as it is."""
-        self.cancelled = True
-        self._scheduler.wake()
+        self._scheduler.cancel(self)
 
     def wait(self, timeout: float | None = None) -> Completion | None:
         self.done.wait(timeout)
@@ -322,14 +328,23 @@ class Scheduler:
         overlap_prefill: bool | None = None,
         after_step: Callable[[], None] | None = None,
     ):
-        if model_shards(model) > 1:
-            # Every rank would have to take rank 0's admissions (docs/PARALLEL.md).
-            raise ValueError(
-                "model: a tensor-parallel target is not served yet; generate and bench run it"
-            )
         routes = dict(routes) if routes is not None else {DEFAULT_ROUTE: None}
         if not routes:
             raise ValueError("routes: expected at least one route")
+        sharded = model_shards(model) > 1
+        if sharded:
+            # A tensor-parallel target (`lockstep`) runs eagerly, and its prompts are fed on the
+            # scheduler's thread: a chunk fed beside the steps would join when it happens to be
+            # done, which differs between ranks.
+            for drafter in routes.values():
+                check_tensor_parallel(
+                    model, drafter, compile=compile, use_cuda_graphs=use_cuda_graphs, exact=False
+                )
+            if overlap_prefill:
+                raise ValueError(
+                    "overlap_prefill: a tensor-parallel target feeds prompts between its steps"
+                )
+            compile = use_cuda_graphs = overlap_prefill = False
         for name, drafter in routes.items():
             if drafter is not None and not supports_join(drafter):
                 raise ValueError(
@@ -378,6 +393,9 @@ class Scheduler:
         )
         self.runner.reserve(max_batch)
         self.device = self.runner.device
+        self._lockstep = Lockstep(self.device) if sharded else None
+        # Rank 0's idle thread wakes for the heartbeat that the other ranks wait for.
+        self._idle_s = HEARTBEAT_S if sharded else None
         if overlap_prefill is None:
             overlap_prefill = self.runner.feeds_beside_steps and _spare_core(
                 torch.get_num_threads()
@@ -421,6 +439,22 @@ class Scheduler:
     def submit(self, request: Request) -> Handle:
         """Queue `request`; returns its handle. Raises ValueError (naming the field) for a bad
         request, `QueueFull` when `max_queue` requests wait, `SchedulerStopped` once stopped."""
+        row = self._new_row(request)
+        with self._lock:
+            if self._closed or self.error is not None:
+                cause = "" if self.error is None else f" after {type(self.error).__name__}"
+                raise SchedulerStopped(f"the scheduler is stopped{cause}")
+            if self.waiting >= self.max_queue:
+                raise QueueFull(f"{self.waiting} requests are waiting (max_queue)")
+            if self._lockstep is None:
+                self._waiting.append(row)
+            else:
+                self._lockstep.announce(row)  # queued on every rank at the next step
+            self._wakeup.notify()
+        return row.handle
+
+    def _new_row(self, request: Request, key: int | None = None) -> _Row:
+        """The row of a checked `request` (ValueError names a bad field), its seed drawn."""
         if request.route not in self.lanes:
             raise ValueError(
                 f"route: unknown route {request.route!r}; routes: {', '.join(self.lanes)}"
@@ -442,22 +476,33 @@ class Scheduler:
                 f"prompt: {len(prompt)} tokens plus max_new_tokens={new} exceed the "
                 f"context of {self.context_len} tokens"
             )
+        if request.seed is None:
+            # Drawn here, so that every rank of a tensor-parallel target gets the same.
+            request = replace(request, seed=draw_seed())
         eos = self.eos_token_id if request.eos_token_id is None else request.eos_token_id
         rule = StopRule(eos, [list(seq) for seq in request.stop], new)
         sampling = build_sampling(
             1, request.temperature, request.top_k, request.top_p, request.seed
         )
         handle = Handle(request, self)
-        row = _Row(handle, prompt, sampling, rule, time.perf_counter())
-        with self._lock:
-            if self._closed or self.error is not None:
-                cause = "" if self.error is None else f" after {type(self.error).__name__}"
-                raise SchedulerStopped(f"the scheduler is stopped{cause}")
-            if len(self._waiting) >= self.max_queue:
-                raise QueueFull(f"{len(self._waiting)} requests are waiting (max_queue)")
-            self._waiting.append(row)
-            self._wakeup.notify()
-        return handle
+        handle.key = key
+        return _Row(handle, prompt, sampling, rule, time.perf_counter())
+
+    def cancel(self, handle: Handle) -> None:
+        """`handle.cancel()`: under tensor parallelism on every rank at the next step."""
+        if self._lockstep is None:
+            handle.cancelled = True
+        else:
+            self._lockstep.cancel(handle.key)
+        self.wake()
+
+    def record_quality_regression(self, route: str) -> None:
+        """A quality regression for `route`'s guard (a shadow copy's output differed): under
+        tensor parallelism on every rank at the next step."""
+        if self._lockstep is None:
+            self.lanes[route].guard.record_quality_regression()
+        else:
+            self._lockstep.regressed(route)
 
     def wake(self) -> None:
         """Wake the scheduler's thread (a request was cancelled)."""
@@ -467,7 +512,8 @@ class Scheduler:
     @property
     def waiting(self) -> int:
         """Requests queued for a slot."""
-        return len(self._waiting)
+        announced = 0 if self._lockstep is None else self._lockstep.announced
+        return len(self._waiting) + announced
 
     @property
     def running(self) -> int:
@@ -490,12 +536,17 @@ class Scheduler:
         return not self._closed and self.error is None and thread_ok
 
     def close(self) -> None:
-        """Stop the thread, end every request ("cancelled") and the drafters; close the runner."""
+        """Stop the thread, end every request ("cancelled") and the drafters; close the runner.
+        Rank 0 of a tensor-parallel target stops the other ranks (unless it failed: then its
+        exit ends theirs, as their collectives lose it)."""
         with self._lock:
             self._closed = True
             self._wakeup.notify()
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join()
+        lockstep = self._lockstep
+        if lockstep is not None and lockstep.leads and not lockstep.stopped and self.error is None:
+            self._follow_plan(stop=True)
         self._abort(CANCELLED)
         if self._feeder is not None:
             self._feeder.shutdown()
@@ -505,7 +556,8 @@ class Scheduler:
         while True:
             with self._lock:
                 while not self._closed and not self._has_work():
-                    self._wakeup.wait()
+                    if not self._wakeup.wait(self._idle_s):
+                        break  # a step with nothing to do: the heartbeat (`lockstep`)
                 if self._closed:
                     return
             try:
@@ -513,6 +565,8 @@ class Scheduler:
             except Exception as error:  # noqa: BLE001 - every request in flight gets the error
                 self._abort(FAILED, f"{type(error).__name__}: {error}")
                 try:
+                    if self._lockstep is not None:
+                        raise  # a rank cannot go on alone: the others may be past this step
                     self.runner.reserve(self.max_batch)
                 except Exception as fatal:  # noqa: BLE001 - nothing more can be served
                     with self._lock:
@@ -524,7 +578,7 @@ class Scheduler:
                     self.after_step()
 
     def _has_work(self) -> bool:
-        return bool(self.rows or self._prefill is not None or self._waiting)
+        return bool(self.rows or self._prefill is not None or self.waiting)
 
     def step(self) -> bool:
         """One iteration: drop cancelled requests, feed one chunk of the newcomers' prompts (a
@@ -533,6 +587,8 @@ class Scheduler:
         the prefill thread instead and the step goes on; a chunk fed there is taken in after
         the step that sees it done. Returns whether anything is left to do."""
         with torch.no_grad():
+            if self._lockstep is not None and not self._follow_plan():
+                return False
             self._drop_cancelled()
             if self._prefill is None:
                 self._start_prefill()
@@ -547,6 +603,25 @@ class Scheduler:
             if self._feeding is not None and self._feeding.future.done():
                 self._take_feed()
         return bool(self.rows or self._prefill is not None or self._waiting)
+
+    def _follow_plan(self, stop: bool = False) -> bool:
+        """Tensor parallelism: rank 0's plan, applied on this rank (`lockstep`); False when the
+        scheduler stops (rank 0: `stop`)."""
+        rows, plan = self._lockstep.exchange(self._new_row, stop)
+        with self._lock:
+            self._waiting.extend(rows)
+            self._closed |= plan.stop
+        for route in plan.regressed:
+            self.lanes[route].guard.record_quality_regression()
+        return not plan.stop
+
+    def follow(self) -> None:
+        """A rank other than 0 of a tensor-parallel target: run rank 0's steps on this thread
+        until rank 0's scheduler closes (`lockstep`; the requests come from rank 0's plans)."""
+        if self._lockstep is None or self._lockstep.leads:
+            raise RuntimeError("follow: only the ranks other than 0 follow rank 0's steps")
+        while not self._closed:
+            self.step()
 
     def run_until_idle(self, max_steps: int | None = None) -> int:
         """`step()` until nothing is left to do (or `max_steps`); returns the steps run."""
@@ -665,6 +740,9 @@ class Scheduler:
 
     def _decode(self) -> None:
         report = step(self.runner, self.batch, self._lanes, self.vocab_size)
+        if self._lockstep is not None:
+            # The guards decide on the step's time: every rank must read the same.
+            report.seconds = self._lockstep.slowest(report.seconds)
         for draft in report.drafted:
             draft.lane.count(draft, report.host, self.rows)
         self._guard_step(report)
@@ -755,6 +833,8 @@ class Scheduler:
             finished=time.perf_counter(),
             error=error,
         )
+        if self._lockstep is not None:
+            self._lockstep.finished(row.handle.key, completion.tokens)
         row.handle.completion = completion
         row.handle.done.set()
         if row.request.on_finish is not None:

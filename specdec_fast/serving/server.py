@@ -30,6 +30,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import gc
+import signal
 import threading
 import time
 from collections.abc import AsyncIterator
@@ -42,6 +43,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException
 
 from specdec_fast.guardrails import Guardrails
+from specdec_fast.parallel import launched_rank
 from specdec_fast.serving.access import API_KEY_ENV, ApiKeys, is_loopback
 from specdec_fast.serving.engine_process import EngineConfig, ProcessEngine
 from specdec_fast.serving.errors import RequestError, error_body
@@ -425,8 +427,17 @@ def serve(args) -> int:
         "seed": args.seed,
     }
     config = EngineConfig(
-        args.model, routes, guardrails, args.device, args.dtype, args.threads, options
+        args.model,
+        routes,
+        guardrails,
+        args.device,
+        args.dtype,
+        args.threads,
+        options,
+        args.tensor_parallel,
     )
+    if args.tensor_parallel > 1 and launched_rank() != 0:
+        return follow(config)
     log_to_stderr()
     keys = ApiKeys.from_sources(args.api_key)
     if not keys and not is_loopback(args.host):
@@ -452,4 +463,19 @@ def serve(args) -> int:
         metrics_auth=args.metrics_auth,
     )
     run_server(app, args.host, args.port, args.log_level, args.drain_timeout)
+    return 0
+
+
+def follow(config: EngineConfig) -> int:
+    """A rank other than 0 of `serve --tensor-parallel N`: no server; its scheduler runs rank
+    0's steps on this thread until rank 0's closes (`specdec_fast.serving.lockstep`). Once it
+    serves, signals are left to rank 0, whose drain ends this rank too: a rank that left on its
+    own would leave the others waiting in a collective."""
+    service = config.build()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    try:
+        service.scheduler.follow()
+    finally:
+        service.close()
     return 0

@@ -7,7 +7,9 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from specdec_fast.cache import model_shards
 from specdec_fast.guardrails import Guardrails
+from specdec_fast.parallel import leave_ranks
 from specdec_fast.serving.metrics import ServingMetrics
 from specdec_fast.serving.routes import RouteConfig, Router
 from specdec_fast.serving.scheduler import (
@@ -103,7 +105,10 @@ class Service:
         self.scheduler.start()
 
     def close(self) -> None:
+        """Close the scheduler; a rank of a tensor-parallel target then leaves its group."""
         self.scheduler.close()
+        if model_shards(self.model) > 1:
+            leave_ranks()
 
     def submit_now(self, route: str, request: Request) -> Handle:
         """`request` on `route` through the router; a refusal (`QueueFull`, `SchedulerStopped`)
