@@ -37,7 +37,6 @@ COMPILE_LOG: list[tuple[str, float]] = []
 # What the `CompiledSteps.run` call in progress on this thread would compile ("llama verify B=1
 # N=8"), for the notice given when dynamo starts compiling (`_announce`); None outside one.
 _RUNNING: ContextVar[str | None] = ContextVar("specdec_compiled_step", default=None)
-_ANNOUNCING = False
 
 
 def _announce(_args) -> None:
@@ -51,13 +50,13 @@ def _announce(_args) -> None:
 
 
 def _announce_compilations() -> None:
-    """Register `_announce` with dynamo, once per process."""
-    global _ANNOUNCING
-    if not _ANNOUNCING:
-        from torch._dynamo.callback import callback_handler
+    """Register `_announce` with dynamo unless it is registered: `torch._dynamo.reset()` (which
+    `torch.compiler.reset()` and inductor's code-inspecting utilities call) clears dynamo's
+    callbacks, so a flag set once per process would leave the notices off for good."""
+    from torch._dynamo.callback import callback_handler
 
+    if _announce not in callback_handler.start_callbacks:
         callback_handler.register_start_callback(_announce)
-        _ANNOUNCING = True
 
 
 # The compile choice of the `generate` call or scheduler attaching drafters (`compile_choice`).
@@ -335,7 +334,7 @@ class CompiledSteps:
             if compiled is None:
                 what = f"the {kind} step of this {self.model} model"
                 compiled = self._steps[kind] = CompiledStep(step, what, self.weights)
-                _announce_compilations()
+            _announce_compilations()
             running = _RUNNING.set(f"{self.model} {label}")
             try:
                 out, seconds = compiled(*args)

@@ -52,9 +52,25 @@ def test_a_compiling_step_says_so_once_per_shape(eager_dynamo, caplog):
 
 def test_compilations_outside_the_steps_are_not_told(eager_dynamo, caplog):
     caplog.set_level(logging.INFO, logger=notices.LOGGER.name)
-    CompiledSteps("toy", compile=True)  # registers the callback
+    steps = CompiledSteps("toy", compile=True)
+    steps.run("decode", "decode B=1", lambda x: x + 5, torch.ones(1, 2))  # registers the callback
+    assert len(told(caplog)) == 1
     torch.compile(lambda x: x - 3)(torch.ones(4))
-    assert told(caplog) == []
+    assert len(told(caplog)) == 1
+
+
+def test_steps_are_told_after_dynamo_resets(eager_dynamo, caplog):
+    """`torch._dynamo.reset()` (torch.compiler.reset(), inductor's run_and_get_code) clears
+    dynamo's callbacks: the next step that compiles registers the notice again."""
+    caplog.set_level(logging.INFO, logger=notices.LOGGER.name)
+    steps = CompiledSteps("toy", compile=True)
+    steps.run("decode", "decode B=1", lambda x: x * 3, torch.ones(1, 2))
+    torch._dynamo.reset()
+    CompiledSteps("toy", compile=True).run("decode", "decode B=2", lambda x: x * 4, torch.ones(2))
+    assert [message.split(":")[0] for message in told(caplog)] == [
+        "compiling toy decode B=1",
+        "compiling toy decode B=2",
+    ]
 
 
 def test_the_interpreter_on_the_cpu_is_named_once(monkeypatch, caplog):
