@@ -9,10 +9,14 @@ like an HF checkpoint.
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import shutil
 import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
+from unittest import mock
 
 import torch
 
@@ -44,6 +48,24 @@ def _special_tokens(tokenizer, config) -> None:
             setattr(tokenizer, f"{role}_token", tokenizer.convert_ids_to_tokens(token_id))
 
 
+@contextmanager
+def _parsed_once() -> Iterator[None]:
+    """Within the block, each GGUF file is parsed once and each of gguf's tensor-name maps built
+    once. transformers parses the file anew for the config, the tokenizer and the weights (4 s
+    each for SmolLM2's 49,152-token vocabulary on a 2-core CPU) and builds the same name map
+    for every tensor (5 s for SmolLM2's 273); it imports both from `gguf` at each call, so the
+    module's attributes are what it gets. The parsed reader is read-only (memory-mapped)."""
+    import gguf
+
+    open_reader = functools.lru_cache(maxsize=None)(gguf.GGUFReader)
+    name_map = functools.lru_cache(maxsize=None)(gguf.get_tensor_name_map)
+    with (
+        mock.patch.object(gguf, "GGUFReader", open_reader),
+        mock.patch.object(gguf, "get_tensor_name_map", name_map),
+    ):
+        yield
+
+
 def dequantize_to_folder(gguf_file: str | Path, out_dir: str | Path) -> None:
     """Write `gguf_file` as an HF folder `out_dir`: float32 safetensors weights (dequantized),
     config.json and generation_config.json without the GGUF quantization record, and the
@@ -54,8 +76,11 @@ def dequantize_to_folder(gguf_file: str | Path, out_dir: str | Path) -> None:
     require_gguf()
     gguf_file, out_dir = Path(gguf_file), Path(out_dir)
     read = {"gguf_file": gguf_file.name, "local_files_only": True, "trust_remote_code": False}
-    quantized = AutoModelForCausalLM.from_pretrained(gguf_file.parent, dtype=torch.float32, **read)
-    tokenizer = AutoTokenizer.from_pretrained(gguf_file.parent, **read)
+    with _parsed_once():
+        quantized = AutoModelForCausalLM.from_pretrained(
+            gguf_file.parent, dtype=torch.float32, **read
+        )
+        tokenizer = AutoTokenizer.from_pretrained(gguf_file.parent, **read)
     config = quantized.config
     del config.quantization_config
     config.dtype = torch.float32
