@@ -29,17 +29,36 @@ HAS_CUDA = torch.cuda.is_available()
 DEVICE = torch.device("cuda" if HAS_CUDA else "cpu")
 
 
-# The modules that take longest on the CPU (CI's slowest tests), longest first. `run.sh test`
-# hands whole modules to its two workers in collection order (`--dist loadfile
-# --no-loadscope-reorder`): starting these first keeps the last one from running on alone.
+# The modules that take longest on the CPU (their summed test times in a suite run), longest
+# first. `run.sh test` hands whole modules to its two workers in collection order (`--dist
+# loadfile --no-loadscope-reorder`): these first, the many short ones last, so that the two
+# workers finish together rather than one running a long module on alone.
 SLOWEST_MODULES = (
     "test_step_budget.py",
-    "test_gpu_suite.py",
-    "test_bench_e2e.py",
-    "test_block.py",
+    "test_compiled_step.py",
     "test_continuous_batching.py",
     "test_eagle.py",
+    "test_bench_e2e.py",
+    "test_block.py",
+    "test_gpu_suite.py",
     "test_compiled_drafters.py",
+    "test_parallel_serving.py",
+    "test_parallel.py",
+    "test_engine_process.py",
+    "test_harness.py",
+    "test_bench_tree_attention.py",
+    "test_bench_verify.py",
+    "test_chat_target.py",
+    "test_verify_schedules.py",
+    "test_server_soak.py",
+    "test_server_shutdown.py",
+    "test_exact.py",
+    "test_tree_attention_tiles.py",
+    "test_tree_attention_window.py",
+    "test_bench_kv_compact.py",
+    "test_verify.py",
+    "test_serving.py",
+    "test_verify_lossless.py",
 )
 
 
