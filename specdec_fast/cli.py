@@ -664,12 +664,16 @@ def main(argv: list[str] | None = None) -> int:
     saved = os.environ.get("SPECDEC_COMPILE")
     try:
         _choose_compile(args)
-        from specdec_fast.parallel import in_ranks, launch
+        from specdec_fast.parallel import finish_ranks, in_ranks, launch
 
-        if getattr(args, "tensor_parallel", 1) > 1 and not in_ranks():
+        parallel = getattr(args, "tensor_parallel", 1) > 1
+        if parallel and not in_ranks():
             # The ranks run this same command line (and see the launcher's WORLD_SIZE).
             return launch(args.tensor_parallel, sys.argv[1:] if argv is None else argv)
-        return _dispatch(args)
+        code = _dispatch(args)
+        if parallel and code == 0 and args.command != "serve":  # a server's ranks leave on close
+            finish_ranks()
+        return code
     except (Exception, KeyboardInterrupt) as error:
         if args.debug:
             raise
