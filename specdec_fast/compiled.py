@@ -15,6 +15,7 @@ from contextvars import ContextVar
 from typing import Any
 
 import torch
+from torch._dynamo.callback import callback_handler
 
 from specdec_fast.notices import notice
 
@@ -53,8 +54,6 @@ def _announce_compilations() -> None:
     """Register `_announce` with dynamo unless it is registered: `torch._dynamo.reset()` (which
     `torch.compiler.reset()` and inductor's code-inspecting utilities call) clears dynamo's
     callbacks, so a flag set once per process would leave the notices off for good."""
-    from torch._dynamo.callback import callback_handler
-
     if _announce not in callback_handler.start_callbacks:
         callback_handler.register_start_callback(_announce)
 

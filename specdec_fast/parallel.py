@@ -87,7 +87,7 @@ def finish_ranks() -> None:
     1 run in 12 of `generate --tensor-parallel 2` here), failing a command that succeeded."""
     if dist.is_initialized():
         dist.barrier()
-        dist.destroy_process_group()
+    leave_ranks()
 
 
 def in_ranks() -> bool:
