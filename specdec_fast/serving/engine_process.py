@@ -410,3 +410,7 @@ def _child(conn, config: EngineConfig) -> None:
         engine.close()
         outbox.flush()
         conn.close()
+    if config.tensor_parallel > 1:
+        from specdec_fast.parallel import end_rank
+
+        end_rank(0)  # a rank of a tensor-parallel target skips the interpreter's teardown

@@ -516,6 +516,12 @@ class Scheduler:
         return len(self._waiting) + announced
 
     @property
+    def ranks_stopped(self) -> bool:
+        """A tensor-parallel target: whether every rank has taken the plan that stopped the
+        schedulers (they can then leave their group together, `parallel.finish_ranks`)."""
+        return self._lockstep is not None and self._lockstep.stopped
+
+    @property
     def running(self) -> int:
         """Requests holding a slot (decoding, or having their prompt fed)."""
         return len(self.rows) + (len(self._prefill.rows) if self._prefill is not None else 0)

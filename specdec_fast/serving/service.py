@@ -9,7 +9,7 @@ from collections.abc import Callable
 
 from specdec_fast.cache import model_shards
 from specdec_fast.guardrails import Guardrails
-from specdec_fast.parallel import leave_ranks
+from specdec_fast.parallel import finish_ranks, leave_ranks
 from specdec_fast.serving.metrics import ServingMetrics
 from specdec_fast.serving.routes import RouteConfig, Router
 from specdec_fast.serving.scheduler import (
@@ -105,9 +105,13 @@ class Service:
         self.scheduler.start()
 
     def close(self) -> None:
-        """Close the scheduler; a rank of a tensor-parallel target then leaves its group."""
+        """Close the scheduler; a rank of a tensor-parallel target then leaves its group: with
+        the others when the stop plan reached every rank (`parallel.finish_ranks`), alone when
+        rank 0 failed (the others then lose it in their collectives)."""
         self.scheduler.close()
-        if model_shards(self.model) > 1:
+        if model_shards(self.model) > 1 and self.scheduler.ranks_stopped:
+            finish_ranks()
+        elif model_shards(self.model) > 1:
             leave_ranks()
 
     def submit_now(self, route: str, request: Request) -> Handle:
