@@ -8,6 +8,9 @@ The ranks are spawned and bounded (`tensor_parallel_ranks.run_ranks`): a hang fa
 """
 
 import json
+import os
+import subprocess
+import sys
 from functools import partial
 
 import pytest
@@ -184,3 +187,24 @@ def test_generate_command_launches_ranks_that_print_what_one_process_does(capfd,
     single = json.loads(capfd.readouterr().out)
     assert records[0]["completion"] == single["completion"]
     assert records[0]["stats"]["accepted_tokens"] == single["stats"]["accepted_tokens"]
+
+
+def test_a_rank_ends_with_its_code_and_its_output_flushed():
+    """A rank (WORLD_SIZE set) ends without the interpreter's teardown (`parallel.end_rank`):
+    its exit code is the command's, and what it printed into a pipe (block-buffered) arrives,
+    the completion on stdout and an error's line on stderr."""
+    environment = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}
+    environment |= {"WORLD_SIZE": "1", "CUDA_VISIBLE_DEVICES": ""}
+    command = [sys.executable, "-m", "specdec_fast", "generate", "--device", "cpu"]
+    command += ["--max-new-tokens", "3", "--prompt", "def fib(n):"]
+    done = subprocess.run(
+        [*command, "--model", "tiny-code"],
+        env=environment, capture_output=True, text=True, timeout=TIMEOUT,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith("def fib(n):") and "tokens/step" in done.stdout
+    failed = subprocess.run(
+        [*command, "--model", "/nonexistent/model"],
+        env=environment, capture_output=True, text=True, timeout=TIMEOUT,
+    )  # fmt: skip
+    assert failed.returncode == 2 and "specdec-fast generate: error:" in failed.stderr
