@@ -3,8 +3,9 @@ server process, launched as the command line launches it (through torch.distribu
 two gloo ranks each hold half of the bundled tiny-code target's heads, answered by the official
 `openai` client. Its outputs are single-process `generate`'s: greedy on the plain, n-gram and
 draft-model routes (sent at once, so that rows join and leave one batch), sampled with a seed,
-and streamed. SIGTERM to the command stops every rank and it exits 0 (ranks whose served
-requests disagree raise: tests/test_parallel.py checks it in its own launch).
+and streamed; a stream left midway is cancelled on every rank. SIGTERM to the command stops
+every rank and it exits 0 (ranks whose served requests disagree raise: tests/test_parallel.py
+checks it in its own launch).
 
 Every wait is bounded: the server's start, each request (the client's timeout), the shutdown.
 """
@@ -172,6 +173,37 @@ def test_a_stream_carries_the_greedy_output(client, reference):
     chunks = [chunk.choices[0] for chunk in stream]
     assert len(chunks) > 2 and chunks[-1].finish_reason == "length"
     assert "".join(chunk.text for chunk in chunks) == reference(ROUTES["draft"])
+
+
+def aborted(server, route: str) -> float:
+    """Rank 0's count of `route`'s requests that the server ended ("abort")."""
+    metrics = httpx.get(server.url + "/metrics", timeout=TIMEOUT_S).text
+    labels = (f'route="{route}"', 'finished_reason="abort"')
+    for line in metrics.splitlines():
+        if line.startswith("vllm:request_success_total{") and all(x in line for x in labels):
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
+def test_a_stream_left_midway_is_cancelled_on_every_rank(server, client, reference):
+    """A client that leaves a long stream after two chunks: rank 0's plan cancels the request
+    on every rank (each drops the row at the same step), and the ranks go on serving the next
+    request in agreement (a rank whose finished requests differed would raise and stop them)."""
+    before = aborted(server, "draft")
+    stream = client.completions.create(
+        model="draft", prompt=PROMPT, max_tokens=400, temperature=0, stream=True
+    )
+    taken = [chunk for _, chunk in zip(range(2), stream, strict=False)]
+    stream.close()
+    assert len(taken) == 2 and taken[-1].choices[0].finish_reason is None
+    deadline = time.monotonic() + TIMEOUT_S
+    while aborted(server, "draft") < before + 1:
+        assert time.monotonic() < deadline, "the cancelled stream never ended"
+        time.sleep(0.2)
+    reply = client.completions.create(
+        model="draft", prompt=PROMPT, max_tokens=NEW_TOKENS, temperature=0
+    )
+    assert reply.choices[0].text == reference(ROUTES["draft"])
 
 
 def test_sigterm_to_the_command_stops_every_rank_and_exits_0(server):
