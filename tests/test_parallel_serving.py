@@ -136,6 +136,16 @@ def reference():
     return complete
 
 
+def counter(server, family: str, *labels: str) -> float:
+    """Rank 0's `family` counter of the series carrying every label in `labels`
+    (`route="draft"`); 0 when no series has them."""
+    metrics = httpx.get(server.url + "/metrics", timeout=TIMEOUT_S).text
+    for line in metrics.splitlines():
+        if line.startswith(family + "{") and all(label in line for label in labels):
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
 def test_greedy_outputs_of_every_route_are_one_process_generates(server, client, reference):
     def ask(route: str) -> str:
         reply = client.completions.create(
@@ -148,15 +158,9 @@ def test_greedy_outputs_of_every_route_are_one_process_generates(server, client,
     for route, spec in ROUTES.items():
         assert served[route] == reference(spec), route
     # The drafters drafted (rank 0's metrics): the routes speculated, not decoded plainly.
-    metrics = httpx.get(server.url + "/metrics", timeout=TIMEOUT_S).text
     for route in ("default", "draft"):  # `tiny-code`, the model's name, is the default route
-        drafts = [
-            line
-            for line in metrics.splitlines()
-            if line.startswith("vllm:spec_decode_num_draft_tokens_total{")
-            and f'route="{route}"' in line
-        ]
-        assert drafts and float(drafts[0].rsplit(" ", 1)[1]) > 0, route
+        drafts = counter(server, "vllm:spec_decode_num_draft_tokens_total", f'route="{route}"')
+        assert drafts > 0, route
 
 
 def test_a_seeded_sampled_request_draws_what_one_process_draws(client, reference):
@@ -175,21 +179,12 @@ def test_a_stream_carries_the_greedy_output(client, reference):
     assert "".join(chunk.text for chunk in chunks) == reference(ROUTES["draft"])
 
 
-def aborted(server, route: str) -> float:
-    """Rank 0's count of `route`'s requests that the server ended ("abort")."""
-    metrics = httpx.get(server.url + "/metrics", timeout=TIMEOUT_S).text
-    labels = (f'route="{route}"', 'finished_reason="abort"')
-    for line in metrics.splitlines():
-        if line.startswith("vllm:request_success_total{") and all(x in line for x in labels):
-            return float(line.rsplit(" ", 1)[1])
-    return 0.0
-
-
 def test_a_stream_left_midway_is_cancelled_on_every_rank(server, client, reference):
     """A client that leaves a long stream after two chunks: rank 0's plan cancels the request
     on every rank (each drops the row at the same step), and the ranks go on serving the next
     request in agreement (a rank whose finished requests differed would raise and stop them)."""
-    before = aborted(server, "draft")
+    labels = ('route="draft"', 'finished_reason="abort"')
+    before = counter(server, "vllm:request_success_total", *labels)
     stream = client.completions.create(
         model="draft", prompt=PROMPT, max_tokens=400, temperature=0, stream=True
     )
@@ -197,7 +192,7 @@ def test_a_stream_left_midway_is_cancelled_on_every_rank(server, client, referen
     stream.close()
     assert len(taken) == 2 and taken[-1].choices[0].finish_reason is None
     deadline = time.monotonic() + TIMEOUT_S
-    while aborted(server, "draft") < before + 1:
+    while counter(server, "vllm:request_success_total", *labels) < before + 1:
         assert time.monotonic() < deadline, "the cancelled stream never ended"
         time.sleep(0.2)
     reply = client.completions.create(

@@ -109,9 +109,11 @@ class Service:
         the others when the stop plan reached every rank (`parallel.finish_ranks`), alone when
         rank 0 failed (the others then lose it in their collectives)."""
         self.scheduler.close()
-        if model_shards(self.model) > 1 and self.scheduler.ranks_stopped:
+        if model_shards(self.model) == 1:
+            return
+        if self.scheduler.ranks_stopped:
             finish_ranks()
-        elif model_shards(self.model) > 1:
+        else:
             leave_ranks()
 
     def submit_now(self, route: str, request: Request) -> Handle:
