@@ -8,7 +8,14 @@ through the `triton_backend` fixture; everything else uses the default backend c
 
 import os
 
-import torch
+# Inductor's CPU kernels in scalar C++ (no vector ISA): each compiled test graph's kernels compile
+# in about half the time, the same graphs and the same engine code around them (what the compiled
+# tests check). `TORCHINDUCTOR_VEC_ISA_OK= bash run.sh test` (set, empty: inductor's own choice)
+# runs them vectorized, as a CPU user gets them. Set before torch reads it; the tests'
+# subprocesses inherit it.
+os.environ.setdefault("TORCHINDUCTOR_VEC_ISA_OK", "0")
+
+import torch  # noqa: E402
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
