@@ -1,14 +1,18 @@
-"""Inductor's freezing on the CPU, side by side: the bundled target frozen and not, one process.
+"""Inductor's freezing on the CPU, side by side: a target frozen and not, in one process.
 
-Two copies of the bundled tiny-code target, one whose runners compile with freezing
-(`SPECDEC_FREEZE=1` when its runner is made: weights become graph constants, prepacked for the
-CPU's GEMMs) and one without (`SPECDEC_FREEZE=0`), decode the same held-out code prompts with
-plain decoding and each drafter of `--cells` (greedy, batch 1, no EOS stop, compiled). Every
-round runs each cell frozen and not, in turns; the table gives the median tokens/s of each, the
-median of the per-round ratios (frozen / not) and whether both outputs equal plain decoding's.
+Two copies of a target (the bundled tiny-code unless `--model` names another), one whose
+runners compile with freezing (`SPECDEC_FREEZE=1` when its runner is made: weights become graph
+constants, prepacked for the CPU's GEMMs) and one without (`SPECDEC_FREEZE=0`), decode the same
+held-out code prompts with plain decoding and each drafter of `--cells` (greedy, batch 1, no EOS
+stop, compiled). Every round runs each cell frozen and not, in turns; the table gives the median
+tokens/s of each, the median of the per-round ratios (frozen / not) and whether both outputs
+equal plain decoding's.
 
     python bench/bench_freeze.py                      # default cells, 9 rounds (~6 min)
     python bench/bench_freeze.py --rounds 3 --cells plain,ngram:4
+    python bench/bench_freeze.py --model FOLDER --cells plain,ngram:4   # another target
+
+The block cells use the bundled tiny-code heads, so they need the default target.
 
 Writes bench/results/freeze-<device>.json and .md (or `--out STEM`).
 """
@@ -63,19 +67,21 @@ def decode(target, prompts, cell: str, heads: dict, tokens: int):
     return time.perf_counter() - start, outputs
 
 
-def run(cells, count: int, tokens: int, rounds: int) -> list[dict]:
+def run(cells, count: int, tokens: int, rounds: int, model: str = "tiny-code") -> list[dict]:
     device = bench_device()
     if device.type != "cpu":
         raise SystemExit("freezing is a CPU runner's option: run this on the CPU")
-    base = load_model("tiny-code", device)
+    # The block drafters' models of the cells that use them, for each target.
+    kinds = {cell.partition(":")[0] for cell in cells} & {"dflash", "pard"}
+    if kinds and model != "tiny-code":
+        raise SystemExit(f"cells {sorted(kinds)} use the tiny-code heads: drop them or the --model")
+    base = load_model(model, device)
     targets = {"frozen": base, "not frozen": copy.deepcopy(base)}
-    tokenizer = load_tokenizer("tiny-code")
+    tokenizer = load_tokenizer(model)
     prompts = [
         [tokenizer.bos_token_id, *tokenizer.encode(r["prompt"], add_special_tokens=False)]
         for r in load_code_prompts(count)
     ]
-    # The block drafters' models of the cells that use them, for each target.
-    kinds = {cell.partition(":")[0] for cell in cells} & {"dflash", "pard"}
     heads = {
         mode: {kind: load_block_model(f"tiny-code-{kind}", t) for kind in kinds}
         for mode, t in targets.items()
@@ -153,13 +159,14 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=4)
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=9)
+    parser.add_argument("--model", default="tiny-code", help="the target: bundled name or folder")
     parser.add_argument("--out", type=Path, default=None, help="output stem")
     args = parser.parse_args()
     cells = args.cells.split(",")
-    records = run(cells, args.prompts, args.new_tokens, args.rounds)
+    records = run(cells, args.prompts, args.new_tokens, args.rounds, args.model)
     env = environment(bench_device())
     markdown = (
-        f"# Inductor freezing on the CPU, tiny-code, {args.prompts} held-out code prompts x "
+        f"# Inductor freezing on the CPU, {args.model}, {args.prompts} held-out code prompts x "
         f"{args.new_tokens} tokens, greedy, batch 1, medians of {args.rounds} rounds in turns "
         f"({env['date']}, {torch.get_num_threads()} threads)\n\n{table(records)}\n"
     )

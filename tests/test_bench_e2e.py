@@ -8,7 +8,7 @@ import torch
 from bench_smoke import import_bench
 
 from specdec_fast import bundled
-from specdec_fast.loading import load_model
+from specdec_fast.loading import load_model, load_tokenizer
 
 
 def test_bench_generate_compares_every_peer(monkeypatch):
@@ -181,17 +181,23 @@ def test_tiny_grid_adds_float32_dflash_heads_beside_the_default(monkeypatch):
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(
-    "tiny-code-dflash" not in bundled.available(), reason="needs the bundled DFlash head"
-)
-def test_bench_freeze_runs_both_settings_side_by_side(monkeypatch):
+@pytest.mark.skipif("tiny-code" not in bundled.available(), reason="needs the bundled target")
+def test_bench_freeze_runs_both_settings_side_by_side(monkeypatch, tmp_path):
     """bench_freeze: the frozen and unfrozen targets' runners run as set (it raises otherwise),
     their outputs equal plain decoding's, and each cell gets its paired ratio."""
     bench = import_bench(monkeypatch, "bench_freeze")
     monkeypatch.delenv("SPECDEC_FREEZE", raising=False)
-    # Frozen compiles are slow: plain decoding and one drafter, on one prompt.
-    records = bench.run(["plain", "ngram:4"], 1, 6, 1)
+    # Frozen compiles are slow: plain decoding and one drafter, on one prompt, over the bundled
+    # target cut to its first two layers (`--model`: each layer's graph lowers on its own).
+    target = load_model("tiny-code", torch.device("cpu"))
+    target.model.layers = target.model.layers[:2]
+    target.config.num_hidden_layers = 2
+    target.save_pretrained(tmp_path)
+    load_tokenizer("tiny-code").save_pretrained(tmp_path)
+    records = bench.run(["plain", "ngram:4"], 1, 6, 1, model=str(tmp_path))
     assert [r["cell"] for r in records] == ["plain", "ngram:4"]
     assert all(r["identical"] and r["paired_ratio"] > 0 for r in records)
     assert "SPECDEC_FREEZE" not in os.environ
+    with pytest.raises(SystemExit, match="tiny-code heads"):
+        bench.run(["plain", "dflash:8"], 1, 6, 1, model=str(tmp_path))
     assert len(bench.table(records).splitlines()) == 2 + len(records)
