@@ -127,6 +127,13 @@ class GuardrailPolicy:
             raise ValueError(f"{where}.{error}") from None
 
 
+def token_latency(seconds: float, emitted: list[list[int]]) -> float | None:
+    """Seconds per emitted token of a row, over the rows that emitted `emitted` in a step of
+    `seconds` (None when they emitted nothing): what a guard's latency bound judges."""
+    tokens = sum(len(e) for e in emitted)
+    return seconds * len(emitted) / tokens if tokens else None
+
+
 @dataclass
 class _Step:
     drafted: int
@@ -172,6 +179,35 @@ class RouteGuard:
         self.errors += int(error)
         if len(self.window) >= self.policy.min_window_steps:
             self._evaluate()
+
+    def record_step(
+        self,
+        seconds: float,
+        plain: list[list[int]],
+        speculated: list[list[int]] | None = None,
+        drafted: int = 0,
+        accepted: int = 0,
+        error: bool = False,
+    ) -> bool:
+        """One decode step of the route, `seconds` long: the one account of a step for
+        `generate`'s guarded drafters and the server's routes alike. `plain` holds the tokens
+        its plainly decoded rows emitted (a cool-down counts these steps), `speculated` those of
+        its speculating rows (None: none speculated), which drafted `drafted` tokens and had
+        `accepted` of them accepted; `error`: the drafter failed in the step after its proposal
+        was verified (a malformed proposal, an exception in `update`). Returns whether the
+        route still speculates: when not, its rows fall back to plain decoding."""
+        if plain:
+            self.record_plain_step(token_latency(seconds, plain))
+        if speculated is not None:
+            self.record_speculative_step(
+                drafted, accepted, token_latency(seconds, speculated), error
+            )
+        return self.speculating
+
+    def record_error(self) -> None:
+        """A drafter failure outside a verified step (attach, begin, join, propose, keep): an
+        error step that drafted nothing."""
+        self.record_speculative_step(0, 0, None, error=True)
 
     def record_plain_step(self, token_latency: float | None) -> None:
         if token_latency is not None:
@@ -319,13 +355,6 @@ class Guardrails:
         return {name: guard.snapshot() for name, guard in self.routes.items()}
 
 
-def token_latency(seconds: float, emitted: list[list[int]]) -> float | None:
-    """Seconds per emitted token of a row, over the rows that emitted `emitted` in a step of
-    `seconds` (None when they emitted nothing): what a guard's latency bound judges."""
-    tokens = sum(len(e) for e in emitted)
-    return seconds * len(emitted) / tokens if tokens else None
-
-
 class GuardedDrafter(WrappedDrafter):
     """Runs `inner` under a route's guard; any failure of `inner` becomes plain decoding.
 
@@ -360,7 +389,7 @@ class GuardedDrafter(WrappedDrafter):
         self.events.append(f"drafter error in {where}: {type(error).__name__}: {error}")
         self._active = False
         if record and self.guard is not None:
-            self.guard.record_speculative_step(0, 0, None, error=True)
+            self.guard.record_error()
 
     def attach(self, target, max_cache_len: int) -> None:
         self.events = []
@@ -416,13 +445,13 @@ class GuardedDrafter(WrappedDrafter):
                 failed = True
         if self.guard is None:
             return
-        latency = token_latency(self.clock() - self._step_start, outcome.emitted)
+        seconds = self.clock() - self._step_start
         if not self._speculated:
-            self.guard.record_plain_step(latency)
+            self.guard.record_step(seconds, outcome.emitted)
             return
         drafted = sum(outcome.drafted)
         accepted = sum(map(len, outcome.accepted_paths))
-        self.guard.record_speculative_step(drafted, accepted, latency, error=failed)
+        self.guard.record_step(seconds, [], outcome.emitted, drafted, accepted, error=failed)
 
     def keep(self, rows: list[int]) -> None:
         if not self._active:

@@ -56,9 +56,11 @@ class Lane:
         self.positions: list[int] = []
         self.index: torch.Tensor | None = None  # `positions` on the device; None: every row
 
-    def fail(self, where: str, error: Exception) -> None:
+    def fail(self, where: str, error: Exception, verified: bool = False) -> None:
         """The drafter failed in `where` ("propose", "update", "keep"): raise `error` (a lane
-        that survives its drafter's failures overrides this)."""
+        that survives its drafter's failures overrides this). `verified`: the step had verified
+        the lane's proposal (the checks flagged it after the forward, or `update` raised), so
+        the step's report holds its figures (`Drafted.failed`)."""
         raise error
 
 
@@ -125,7 +127,8 @@ def step(runner: ModelRunner, batch: Batch, lanes: list[Lane], vocab: int) -> St
         if flagged.intersection(draft.positions) and screens_values(draft.lane.drafter):
             # The screen replaced the flagged rows by plain steps: the output is unchanged.
             draft.failed = True
-            draft.lane.fail("propose", malformed_error(draft.lane.drafter, draft.drafted, vocab))
+            error = malformed_error(draft.lane.drafter, draft.drafted, vocab)
+            draft.lane.fail("propose", error, verified=True)
     emitted, finished = batch.emit(host, time.perf_counter())
     runner.cache.bound_lengths(max(row.cached for row in batch.rows))
     for draft in drafts:
@@ -274,4 +277,4 @@ def _update(
         lane.drafter.update(draft.state, outcome)
     except Exception as error:  # noqa: BLE001 - the step was verified: the lane decides
         draft.failed = True
-        lane.fail("update", error)
+        lane.fail("update", error, verified=True)

@@ -292,3 +292,55 @@ def test_a_route_that_is_off_leaves_the_draft_model_as_it_was(target, prompts, p
     assert draft.config._attn_implementation == attention
     with torch.no_grad():
         draft(torch.tensor([prompts[0]]))  # raises if our attention were still switched on
+
+
+ALIKE_POLICY = GuardrailPolicy(
+    min_acceptance_rate=0.5,
+    max_tpot_p95_regression=math.inf,  # wall-clock latencies differ between the two runs
+    max_error_rate=0.1,
+    window_steps=4,
+    min_window_steps=2,
+    cooldown_steps=1000,  # counts down every plain step after a trip: it shows each one
+)
+
+
+@pytest.mark.parametrize("case", ["good", "collapse", "propose", "update", "begin"])
+def test_a_request_leaves_its_route_alike_through_generate_and_the_server(
+    target, prompts, plain, case
+):
+    """Guardrails keep one account of a step (`RouteGuard.record_step`, `record_error`): one
+    request through `generate` with a guarded drafter and through the server's scheduler, on a
+    route of the same policy, leaves the route's guard in the same state (its window, errors,
+    trips and cool-down), with plain decoding's output both ways."""
+    from specdec_fast.serving.scheduler import Request, Scheduler
+
+    def make():
+        if case in ("good", "collapse"):
+            oracle = CollapsingOracle(plain)
+            oracle.collapse_at = 4 if case == "collapse" else None
+            return oracle
+        return FailingNGram(case, 1 if case == "begin" else 2)
+
+    through_generate = Guardrails(routes={"r": ALIKE_POLICY})
+    drafter = through_generate.wrap(make(), "r")
+    with torch.no_grad():
+        out = generate(target, prompts[:1], drafter=drafter, max_new_tokens=24, eos_token_id=[])
+    assert [s.tolist() for s in out.sequences] == [plain[0][: len(prompts[0]) + 24]]
+
+    served = Guardrails(routes={"r": ALIKE_POLICY})
+    scheduler = Scheduler(target, {"r": make()}, guardrails=served, eos_token_id=[])
+    handle = scheduler.submit(Request(prompts[0], 24, route="r"))
+    scheduler.run_until_idle()
+    assert handle.completion.tokens == plain[0][len(prompts[0]) : len(prompts[0]) + 24]
+
+    want = through_generate.route("r").snapshot()
+    assert served.route("r").snapshot() == want
+    # The cases reach what they are for: trips (acceptance, error rate), errors, neither. A
+    # failed `begin` leaves one error step, short of the window's two: no trip.
+    assert (want["fallbacks"], want["errors"]) == {
+        "good": (0, 0),
+        "collapse": (1, 0),
+        "propose": (1, 1),
+        "update": (1, 1),
+        "begin": (0, 1),
+    }[case], want

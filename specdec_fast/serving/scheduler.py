@@ -55,7 +55,7 @@ from specdec_fast.batch import FAILED, Batch, Row
 from specdec_fast.cache import model_shards
 from specdec_fast.compiled import compile_choice
 from specdec_fast.drafters.base import Drafter, supports_join
-from specdec_fast.guardrails import DEFAULT_ROUTE, Guardrails, RouteGuard, token_latency
+from specdec_fast.guardrails import DEFAULT_ROUTE, Guardrails, RouteGuard
 from specdec_fast.parallel import check_tensor_parallel
 from specdec_fast.requests import Sampling, StopRule
 from specdec_fast.runner import ModelRunner
@@ -209,13 +209,14 @@ class _Lane(Lane):
         self.begun = False  # attach and begin ran: end is owed
         self.last_error: str | None = None
 
-    def fail(self, where: str, error: Exception) -> None:
-        """A drafter error: count it (on the guard's window too) and move the rows to plain
-        decoding."""
+    def fail(self, where: str, error: Exception, verified: bool = False) -> None:
+        """A drafter error: count it (on the guard's window too: here, or with the step's
+        figures in `_guard_step` when the step had verified the lane's proposal) and move the
+        rows to plain decoding."""
         self.counters.drafter_errors += 1
         self.last_error = f"drafter error in {where}: {type(error).__name__}: {error}"
-        if self.guard is not None:
-            self.guard.record_speculative_step(0, 0, None, error=True)
+        if self.guard is not None and not verified:
+            self.guard.record_error()
         self.trip()
 
     def trip(self, count: bool = True) -> None:
@@ -758,28 +759,30 @@ class Scheduler:
         self._drop(report.finished)
 
     def _guard_step(self, report: StepReport) -> None:
-        """Each guarded route records the step of its speculating rows and of its plain ones;
-        a route whose guard turned speculation off moves its rows to plain decoding."""
-        speculated = {id(draft.lane): draft for draft in report.drafted if not draft.failed}
-        drafted_positions = {p for draft in speculated.values() for p in draft.positions}
+        """Each guarded route records the step of its plain rows and of its speculating ones
+        (`RouteGuard.record_step`, as `generate`'s guarded drafters do); a route whose guard
+        turned speculation off moves its rows to plain decoding."""
+        drafts = {id(draft.lane): draft for draft in report.drafted}
+        drafted_positions = {p for draft in drafts.values() for p in draft.positions}
         plain: dict[str, list[list[int]]] = {}
         for p, (row, tokens) in enumerate(zip(self.rows, report.emitted, strict=True)):
             if p not in drafted_positions:
                 plain.setdefault(row.request.route, []).append(tokens)
-        host, seconds = report.host, report.seconds
+        host = report.host
         for lane in self._lanes:
             if lane.guard is None:
                 continue
-            if lane.name in plain:
-                lane.guard.record_plain_step(token_latency(seconds, plain[lane.name]))
-            draft = speculated.get(id(lane))
-            if draft is not None:
-                lane.guard.record_speculative_step(
-                    sum(host.drafted[p] for p in draft.positions),
-                    sum(host.num_accepted[p] for p in draft.positions),
-                    token_latency(seconds, [report.emitted[p] for p in draft.positions]),
-                )
-            if lane.rows and not lane.guard.speculating:
+            draft = drafts.get(id(lane))
+            where = [] if draft is None else draft.positions
+            speculating = lane.guard.record_step(
+                report.seconds,
+                plain.get(lane.name, []),
+                None if draft is None else [report.emitted[p] for p in where],
+                sum(host.drafted[p] for p in where),
+                sum(host.num_accepted[p] for p in where),
+                error=draft is not None and draft.failed,
+            )
+            if lane.rows and not speculating:
                 lane.trip()
 
     # -- leaving -----------------------------------------------------------------------------
