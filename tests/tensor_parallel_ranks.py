@@ -11,6 +11,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from specdec_fast.parallel import end_rank
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -63,6 +65,10 @@ def _rank_main(rank: int, world: int, port: int, folder: Path, gpus: bool, work,
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+    # As the CLI's ranks end (`parallel.end_rank`): the interpreter's teardown can race gloo's
+    # worker threads and abort a rank that did its work (seen once in a loaded suite run). A
+    # rank that raised ends through the launcher, which reports the exception.
+    end_rank(0)
 
 
 def tensor_parallel_work(
