@@ -127,7 +127,7 @@ class GuardrailPolicy:
             raise ValueError(f"{where}.{error}") from None
 
 
-def token_latency(seconds: float, emitted: list[list[int]]) -> float | None:
+def _token_latency(seconds: float, emitted: list[list[int]]) -> float | None:
     """Seconds per emitted token of a row, over the rows that emitted `emitted` in a step of
     `seconds` (None when they emitted nothing): what a guard's latency bound judges."""
     tokens = sum(len(e) for e in emitted)
@@ -197,10 +197,10 @@ class RouteGuard:
         was verified (a malformed proposal, an exception in `update`). Returns whether the
         route still speculates: when not, its rows fall back to plain decoding."""
         if plain:
-            self.record_plain_step(token_latency(seconds, plain))
+            self.record_plain_step(_token_latency(seconds, plain))
         if speculated is not None:
             self.record_speculative_step(
-                drafted, accepted, token_latency(seconds, speculated), error
+                drafted, accepted, _token_latency(seconds, speculated), error
             )
         return self.speculating
 

@@ -6,6 +6,7 @@ import os
 import pytest
 import torch
 from bench_smoke import import_bench
+from tiny_models import first_layers
 
 from specdec_fast import bundled
 from specdec_fast.loading import load_model, load_tokenizer
@@ -189,10 +190,7 @@ def test_bench_freeze_runs_both_settings_side_by_side(monkeypatch, tmp_path):
     monkeypatch.delenv("SPECDEC_FREEZE", raising=False)
     # Frozen compiles are slow: plain decoding and one drafter, on one prompt, over the bundled
     # target cut to its first two layers (`--model`: each layer's graph lowers on its own).
-    target = load_model("tiny-code", torch.device("cpu"))
-    target.model.layers = target.model.layers[:2]
-    target.config.num_hidden_layers = 2
-    target.save_pretrained(tmp_path)
+    first_layers(load_model("tiny-code", torch.device("cpu")), 2).save_pretrained(tmp_path)
     load_tokenizer("tiny-code").save_pretrained(tmp_path)
     records = bench.run(["plain", "ngram:4"], 1, 6, 1, model=str(tmp_path))
     assert [r["cell"] for r in records] == ["plain", "ngram:4"]

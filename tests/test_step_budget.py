@@ -27,6 +27,7 @@ import pytest
 import torch
 from bench_smoke import BENCH_DIR
 from built_in_drafters import DRAFTERS, write_untrained_blocks
+from tiny_models import first_layers
 
 import specdec_fast
 from specdec_fast import bundled, generate, transfer
@@ -77,10 +78,7 @@ def deep_target():
 
 @pytest.fixture(scope="module")
 def target():
-    model = load_model("tiny-code", torch.device("cpu"))
-    model.model.layers = model.model.layers[:SHALLOW_LAYERS]
-    model.config.num_hidden_layers = SHALLOW_LAYERS
-    return model
+    return first_layers(load_model("tiny-code", torch.device("cpu")), SHALLOW_LAYERS)
 
 
 @pytest.fixture(scope="module")

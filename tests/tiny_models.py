@@ -99,6 +99,15 @@ def _tiny_causal_lm(
     return model
 
 
+def first_layers(model, count: int):
+    """`model` (a Llama-style causal LM) cut in place to its first `count` decoder layers, and
+    returned: a shallower copy of a real model for tests whose cost is per layer (compiling,
+    dynamo's capture) and whose checks do not depend on the depth."""
+    model.model.layers = model.model.layers[:count]
+    model.config.num_hidden_layers = count
+    return model
+
+
 def repetitive_prompts(lengths, vocab_size: int, seed: int = 0) -> list[list[int]]:
     """Prompts made of a short random motif repeated, so lookup drafters find matches."""
     generator = torch.Generator().manual_seed(seed)
