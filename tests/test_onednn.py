@@ -5,7 +5,13 @@ import torch
 from tiny_models import tiny_llama
 
 from specdec_fast import NGramDrafter, generate
-from specdec_fast.onednn import ONEDNN_ENV, onednn_available, switch_onednn
+from specdec_fast.onednn import (
+    ONEDNN_ENV,
+    _onednn_linear,
+    onednn_available,
+    packed_weight,
+    switch_onednn,
+)
 from specdec_fast.runner import ModelRunner
 
 pytestmark = pytest.mark.skipif(not onednn_available(), reason="this torch has no oneDNN")
@@ -72,3 +78,34 @@ def test_greedy_generate_through_onednn_equals_hf_greedy():
         assert out.sequences[0].tolist() == hf[0].tolist()
     assert seen and all(seen)
     assert not switch_onednn.active(model)
+
+
+def test_packed_weights_are_kept_until_the_weight_changes():
+    """A layer's packed weight serves every later runner, gives the plain weight's results, and
+    is packed again after an in-place update or a new weight tensor."""
+    model = tiny_llama(seed=3)
+    layer = model.lm_head
+    x = torch.randn(5, layer.in_features, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        first = packed_weight(layer)
+        assert packed_weight(layer) is first
+        plain = torch.ops.mkldnn._linear_pointwise(x, layer.weight, None, "none", [], "")
+        assert torch.equal(_onednn_linear(layer, x), plain)
+        layer.weight.mul_(2)
+        second = packed_weight(layer)
+        assert second is not first
+        torch.testing.assert_close(_onednn_linear(layer, x), 2 * plain, rtol=1e-6, atol=1e-6)
+        layer.weight = torch.nn.Parameter(layer.weight / 2)
+        third = packed_weight(layer)
+    assert third is not second
+    with torch.no_grad():
+        torch.testing.assert_close(_onednn_linear(layer, x), plain, rtol=1e-6, atol=1e-6)
+
+
+def test_a_forward_that_trains_a_switched_layer_reaches_its_weight():
+    """With gradients on, the layer runs torch's linear on its own weight (oneDNN's op has no
+    gradient, and the packed copy is detached)."""
+    layer = torch.nn.Linear(16, 8)
+    x = torch.randn(3, 16, generator=torch.Generator().manual_seed(1))
+    _onednn_linear(layer, x).sum().backward()
+    torch.testing.assert_close(layer.weight.grad, x.sum(0).expand(8, 16))
