@@ -389,6 +389,13 @@ def plot(report: dict, out_dir: Path) -> list[str]:
     level = axis(report)
     paths = []
 
+    def legend(ax, **options) -> None:
+        # A plot whose cells measured nothing (every request failed) says so instead.
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(**options)
+        else:
+            ax.text(0.5, 0.5, "nothing measured", ha="center", va="center", transform=ax.transAxes)
+
     def save(fig, name: str) -> None:
         path = out_dir / f"{name}.png"
         fig.tight_layout()
@@ -405,7 +412,7 @@ def plot(report: dict, out_dir: Path) -> list[str]:
                 acc = c["metrics"]["per_position_acceptance"]
                 ax.plot(range(1, len(acc) + 1), acc, marker="o", label=c["name"])
         ax.set(xlabel="draft position (depth)", ylabel="acceptance", title="Acceptance by position")
-        ax.legend(fontsize=7)
+        legend(ax, fontsize=7)
         save(fig, "acceptance_by_position")
 
         fig, ax = plt.subplots(figsize=(6, 4))
@@ -423,7 +430,7 @@ def plot(report: dict, out_dir: Path) -> list[str]:
             ylabel="speed-up",
             title="Speed-up against the tree size",
         )
-        ax.legend(fontsize=7)
+        legend(ax, fontsize=7)
         save(fig, "speedup_vs_k")
 
         fig, ax = plt.subplots(figsize=(6, 4))
@@ -440,7 +447,7 @@ def plot(report: dict, out_dir: Path) -> list[str]:
             ylabel="speed-up",
             title="Speed-up against concurrency",
         )
-        ax.legend(fontsize=7)
+        legend(ax, fontsize=7)
         save(fig, "speedup_vs_concurrency")
 
     fig, ax = plt.subplots(figsize=(7, 4))
@@ -458,7 +465,7 @@ def plot(report: dict, out_dir: Path) -> list[str]:
         fontsize=7,
     )
     ax.set(ylabel="TPOT (ms)", title=f"Latency percentiles, {level} {smallest}")
-    ax.legend()
+    legend(ax)
     save(fig, "latency_percentiles")
     return paths
 
