@@ -2,6 +2,8 @@
 unrolled training computes exactly what inference computes, training lowers the loss, runs
 resume exactly, exported heads load into their drafters, and the CLI knows the commands."""
 
+import copy
+import dataclasses
 import json
 from pathlib import Path
 
@@ -130,6 +132,23 @@ def test_exported_heads_load_into_their_drafters(target, stream, tmp_path, kind)
     prompts = repetitive_prompts([12, 5], VOCAB, seed=2)
     out = generate(target, prompts, drafter=drafter, max_new_tokens=10)
     assert [s.tolist() for s in out.sequences] == hf_greedy(target, prompts, 10)
+    # A run started from the export (`--init`) starts from its (bf16-rounded) weights.
+    start = build_head(
+        dataclasses.replace(OPTIONS[kind], init=str(tmp_path / "out")), target, stream
+    )
+    rounded = copy.deepcopy(head).to(torch.bfloat16).float().state_dict()
+    assert start.state_dict().keys() == rounded.keys()
+    for name, value in start.state_dict().items():
+        torch.testing.assert_close(value, rounded[name], rtol=0, atol=0, msg=name)
+    wrong = {
+        "medusa": {"num_heads": 2},
+        "eagle": {"kind": "eagle3", "draft_vocab": 64},
+        "eagle3": {"draft_vocab": 32},
+    }[kind]
+    with pytest.raises(ValueError, match="--init"):
+        build_head(
+            dataclasses.replace(OPTIONS[kind], init=str(tmp_path / "out"), **wrong), target, stream
+        )
 
 
 def test_frequent_tokens_and_the_command_line():

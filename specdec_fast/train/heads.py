@@ -32,8 +32,8 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import DynamicCache
 
-from specdec_fast.heads.eagle import Eagle3Head, EagleHead
-from specdec_fast.heads.medusa import MedusaHeads
+from specdec_fast.heads.eagle import Eagle3Head, EagleHead, load_eagle_head
+from specdec_fast.heads.medusa import MedusaHeads, load_medusa_heads
 from specdec_fast.progress import Progress
 
 from .data import batch_at_step
@@ -72,7 +72,9 @@ class HeadOptions(DataOptions):
     """What to train. num_heads/num_layers/own_projection: Medusa; unroll: EAGLE steps;
     draft_vocab: EAGLE-3's draft vocabulary (the most frequent training tokens); data,
     sequences, prompt_len: corpus windows or the target's greedy continuations of them
-    (`specdec_fast.train.generated`)."""
+    (`specdec_fast.train.generated`); init: a head of this kind and shape to start from (a
+    folder in the public layout or a bundled name; EAGLE-3 keeps its draft vocabulary)
+    instead of fresh weights."""
 
     kind: str
     num_heads: int = 4
@@ -80,6 +82,7 @@ class HeadOptions(DataOptions):
     own_projection: bool = False
     unroll: int = 3
     draft_vocab: int = 2048
+    init: str | None = None
 
     def __post_init__(self):
         super().__post_init__()
@@ -98,8 +101,36 @@ def frequent_tokens(stream: np.ndarray, count: int, vocab_size: int) -> list[int
     return order[: min(count, vocab_size)].tolist()
 
 
+def initial_head(options: HeadOptions, target) -> nn.Module:
+    """The head `options.init` names, for `target` (fp32, on the target's device); ValueError
+    when its kind or shape differs from `options`'."""
+    what = f"--init {options.init}"
+    if options.kind == "medusa":
+        head = load_medusa_heads(options.init, target.device)
+        found = (head.num_heads, head.num_layers, not head.shared_lm_head)
+        wanted = (options.num_heads, options.num_layers, options.own_projection)
+        if found != wanted:
+            raise ValueError(
+                f"{what}: (num_heads, num_layers, own_projection) = {found}, the run's {wanted}"
+            )
+    else:
+        head = load_eagle_head(options.init, target)
+        kind = "eagle3" if isinstance(head, Eagle3Head) else "eagle"
+        if kind != options.kind:
+            raise ValueError(f"{what}: an {kind} head, not an {options.kind} one")
+        if kind == "eagle3" and head.draft_vocab_size != options.draft_vocab:
+            raise ValueError(
+                f"{what}: a {head.draft_vocab_size}-token draft vocabulary, the run's "
+                f"--draft-vocab is {options.draft_vocab}"
+            )
+    return head.to(device=target.device, dtype=torch.float32)
+
+
 def build_head(options: HeadOptions, target, stream: np.ndarray) -> nn.Module:
-    """A freshly initialized head of `options.kind` for `target` (fp32, on the target's device)."""
+    """A freshly initialized head of `options.kind` for `target`, or `options.init`'s
+    (`initial_head`); fp32, on the target's device."""
+    if options.init is not None:
+        return initial_head(options, target)
     config = target.config.get_text_config(decoder=True)
     if options.kind == "medusa":
         head = MedusaHeads(
@@ -479,6 +510,7 @@ def _run_heads(args) -> int:
         own_projection=args.own_projection,
         unroll=args.unroll,
         draft_vocab=args.draft_vocab,
+        init=args.init,
         **data_options(args),
     )
     settings = run_settings(args)
@@ -499,6 +531,8 @@ def _run_heads(args) -> int:
         projection="own projections" if options.own_projection else "sharing the target's LM head",
         layers=list(target_layers(head)),
     )
+    if options.init is not None:
+        description += f", fine-tuned from `{options.init}`"
     info = {
         "command": command_line(),
         "kind": options.kind,
@@ -537,6 +571,9 @@ def register_head_commands(sub) -> None:
             log_every=5,
         )
         parser.add_argument("--eval-windows", type=int, default=8, help="held-out windows")
+        parser.add_argument(
+            "--init", help="start from this head (folder or bundled name) instead of fresh weights"
+        )
         add_data_arguments(parser)
         defaults = HeadOptions(kind)
         if kind == "medusa":
