@@ -202,6 +202,13 @@ def run(
         )
         for name, cell in grid.items()
     }
+    # Plain decoding the other way round from the device's default (`generate(read_ahead=...)`:
+    # on for CUDA, off elsewhere): what queuing each step before the read is worth.
+    read_ahead = device.type != "cuda"
+    other = f"ours plain [{'read ahead' if read_ahead else 'read each step'}]"
+    peers[other] = lambda warm_up: run_ours(
+        other, target, prompts, lambda: None, new_tokens, 1, warm_up, {"read_ahead": read_ahead}
+    )
     for name, kwargs in (
         ("HF generate", {}),
         ("HF assisted (draft model)", {"assistant_model": draft}),

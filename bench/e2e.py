@@ -81,10 +81,12 @@ def run_ours(
     max_new_tokens: int,
     batch: int,
     warm_up: bool = True,
+    options: dict | None = None,
 ) -> tuple[E2ERecord, list[list[int]]]:
     """Our engine over `prompts` in batches of `batch`, after an untimed run of the first batch
     (unless `warm_up` is False): compiled steps meet their shapes (tree sizes, batch, lengths)
-    there, not in the timed part."""
+    there, not in the timed part. `options`: more arguments of `generate`."""
+    options = options or {}
     if warm_up:
         with torch.no_grad():
             generate(
@@ -93,6 +95,7 @@ def run_ours(
                 drafter=make_drafter(),
                 max_new_tokens=max_new_tokens,
                 eos_token_id=[],
+                **options,
             )
     outputs: list[list[int]] = []
     new_tokens, steps, accepted, drafted = 0, 0, 0, 0
@@ -109,6 +112,7 @@ def run_ours(
                 drafter=make_drafter(),
                 max_new_tokens=max_new_tokens,
                 eos_token_id=[],
+                **options,
             )
         outputs += [s.tolist() for s in out.sequences]
         new_tokens += out.stats.new_tokens

@@ -386,6 +386,7 @@ def check_generate_arguments(
     use_cuda_graphs=None,
     compile=None,
     exact=False,
+    read_ahead=None,
 ) -> Arguments:
     """Validate and normalize the arguments of `specdec_fast.generate` (see its doc and the
     module doc); raises TypeError or ValueError naming the first argument that is wrong."""
@@ -413,6 +414,7 @@ def check_generate_arguments(
         ("use_cuda_graphs", use_cuda_graphs),
         ("compile", compile),
         ("exact", exact),
+        ("read_ahead", read_ahead),
     ):
         if flag is not None and not isinstance(flag, bool):
             raise TypeError(f"{name}: expected None or a bool, got {_kind(flag)}")

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 
@@ -28,7 +29,7 @@ from specdec_fast.drafters.base import PAD_PARENT, DraftState, Proposal
 from specdec_fast.kernels.verify import SamplingParams
 from specdec_fast.requests import Sampling, StopRule
 from specdec_fast.stats import SequenceStats
-from specdec_fast.transfer import to_device, to_host
+from specdec_fast.transfer import HostCopy, to_device
 
 TokenCallback = Callable[[int, list[int]], None]
 SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "seed")
@@ -64,10 +65,21 @@ class HostStep:
     malformed: list[int]
 
 
-def read_back(proposal: Proposal, result, depths: torch.Tensor) -> HostStep:
-    """The step's one device-to-host read: per row the next token and, for drafted trees, the
-    accepted path (node indices and tokens) and the tree's size and depth, and the flags of the
-    proposal checks when the proposal carries them.
+class StepRead:
+    """A step's read-back on its way to the host (`read_back`); `wait()` blocks until it has
+    landed and returns the step's `HostStep`."""
+
+    def __init__(self, copy: HostCopy, unpack: Callable[[list], HostStep]):
+        self._copy, self._unpack = copy, unpack
+
+    def wait(self) -> HostStep:
+        return self._unpack(self._copy.wait())
+
+
+def read_back(proposal: Proposal, result, depths: torch.Tensor) -> StepRead:
+    """The step's one device-to-host read, started (`StepRead.wait` finishes it): per row the
+    next token and, for drafted trees, the accepted path (node indices and tokens) and the
+    tree's size and depth, and the flags of the proposal checks when the proposal carries them.
 
     The device packs it all with four operators (a GPU launches each): the tree's size and depth
     reductions and one concatenation, which also widens every column to int64; the path's
@@ -75,25 +87,34 @@ def read_back(proposal: Proposal, result, depths: torch.Tensor) -> HostStep:
     accepted_nodes, num_accepted, next_tokens = result
     flags = [] if proposal.malformed is None else [proposal.malformed[:, None]]
     if proposal.num_nodes == 1:
-        if flags:
-            tokens, flagged = to_host(torch.stack([next_tokens, proposal.malformed.long()]))
-        else:
-            tokens, flagged = to_host(next_tokens), []
-        zeros = [0] * len(tokens)
-        return HostStep(
-            tokens,
-            zeros,
-            zeros,
-            zeros,
-            [[] for _ in tokens],
-            [[] for _ in tokens],
-            [r for r, flag in enumerate(flagged) if flag],
-        )
+        packed = torch.stack([next_tokens, proposal.malformed.long()]) if flags else next_tokens
+        return StepRead(HostCopy(packed), partial(_plain_step, bool(flags)))
     nodes = (proposal.parents != PAD_PARENT).sum(dim=1, keepdim=True)
     offered_depth = depths.amax(dim=1, keepdim=True)
     columns = [next_tokens[:, None], num_accepted[:, None], nodes, offered_depth, *flags]
-    rows = to_host(torch.cat([*columns, accepted_nodes, proposal.tokens], dim=1))
-    start, width = len(columns), proposal.num_nodes
+    packed = torch.cat([*columns, accepted_nodes, proposal.tokens], dim=1)
+    unpack = partial(_tree_step, len(columns), proposal.num_nodes, bool(flags))
+    return StepRead(HostCopy(packed), unpack)
+
+
+def _plain_step(flags: bool, values: list) -> HostStep:
+    """The `HostStep` of one-node trees: `values` the next tokens, or those and the flags."""
+    tokens, flagged = values if flags else (values, [])
+    zeros = [0] * len(tokens)
+    return HostStep(
+        tokens,
+        zeros,
+        zeros,
+        zeros,
+        [[] for _ in tokens],
+        [[] for _ in tokens],
+        [r for r, flag in enumerate(flagged) if flag],
+    )
+
+
+def _tree_step(start: int, width: int, flags: bool, rows: list) -> HostStep:
+    """The `HostStep` of drafted trees from `read_back`'s packed rows: `start` columns, then
+    the accepted node indices and the tree's `width` tokens."""
     # Node indices of the accepted drafts (after the root), then their tokens in the tree's.
     accepted = [row[start + 1 : start + 1 + row[1]] for row in rows]
     paths = [
@@ -257,9 +278,14 @@ class Batch:
     def emit(self, host: HostStep, now: float) -> tuple[list[list[int]], list[int]]:
         """Append each row's accepted drafts and next token (cut at its stop); return what each
         row emitted and the batch positions of the rows that finished (their finish reason
-        set in their statistics)."""
+        set in their statistics). Rows that had finished emit nothing more."""
         emitted, finished = [], []
         for r, row in enumerate(self.rows):
+            if row.stats.finish_reason is not None:
+                # It finished at the step before and has not left yet: a step queued before
+                # that step's read (`generate`'s read-ahead) ran for it too; that is dropped.
+                emitted.append([])
+                continue
             if host.next_tokens[r] < 0:
                 # The verify kernel's mark of logits it cannot use (its contract: next token
                 # -1, nothing accepted); the next step would embed -1.

@@ -34,7 +34,7 @@ from specdec_fast.parallel import check_agreement, check_tensor_parallel
 from specdec_fast.requests import Sampling
 from specdec_fast.runner import ModelRunner
 from specdec_fast.stats import SpecStats
-from specdec_fast.step import Lane, drop, index_lanes, step
+from specdec_fast.step import Lane, drop, finish, index_lanes, launch
 
 
 @dataclass
@@ -75,6 +75,7 @@ def generate(
     use_cuda_graphs: bool | None = None,
     compile: bool | None = None,
     exact: bool = False,
+    read_ahead: bool | None = None,
 ) -> GenerateOutput:
     """Generate up to `max_new_tokens` tokens per sequence with speculative decoding.
 
@@ -118,6 +119,10 @@ def generate(
             any batch size, so speculative output equals plain output of this mode bit for bit
             in any dtype. Runs eagerly (compile and CUDA graphs must be left unset or off);
             costs speed (docs/ARCHITECTURE.md, "Exact mode").
+        read_ahead: plain decoding (no drafter) queues each step before it reads the step
+            before, so the device never waits on the host between steps (default: on for CUDA
+            models; a CPU has nothing to overlap). A row that stops then has made one token too
+            many, which is dropped: the output is the same either way.
 
     Raises:
         TypeError, ValueError: naming the argument, the expected form and the value given, before
@@ -155,7 +160,10 @@ def generate(
         use_cuda_graphs=use_cuda_graphs,
         compile=compile,
         exact=exact,
+        read_ahead=read_ahead,
     )
+    if read_ahead is None:
+        read_ahead = model.device.type == "cuda"
     prompts, capacity = arguments.prompts, arguments.capacity
     sampling = arguments.sampling
     rows = [
@@ -188,7 +196,7 @@ def generate(
         compiled_before = len(COMPILE_LOG)
         try:
             batch = Batch(model.device, capacity, arguments.max_nodes)
-            _decode(runner, drafter, rows, batch, compile)
+            _decode(runner, drafter, rows, batch, compile, read_ahead)
             stats.compiled = dict(COMPILE_LOG[compiled_before:])
         finally:
             try:
@@ -214,9 +222,12 @@ def _decode(
     rows: list[Row],
     batch: Batch,
     compile: bool | None,
+    read_ahead: bool,
 ) -> None:
     """Prefill `rows`, then steps until every row has finished. The drafter attaches under the
-    call's compile choice (its own models compile or not as the target)."""
+    call's compile choice (its own models compile or not as the target). With `read_ahead` and
+    no drafter, each step is queued before the one before it is read (`step.launch`), while no
+    row can stop for its cache (`_room`); rows that stop leave after the queued step is read."""
     if drafter is not None:
         with compile_choice(compile):
             drafter.attach(runner.model, batch.capacity)
@@ -234,8 +245,24 @@ def _decode(
         state = batch.state(lane.rows, lane.index)
         state.hidden = prefill.hidden_states
         drafter.begin(state)
+    ahead = read_ahead and not lanes
+    queued = None
     while batch:
-        report = step(runner, batch, lanes, vocab)
-        for row in drop(runner, batch, lanes, report.finished):
+        launched = queued or launch(runner, batch, lanes, vocab)
+        queued = launch(runner, batch, lanes, vocab) if ahead and _room(batch) else None
+        report = finish(runner, batch, launched, vocab, queued.width if queued else 0)
+        finished = report.finished
+        if finished and queued is not None:
+            # The queued step ran for the finished rows too: read it before they leave.
+            finished = sorted(finished + finish(runner, batch, queued, vocab).finished)
+            queued = None
+        for row in drop(runner, batch, lanes, finished):
             if row.error is not None:
                 raise UnusableLogits(f"sequence {rows.index(row)}: {row.error}")
+
+
+def _room(batch: Batch) -> bool:
+    """Whether no row can stop for its cache at the step in flight: a step queued behind it
+    then writes no row's cache beyond what a step after a read could (plain decoding commits
+    one token per row a step)."""
+    return max(row.cached for row in batch.rows) + 1 + batch.max_nodes <= batch.capacity

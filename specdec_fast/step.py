@@ -8,12 +8,16 @@ scheduler alike (docs/ARCHITECTURE.md, "Data flow of one step").
     out       = runner.verify(tree)                 target logits [B, N, V] in one forward
     result    = kernels.verify(out.logits, ...)     accepted path + next token, lossless
     cache.compact(result)                           the cache keeps the prefix + the path
-    host      = read_back(...)                      the step's one device-to-host read
+    batch.roots = result.next_tokens                the next roots stay on the device
+    read      = read_back(...)                      the step's one device-to-host read, started
+    host      = read.wait()                         ... and waited for
     batch.emit(host)                                stop rules, finish reasons, stats, streaming
     lane.drafter.update(state, outcome)             per lane, over its rows
-    batch.roots = result.next_tokens                the next roots stay on the device
 
 then `drop` takes the finished rows out of the batch, the runner's cache and every lane.
+`launch` is the device half (up to the started read), `finish` the host half, and `step` the
+two in turn. `generate`'s plain decoding may queue the next step between the two halves
+(`read_ahead`): the device then never waits for the host between steps.
 
 A `Lane` is a drafter and the rows it drafts for: `generate` has one over every row (or none, for
 plain decoding); the scheduler one per route, each over that route's speculating rows. A lane's
@@ -31,7 +35,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from specdec_fast.batch import Batch, HostStep, Row, read_back
+from specdec_fast.batch import Batch, HostStep, Row, StepRead, read_back
 from specdec_fast.drafters.base import (
     PAD_PARENT,
     Drafter,
@@ -101,9 +105,24 @@ def index_lanes(batch: Batch, lanes: list[Lane]) -> None:
         lane.index = None if whole else to_device(lane.positions, batch.device)
 
 
-def step(runner: ModelRunner, batch: Batch, lanes: list[Lane], vocab: int) -> StepReport:
-    """One step of every row of `batch` (see the module doc); `vocab` is the target's
-    vocabulary size (for the proposal checks)."""
+@dataclass
+class Launched:
+    """A step queued on the device (`launch`): its forward, acceptance and compaction, and its
+    read-back on the way to the host; `width` is the verify width (cache slots it reserved)."""
+
+    drafts: list[Drafted]
+    proposal: Proposal
+    result: VerifyResult
+    out: VerifyOutput
+    read: StepRead
+    width: int
+    start: float
+
+
+def launch(runner: ModelRunner, batch: Batch, lanes: list[Lane], vocab: int) -> Launched:
+    """The device half of a step (the module doc's lines up to the read-back, which it starts
+    without waiting for): it leaves the next roots in `batch.roots`, so another step can be
+    queued before this one is read (`generate`'s read-ahead)."""
     start = time.perf_counter()
     drafts = []
     for lane in lanes:
@@ -121,7 +140,18 @@ def step(runner: ModelRunner, batch: Batch, lanes: list[Lane], vocab: int) -> St
     out = runner.verify(proposal.tokens, proposal.parents)
     result = _verify(out, proposal, batch.sampling_params(out.positions), drafts)
     runner.cache.compact(result.accepted_nodes, result.num_accepted, validate=False)
-    host = read_back(proposal, result, out.depths)
+    batch.roots = result.next_tokens
+    read = read_back(proposal, result, out.depths)
+    return Launched(drafts, proposal, result, out, read, proposal.num_nodes, start)
+
+
+def finish(
+    runner: ModelRunner, batch: Batch, launched: Launched, vocab: int, ahead: int = 0
+) -> StepReport:
+    """The host half of a `launch`ed step: wait for its read-back, emit, update the drafters.
+    `ahead`: the cache slots a step queued after this one reserved (its width; 0 for none)."""
+    host = launched.read.wait()
+    drafts = launched.drafts
     flagged = set(host.malformed)
     for draft in drafts:
         if flagged.intersection(draft.positions) and screens_values(draft.lane.drafter):
@@ -130,12 +160,18 @@ def step(runner: ModelRunner, batch: Batch, lanes: list[Lane], vocab: int) -> St
             error = malformed_error(draft.lane.drafter, draft.drafted, vocab)
             draft.lane.fail("propose", error, verified=True)
     emitted, finished = batch.emit(host, time.perf_counter())
-    runner.cache.bound_lengths(max(row.cached for row in batch.rows))
+    runner.cache.bound_lengths(max(row.cached for row in batch.rows) + ahead)
     for draft in drafts:
         if not draft.failed:
-            _update(draft, proposal, result, out, host, emitted)
-    batch.roots = result.next_tokens
-    return StepReport(host, emitted, finished, drafts, time.perf_counter() - start)
+            _update(draft, launched, host, emitted)
+    seconds = time.perf_counter() - launched.start
+    return StepReport(host, emitted, finished, drafts, seconds)
+
+
+def step(runner: ModelRunner, batch: Batch, lanes: list[Lane], vocab: int) -> StepReport:
+    """One step of every row of `batch` (see the module doc); `vocab` is the target's
+    vocabulary size (for the proposal checks)."""
+    return finish(runner, batch, launch(runner, batch, lanes, vocab), vocab)
 
 
 def drop(runner: ModelRunner, batch: Batch, lanes: list[Lane], leaving: list[int]) -> list[Row]:
@@ -238,15 +274,9 @@ def _verify(
     return VerifyResult(accepted, num_accepted, next_tokens)
 
 
-def _update(
-    draft: Drafted,
-    proposal: Proposal,
-    result: VerifyResult,
-    out: VerifyOutput,
-    host: HostStep,
-    emitted: list[list[int]],
-) -> None:
+def _update(draft: Drafted, launched: Launched, host: HostStep, emitted: list[list[int]]) -> None:
     """The lane's drafter follows its rows' step, over its own tree width."""
+    proposal, result, out = launched.proposal, launched.result, launched.out
     lane, positions, width = draft.lane, draft.positions, draft.proposal.num_nodes
     where = slice(None) if draft.index is None else draft.index
     if draft.index is None:  # the lane has every row, in batch order

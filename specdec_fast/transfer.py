@@ -3,6 +3,8 @@
 `to_host` is the blocking read: the engine calls it once per step (the emitted tokens), and
 nothing else in a compiled step reads device tensors (tests/test_step_budget.py counts; an eager
 block drafter still reads its block's top-K once, `to_host_array`, for its best-first heap).
+`HostCopy` starts that read without waiting for it (a pinned buffer on CUDA), so the host can
+queue the next step before it waits (`generate`'s read-ahead, `specdec_fast.step`).
 `to_device` uploads host data (lists, numpy arrays) without making the host wait: on CUDA
 through pinned memory with a non-blocking copy, on the CPU as is. `host_resident` is the
 condition of the CPU shortcuts that read tensors because, there, reading costs no transfer.
@@ -17,6 +19,28 @@ import torch
 def to_host(tensor: torch.Tensor) -> list:
     """`tensor`'s values as (nested) Python lists: a blocking device-to-host read."""
     return tensor.tolist()
+
+
+class HostCopy:
+    """`tensor`'s values on their way to the host: on CUDA a non-blocking copy into pinned
+    memory, queued on the current stream behind the work that makes `tensor` (so a step queued
+    after it cannot overwrite its source first), with an event to wait on; elsewhere `tensor`
+    itself. `wait()` blocks until the copy has landed and returns the values as `to_host` does."""
+
+    def __init__(self, tensor: torch.Tensor):
+        self._event = None
+        if tensor.device.type == "cuda":
+            host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+            host.copy_(tensor, non_blocking=True)
+            self._event = torch.cuda.Event()
+            self._event.record()
+            tensor = host
+        self._tensor = tensor
+
+    def wait(self) -> list:
+        if self._event is not None:
+            self._event.synchronize()
+        return to_host(self._tensor)
 
 
 def to_host_array(tensor: torch.Tensor) -> np.ndarray:

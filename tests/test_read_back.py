@@ -24,7 +24,7 @@ RESULT = VerifyResult(
 
 
 def test_a_tree_step_reads_back_paths_sizes_and_depths():
-    host = read_back(Proposal(TOKENS, PARENTS), RESULT, DEPTHS)
+    host = read_back(Proposal(TOKENS, PARENTS), RESULT, DEPTHS).wait()
     assert host.next_tokens == [14, 30]
     assert host.num_accepted == [2, 0]
     assert host.nodes == [[2, 3], []]
@@ -36,13 +36,13 @@ def test_a_tree_step_reads_back_paths_sizes_and_depths():
 
 def test_flagged_rows_come_back_with_the_step():
     malformed = torch.tensor([False, True])
-    host = read_back(Proposal(TOKENS, PARENTS, malformed=malformed), RESULT, DEPTHS)
+    host = read_back(Proposal(TOKENS, PARENTS, malformed=malformed), RESULT, DEPTHS).wait()
     assert host.malformed == [1]
     assert host.paths == [[12, 13], []]
     plain = Proposal(TOKENS[:, :1], PARENTS[:, :1], malformed=malformed)
     result = VerifyResult(
         RESULT.accepted_nodes[:, :1], torch.zeros(2, dtype=torch.int32), RESULT.next_tokens
     )
-    host = read_back(plain, result, DEPTHS[:, :1])
+    host = read_back(plain, result, DEPTHS[:, :1]).wait()
     assert host.next_tokens == [14, 30] and host.malformed == [1]
     assert host.num_accepted == host.drafted == host.depths == [0, 0]

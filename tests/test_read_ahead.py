@@ -1,0 +1,143 @@
+"""`generate`'s read-ahead: plain decoding queues each step before it reads the step before
+(`step.launch` / `step.finish`). Outputs, statistics and streamed tokens equal those of reading
+every step at once, whatever stops the rows (EOS, stop sequences, length, a full cache, sampled
+or greedy); the queued step really is queued (two steps unread at once); a drafter's steps
+are read at once."""
+
+from collections import defaultdict
+
+import pytest
+import torch
+from test_generate import hf_greedy
+from tiny_models import repetitive_prompts, tiny_llama
+
+from specdec_fast import NGramDrafter, engine, generate
+from specdec_fast.arguments import CACHE_BLOCK
+from specdec_fast.transfer import HostCopy
+
+VOCAB = 96
+NEW_TOKENS = 40
+
+
+@pytest.fixture(scope="module")
+def target():
+    return tiny_llama(vocab_size=VOCAB)
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    return repetitive_prompts([5, 9, 14, 3, 11, 7], VOCAB, seed=4)
+
+
+def run(target, prompts, read_ahead, **kwargs):
+    """(sequences, per-row (new tokens, steps, finish reason), streamed tokens per row)."""
+    streamed = defaultdict(list)
+    out = generate(
+        target,
+        prompts,
+        drafter=kwargs.pop("drafter", None),
+        max_new_tokens=kwargs.pop("max_new_tokens", NEW_TOKENS),
+        read_ahead=read_ahead,
+        on_tokens=lambda row, tokens: streamed[row].extend(tokens),
+        **kwargs,
+    )
+    stats = [(s.new_tokens, s.steps, s.finish_reason) for s in out.stats.sequences]
+    return [s.tolist() for s in out.sequences], stats, dict(streamed)
+
+
+def rare_token(sequences, prompts, row):
+    """A token of row `row`'s answer, from its fifth on, that some other row's never holds."""
+    answers = [set(s[len(p) :]) for s, p in zip(sequences, prompts, strict=True)]
+    return next(
+        token
+        for token in sequences[row][len(prompts[row]) + 4 :]
+        if any(token not in answer for answer in answers)
+    )
+
+
+@pytest.fixture(scope="module")
+def free(target, prompts):
+    """Each row's greedy answer with no stop but the length."""
+    return run(target, prompts, False, eos_token_id=[])[0]
+
+
+def test_greedy_with_eos_equals_reading_every_step_and_hf(target, prompts, free):
+    eos = [rare_token(free, prompts, 0)]
+    ahead = run(target, prompts, True, eos_token_id=eos)
+    assert ahead == run(target, prompts, False, eos_token_id=eos)
+    reasons = [reason for _, _, reason in ahead[1]]
+    assert "eos" in reasons and "length" in reasons, reasons
+    # Cut HF's greedy answers at their first EOS: the same tokens.
+    for row, sequence in enumerate(hf_greedy(target, prompts, NEW_TOKENS)):
+        answer = sequence[len(prompts[row]) :]
+        stop = next((i + 1 for i, t in enumerate(answer) if t in eos), len(answer))
+        assert ahead[0][row] == prompts[row] + answer[:stop], row
+
+
+def test_stop_sequences_and_sampling_equal_reading_every_step(target, prompts, free):
+    made = free[1][len(prompts[1]) :]
+    stop = [made[9:11]]
+    kwargs = {"eos_token_id": [], "stop": stop}
+    ahead = run(target, prompts, True, **kwargs)
+    assert ahead == run(target, prompts, False, **kwargs)
+    assert "stop" in [reason for _, _, reason in ahead[1]]
+    sampled = {"eos_token_id": [7, 11], "temperature": 0.9, "seed": list(range(len(prompts)))}
+    ahead = run(target, prompts, True, **sampled)
+    assert ahead == run(target, prompts, False, **sampled)
+    assert len({reason for _, _, reason in ahead[1]}) == 2, ahead[1]
+
+
+def test_a_full_cache_stops_rows_as_reading_every_step_does(prompts):
+    """Rows stop for their cache at different steps, and no queued step writes beyond it: on
+    a fresh model the cache holds exactly `max_cache_len` (a multiple of its block) slots."""
+    kwargs = {"eos_token_id": [], "max_cache_len": CACHE_BLOCK, "max_new_tokens": CACHE_BLOCK}
+    ahead = run(tiny_llama(vocab_size=VOCAB), prompts, True, **kwargs)
+    assert ahead == run(tiny_llama(vocab_size=VOCAB), prompts, False, **kwargs)
+    assert {reason for _, _, reason in ahead[1]} == {"cache"}
+    assert len({new for new, _, _ in ahead[1]}) > 1, ahead[1]
+
+
+def test_the_next_step_is_queued_before_the_read(target, prompts, monkeypatch):
+    """With read-ahead two launched steps are unread at once; without, never; with a drafter
+    (read-ahead asked for) never, and the output is the same."""
+    unread, most = [0], [0]
+    launch, finish = engine.launch, engine.finish
+
+    def counted_launch(*args, **kwargs):
+        unread[0] += 1
+        most[0] = max(most[0], unread[0])
+        return launch(*args, **kwargs)
+
+    def counted_finish(*args, **kwargs):
+        unread[0] -= 1
+        return finish(*args, **kwargs)
+
+    monkeypatch.setattr(engine, "launch", counted_launch)
+    monkeypatch.setattr(engine, "finish", counted_finish)
+    for read_ahead, drafter, expected in ((True, None, 2), (False, None, 1), (True, "ngram", 1)):
+        unread[0] = most[0] = 0
+        make = (lambda: NGramDrafter(max_nodes=8)) if drafter else (lambda: None)
+        sequences = run(target, prompts, read_ahead, drafter=make(), eos_token_id=[])[0]
+        assert (most[0], unread[0]) == (expected, 0), (read_ahead, drafter)
+        assert sequences == hf_greedy(target, prompts, NEW_TOKENS)
+
+
+def test_read_ahead_must_be_a_bool(target, prompts):
+    with pytest.raises(TypeError, match="read_ahead: expected None or a bool"):
+        generate(target, prompts, drafter=None, max_new_tokens=2, read_ahead="yes")
+
+
+def test_a_host_copy_on_the_cpu_is_the_tensor_read():
+    values = torch.arange(12).reshape(3, 4)
+    assert HostCopy(values).wait() == values.tolist()
+
+
+@pytest.mark.gpu
+def test_read_ahead_on_cuda_equals_reading_every_step():
+    """The CUDA path (a pinned buffer, an event): the same greedy and sampled output."""
+    target = tiny_llama(vocab_size=VOCAB).cuda()
+    values = torch.arange(12, device="cuda").reshape(3, 4)
+    assert HostCopy(values * 2).wait() == (values * 2).tolist()
+    rows = repetitive_prompts([5, 9, 14, 3], VOCAB, seed=4)
+    for kwargs in ({"eos_token_id": [7, 11]}, {"temperature": 0.9, "seed": [1, 2, 3, 4]}):
+        assert run(target, rows, True, **kwargs) == run(target, rows, False, **kwargs)
