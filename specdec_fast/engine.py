@@ -249,7 +249,12 @@ def _decode(
     queued = None
     while batch:
         launched = queued or launch(runner, batch, lanes, vocab)
-        queued = launch(runner, batch, lanes, vocab) if ahead and _room(batch) else None
+        queued = None
+        if ahead and _room(batch):
+            # A row whose logits were unusable has root -1 (the verify kernel's mark), which
+            # the queued step must not embed; what it makes for that row is dropped with it.
+            batch.roots = batch.roots.clamp(min=0)
+            queued = launch(runner, batch, lanes, vocab)
         report = finish(runner, batch, launched, vocab, queued.width if queued else 0)
         finished = report.finished
         if finished and queued is not None:
