@@ -13,6 +13,9 @@ chat template, stopping at its end of turn:
 3. **Step breakdown** of each drafter (ms per step: forward, sampler, compaction, drafter,
    engine), from `bench_overhead.breakdown` on the first prompt.
 
+`--acceptance-only` measures only each drafter's tokens per step, greedy and sampled, untimed,
+so that it can run over many more prompts (`--prompts 24 --max-new-tokens 64`).
+
     python bench/bench_chat.py --threads 2 --out bench/results/chat-smollm2-cpu-DATE
 """
 
@@ -67,6 +70,25 @@ def per_depth(target, make, prompts, tokens: int, stop) -> list[float]:
     return [round(a / o, 4) if o else 0.0 for a, o in zip(taken, offered, strict=True)]
 
 
+def tokens_per_step(target, make, prompts, tokens: int, stop, temperature: float) -> dict:
+    """Tokens per step of a drafter over `prompts` (batch 1, seeded per prompt), untimed."""
+    made = steps = 0
+    for index, ids in enumerate(prompts):
+        with torch.no_grad():
+            out = generate(
+                target,
+                [ids],
+                drafter=make(),
+                max_new_tokens=tokens,
+                eos_token_id=stop,
+                temperature=temperature,
+                seed=SEED + index,
+            )
+        made += out.stats.sequences[0].new_tokens
+        steps += out.stats.sequences[0].steps
+    return {"temperature": temperature, "tokens": made, "tokens_per_step": made / steps}
+
+
 def table(contenders: list[Contender], reference: Contender) -> list[dict]:
     plain = next(c for c in contenders if c.name == PLAIN)
     rows = []
@@ -112,6 +134,11 @@ def main() -> None:
     parser.add_argument(
         "--compile", action="store_true", help="compiled steps (default: eager, as the demo)"
     )
+    parser.add_argument(
+        "--acceptance-only",
+        action="store_true",
+        help="only each drafter's tokens per step, greedy and sampled (untimed: many prompts)",
+    )
     parser.add_argument("--out", type=Path, required=True, help="results folder")
     args = parser.parse_args()
     os.environ["SPECDEC_COMPILE"] = "1" if args.compile else "0"
@@ -127,6 +154,16 @@ def main() -> None:
     specs = [DrafterSpec.parse(s) for s in args.drafter or CHAT_DRAFTERS]
     factories = {spec.label(): spec.factory(target) for spec in specs}
     tokens = args.max_new_tokens
+    env = {**environment(device), "threads": args.threads, "dtype": str(target.dtype)}
+    if args.acceptance_only:
+        rows = []
+        for name, make in factories.items():
+            for temperature in (0.0, TEMPERATURE):
+                row = tokens_per_step(target, make, prompts, tokens, stop, temperature)
+                rows.append({"name": name, **row})
+                print(f"{name} at {temperature}: {row['tokens_per_step']:.3f} tokens/step")
+        write_results(args.out / "results.json", "chat-acceptance", env, rows, prompts=len(prompts))
+        return
 
     greedy = [
         hf_contender(target, tokens, stop),
@@ -160,7 +197,6 @@ def main() -> None:
     steps.insert(0, breakdown(setup, PLAIN, lambda: None, 1, args.threads, tokens))
     print("\n## Step breakdown (ms per step, first prompt)\n\n" + fmt_breakdown(steps))
 
-    env = {**environment(device), "threads": args.threads, "dtype": str(target.dtype)}
     write_results(
         args.out / "results.json",
         "chat",
