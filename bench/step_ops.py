@@ -234,7 +234,7 @@ def counting() -> Iterator[list[Read]]:
         return method
 
     def explicit(name, convert):
-        def read(tensor):
+        def read(tensor, *_):
             frame = sys._getframe(1)
             reads.append(Read(name, f"{Path(frame.f_code.co_filename).name}:{frame.f_lineno}"))
             return convert(tensor)

@@ -16,8 +16,11 @@ import numpy as np
 import torch
 
 
-def to_host(tensor: torch.Tensor) -> list:
-    """`tensor`'s values as (nested) Python lists: a blocking device-to-host read."""
+def to_host(tensor: torch.Tensor, landed: torch.cuda.Event | None = None) -> list:
+    """`tensor`'s values as (nested) Python lists: a blocking device-to-host read. `landed`: an
+    event to wait for first (`HostCopy`'s, when `tensor` is the pinned end of a copy)."""
+    if landed is not None:
+        landed.synchronize()
     return tensor.tolist()
 
 
@@ -38,9 +41,7 @@ class HostCopy:
         self._tensor = tensor
 
     def wait(self) -> list:
-        if self._event is not None:
-            self._event.synchronize()
-        return to_host(self._tensor)
+        return to_host(self._tensor, self._event)
 
 
 def to_host_array(tensor: torch.Tensor) -> np.ndarray:

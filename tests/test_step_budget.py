@@ -226,10 +226,10 @@ def test_steady_steps_never_sync_but_for_the_read_back(spec, batch, tmp_path, mo
     ]
     original, armed = transfer.to_host, []
 
-    def read_back(tensor):
+    def read_back(tensor, landed=None):
         torch.cuda.set_sync_debug_mode(0)
         try:
-            return original(tensor)
+            return original(tensor, landed)
         finally:
             if armed:  # from the first read-back of the second run on
                 torch.cuda.set_sync_debug_mode("error")
