@@ -74,18 +74,9 @@ def tokens_per_step(target, make, prompts, tokens: int, stop, temperature: float
     """Tokens per step of a drafter over `prompts` (batch 1, seeded per prompt), untimed."""
     made = steps = 0
     for index, ids in enumerate(prompts):
-        with torch.no_grad():
-            out = generate(
-                target,
-                [ids],
-                drafter=make(),
-                max_new_tokens=tokens,
-                eos_token_id=stop,
-                temperature=temperature,
-                seed=SEED + index,
-            )
-        made += out.stats.sequences[0].new_tokens
-        steps += out.stats.sequences[0].steps
+        sampling = {"temperature": temperature, "seed": SEED + index}
+        new, taken = engine_contender("", target, make, tokens, stop, **sampling).answer(ids)
+        made, steps = made + len(new), steps + taken
     return {"temperature": temperature, "tokens": made, "tokens_per_step": made / steps}
 
 

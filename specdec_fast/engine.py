@@ -255,7 +255,8 @@ def _decode(
             # the queued step must not embed; what it makes for that row is dropped with it.
             batch.roots = batch.roots.clamp(min=0)
             queued = launch(runner, batch, lanes, vocab)
-        report = finish(runner, batch, launched, vocab, queued.width if queued else 0)
+        ahead_slots = queued.proposal.num_nodes if queued else 0
+        report = finish(runner, batch, launched, vocab, ahead_slots)
         finished = report.finished
         if finished and queued is not None:
             # The queued step ran for the finished rows too: read it before they leave.

@@ -108,14 +108,13 @@ def index_lanes(batch: Batch, lanes: list[Lane]) -> None:
 @dataclass
 class Launched:
     """A step queued on the device (`launch`): its forward, acceptance and compaction, and its
-    read-back on the way to the host; `width` is the verify width (cache slots it reserved)."""
+    read-back on the way to the host."""
 
     drafts: list[Drafted]
     proposal: Proposal
     result: VerifyResult
     out: VerifyOutput
     read: StepRead
-    width: int
     start: float
 
 
@@ -142,14 +141,15 @@ def launch(runner: ModelRunner, batch: Batch, lanes: list[Lane], vocab: int) -> 
     runner.cache.compact(result.accepted_nodes, result.num_accepted, validate=False)
     batch.roots = result.next_tokens
     read = read_back(proposal, result, out.depths)
-    return Launched(drafts, proposal, result, out, read, proposal.num_nodes, start)
+    return Launched(drafts, proposal, result, out, read, start)
 
 
 def finish(
     runner: ModelRunner, batch: Batch, launched: Launched, vocab: int, ahead: int = 0
 ) -> StepReport:
     """The host half of a `launch`ed step: wait for its read-back, emit, update the drafters.
-    `ahead`: the cache slots a step queued after this one reserved (its width; 0 for none)."""
+    `ahead`: the cache slots a step queued after this one reserved (its verify width; 0 for
+    none)."""
     host = launched.read.wait()
     drafts = launched.drafts
     flagged = set(host.malformed)

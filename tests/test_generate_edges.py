@@ -230,10 +230,13 @@ def overflowing_float16_model():
     return model.half()
 
 
-@pytest.mark.parametrize("drafter, temperature", [(None, 0.0), (4, 1.0)])
-def test_logits_that_overflow_float16_are_a_clear_error(drafter, temperature):
+@pytest.mark.parametrize(
+    "drafter, temperature, read_ahead", [(None, 0.0, False), (4, 1.0, False), (None, 0.0, True)]
+)
+def test_logits_that_overflow_float16_are_a_clear_error(drafter, temperature, read_ahead):
     # The verify kernel marks such a row with next token -1: before the engine looked, the
     # next step embedded -1 (IndexError eagerly, an inductor bounds assertion when compiled).
+    # With read-ahead the step queued behind that row must not embed it either.
     model = overflowing_float16_model()
     with pytest.raises(UnusableLogits, match=r"^sequence 0: the target's logits were NaN or inf"):
         generate(
@@ -243,14 +246,23 @@ def test_logits_that_overflow_float16_are_a_clear_error(drafter, temperature):
             max_new_tokens=8,
             temperature=temperature,
             seed=0,
+            read_ahead=read_ahead,
         )
 
 
-def test_the_sequence_whose_logits_are_nan_is_named(target):
+@pytest.mark.parametrize("read_ahead", [False, True])
+def test_the_sequence_whose_logits_are_nan_is_named(target, read_ahead):
     clean = [5, 6, 7, 5, 6, 7]
     poison = next(t for t in range(VOCAB) if t not in clean + plain_continuation(target, clean, 6))
     model = tiny_llama(vocab_size=VOCAB)
     with torch.no_grad():
         model.model.embed_tokens.weight[poison] = float("nan")
     with pytest.raises(UnusableLogits, match=r"^sequence 1: .* after 0 generated tokens"):
-        generate(model, [clean, [poison, *clean]], drafter=None, max_new_tokens=6, eos_token_id=[])
+        generate(
+            model,
+            [clean, [poison, *clean]],
+            drafter=None,
+            max_new_tokens=6,
+            eos_token_id=[],
+            read_ahead=read_ahead,
+        )

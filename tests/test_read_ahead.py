@@ -1,18 +1,17 @@
 """`generate`'s read-ahead: plain decoding queues each step before it reads the step before
 (`step.launch` / `step.finish`). Outputs, statistics and streamed tokens equal those of reading
 every step at once, whatever stops the rows (EOS, stop sequences, length, a full cache,
-unusable logits, sampled or greedy); the queued step really is queued (two steps unread at
-once); a drafter's steps are read at once."""
+sampled or greedy; unusable logits in tests/test_generate_edges.py); the queued step really is
+queued (two steps unread at once); a drafter's steps are read at once."""
 
 from collections import defaultdict
 
 import pytest
 import torch
 from test_generate import hf_greedy
-from test_generate_edges import overflowing_float16_model, plain_continuation
 from tiny_models import repetitive_prompts, tiny_llama
 
-from specdec_fast import NGramDrafter, UnusableLogits, engine, generate
+from specdec_fast import NGramDrafter, engine, generate
 from specdec_fast.arguments import CACHE_BLOCK
 from specdec_fast.transfer import HostCopy
 
@@ -121,33 +120,6 @@ def test_the_next_step_is_queued_before_the_read(target, prompts, monkeypatch):
         sequences = run(target, prompts, read_ahead, drafter=make(), eos_token_id=[])[0]
         assert (most[0], unread[0]) == (expected, 0), (read_ahead, drafter)
         assert sequences == hf_greedy(target, prompts, NEW_TOKENS)
-
-
-def test_unusable_logits_are_the_same_clear_error(target):
-    """A row whose logits are NaN has root -1 (the verify kernel's mark): the step queued
-    behind it must not embed that, and the error names the row as without read-ahead."""
-    with pytest.raises(UnusableLogits, match=r"^sequence 0: the target's logits were NaN or inf"):
-        generate(
-            overflowing_float16_model(),
-            repetitive_prompts([9, 6], VOCAB, seed=1),
-            drafter=None,
-            max_new_tokens=8,
-            read_ahead=True,
-        )
-    clean = [5, 6, 7, 5, 6, 7]
-    poison = next(t for t in range(VOCAB) if t not in clean + plain_continuation(target, clean, 6))
-    model = tiny_llama(vocab_size=VOCAB)
-    with torch.no_grad():
-        model.model.embed_tokens.weight[poison] = float("nan")
-    with pytest.raises(UnusableLogits, match=r"^sequence 1: .* after 0 generated tokens"):
-        generate(
-            model,
-            [clean, [poison, *clean]],
-            drafter=None,
-            max_new_tokens=6,
-            eos_token_id=[],
-            read_ahead=True,
-        )
 
 
 def test_read_ahead_must_be_a_bool(target, prompts):
