@@ -25,6 +25,7 @@ from functools import partial
 import torch
 from transformers import PreTrainedModel
 
+from specdec_fast import graphs
 from specdec_fast.arguments import check_generate_arguments
 from specdec_fast.batch import SAMPLING_FIELDS, Batch, Row, TokenCallback, UnusableLogits
 from specdec_fast.cache import model_shards
@@ -109,7 +110,8 @@ def generate(
         tokenizer: the model's tokenizer, for string stops.
         on_tokens: called as `on_tokens(sequence_index, new_tokens)` whenever tokens are accepted
             (streaming); ITL statistics are measured at these moments.
-        use_cuda_graphs: capture verify steps as CUDA graphs (default: on for CUDA models).
+        use_cuda_graphs: capture the target's verify steps, and the EAGLE drafters' draft loops
+            and updates, as CUDA graphs (default: on for CUDA models; `specdec_fast.graphs`).
         compile: run the model's forwards through `torch.compile` (default: `SPECDEC_COMPILE`,
             on). Each new step shape compiles once per process; the compiled steps are kept on
             the model for later calls (`ModelRunner.for_model`). The drafter's own models and
@@ -225,11 +227,12 @@ def _decode(
     read_ahead: bool,
 ) -> None:
     """Prefill `rows`, then steps until every row has finished. The drafter attaches under the
-    call's compile choice (its own models compile or not as the target). With `read_ahead` and
-    no drafter, each step is queued before the one before it is read (`step.launch`), while no
-    row can stop for its cache (`_room`); rows that stop leave after the queued step is read."""
+    call's compile and CUDA-graph choices (its own models and steps follow the target's). With
+    `read_ahead` and no drafter, each step is queued before the one before it is read
+    (`step.launch`), while no row can stop for its cache (`_room`); rows that stop leave after
+    the queued step is read."""
     if drafter is not None:
-        with compile_choice(compile):
+        with compile_choice(compile), graphs.choice(runner.use_cuda_graphs):
             drafter.attach(runner.model, batch.capacity)
         runner.capture_hidden(drafter.hidden_layers)
     vocab = runner.model.config.get_text_config(decoder=True).vocab_size

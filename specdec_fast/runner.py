@@ -63,7 +63,6 @@ the attention function of every layer then calls the kernel without validating a
 
 import itertools
 import threading
-import time
 import weakref
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -73,6 +72,7 @@ import torch
 from torch import nn
 from transformers import PreTrainedModel
 
+from specdec_fast import graphs as cuda_graphs
 from specdec_fast.attention import (
     ATTENTION_NAME,
     METADATA_KWARG,
@@ -92,8 +92,6 @@ from specdec_fast.tree_mask import ancestor_mask, node_depths
 
 FINAL_NORM = -1
 INDEX_DTYPES = (torch.int32, torch.int64)
-# Eager runs before capture: lazy initialisations and Triton compilation must not be captured.
-GRAPH_WARMUP_STEPS = 2
 RUNNER_ATTRIBUTE = "_specdec_runner"
 # MKL's fp32 GEMM runs 10-15 rows through a small-matrix path that is slower than its 16-row
 # kernel: a SmolLM2-shaped verify at batch 1 takes 142 ms at N = 11, 167 ms at N = 15 and 121 ms
@@ -142,17 +140,6 @@ class VerifyOutput:
     hidden_states: dict[int, torch.Tensor]
     depths: torch.Tensor
     positions: torch.Tensor
-
-
-@dataclass
-class _VerifyGraph:
-    """A captured verify forward with its static inputs and outputs."""
-
-    graph: torch.cuda.CUDAGraph
-    tokens: torch.Tensor
-    parents: torch.Tensor
-    q_lens: torch.Tensor | None
-    output: VerifyOutput
 
 
 @dataclass
@@ -247,7 +234,7 @@ def _runner_options(
                 )
         return False, False
     compile = compile_by_default() if compile is None else compile
-    graphs = model.device.type == "cuda" if use_cuda_graphs is None else use_cuda_graphs
+    graphs = cuda_graphs.capturable(model.device) if use_cuda_graphs is None else use_cuda_graphs
     return compile, graphs
 
 
@@ -318,7 +305,7 @@ class ModelRunner:
         self.device = model.device
         self.exact = exact
         self.compile, self.use_cuda_graphs = _runner_options(model, use_cuda_graphs, compile, exact)
-        if self.use_cuda_graphs and self.device.type != "cuda":
+        if self.use_cuda_graphs and not cuda_graphs.capturable(self.device):
             raise ValueError(
                 f"use_cuda_graphs needs a model on CUDA, the model is on {self.device}"
             )
@@ -343,8 +330,6 @@ class ModelRunner:
         self._captured: dict[int, torch.Tensor] = {}
         self._capture_layers: tuple[int, ...] = ()
         self._hooks: list[torch.utils.hooks.RemovableHandle] = []
-        self._graphs: dict[tuple, _VerifyGraph] = {}
-        self._graph_pool = None
         # Inductor's freezing on the CPU (`freeze_by_default`): the compiled steps take the
         # model's weights as constants, and compile anew when one of them changes.
         self.freeze = (
@@ -357,6 +342,9 @@ class ModelRunner:
         )
         # Wall time of the calls that compiled a graph (or captured a CUDA graph), by step shape.
         self.compile_seconds = self.steps.compile_seconds
+        self._graphs = cuda_graphs.StepGraphs(
+            f"{model.config.model_type} verify", self.use_cuda_graphs, on_capture=self.steps.record
+        )
         self._open = False
         self.open(max_cache_len)
 
@@ -456,8 +444,6 @@ class ModelRunner:
             module.register_forward_hook(self._hook_for(layer)) for layer, module in modules.items()
         ]
         self._capture_layers = tuple(modules)
-        # Captured graphs record the hooks that ran at capture time.
-        self._drop_graphs()
 
     @property
     def feeds_beside_steps(self) -> bool:
@@ -585,11 +571,18 @@ class ModelRunner:
                 device=self.device,
             )
         self.cache.ensure_room(tokens.shape[1])
-        if self.use_cuda_graphs:
-            return self._replay(tokens, parents, q_lens)
+        self._graphs.bind(self.cache)
+        # A captured graph returns the hidden states of the layers hooked at its capture.
+        key = (q_lens is None, self._capture_layers)
+        label = f"B={tokens.shape[0]} N={tokens.shape[1]}"
         return VerifyOutput(
-            *self._run(_step_kind(tokens), self._verify_step, tokens, parents, q_lens)
+            *self._graphs.run(key, label, self._run_verify, tokens, parents, q_lens)
         )
+
+    def _run_verify(
+        self, tokens: torch.Tensor, parents: torch.Tensor, q_lens: torch.Tensor | None
+    ) -> tuple:
+        return self._run(_step_kind(tokens), self._verify_step, tokens, parents, q_lens)
 
     def tree_logits(self, tokens: torch.Tensor, parents: torch.Tensor) -> torch.Tensor:
         """fp32 logits `[B, N, V]` of `verify`'s forward, its device ops alone: not compiled nor
@@ -829,57 +822,5 @@ class ModelRunner:
         return output.logits.float(), hidden
 
     def _drop_graphs(self) -> None:
-        """Forget the captured graphs and their memory pool: a pool whose graphs are all gone
-        cannot take a new capture (the CUDA caching allocator asserts its use count), so the next
-        capture starts a fresh one."""
+        """Forget the captured graphs (`StepGraphs.clear`)."""
         self._graphs.clear()
-        self._graph_pool = None
-
-    def _replay(
-        self, tokens: torch.Tensor, parents: torch.Tensor, q_lens: torch.Tensor | None
-    ) -> VerifyOutput:
-        key = (tuple(tokens.shape), q_lens is None)
-        captured = self._graphs.get(key)
-        if captured is None:
-            start = time.perf_counter()
-            captured = self._capture(tokens, parents, q_lens)
-            self._graphs[key] = captured
-            self.steps.record(f"graph B={key[0][0]} N={key[0][1]}", time.perf_counter() - start)
-        captured.tokens.copy_(tokens)
-        captured.parents.copy_(parents)
-        if q_lens is not None:
-            captured.q_lens.copy_(q_lens)
-        captured.graph.replay()
-        return captured.output
-
-    def _capture(
-        self, tokens: torch.Tensor, parents: torch.Tensor, q_lens: torch.Tensor | None
-    ) -> _VerifyGraph:
-        """Capture the (compiled) verify step on static copies of the inputs.
-
-        Warm-up and capture write K/V only at uncommitted slots, which the replay overwrites.
-        """
-        static_tokens, static_parents = tokens.clone(), parents.clone()
-        static_q_lens = None if q_lens is None else q_lens.clone()
-        if self._graph_pool is None:
-            self._graph_pool = torch.cuda.graph_pool_handle()
-        side_stream = torch.cuda.Stream(self.device)
-        side_stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(side_stream):
-            for _ in range(GRAPH_WARMUP_STEPS):
-                self._run(
-                    _step_kind(tokens),
-                    self._verify_step,
-                    static_tokens,
-                    static_parents,
-                    static_q_lens,
-                )
-        torch.cuda.current_stream(self.device).wait_stream(side_stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._graph_pool):
-            output = self._run(
-                _step_kind(tokens), self._verify_step, static_tokens, static_parents, static_q_lens
-            )
-        return _VerifyGraph(
-            graph, static_tokens, static_parents, static_q_lens, VerifyOutput(*output)
-        )

@@ -36,6 +36,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from specdec_fast import generate
 from specdec_fast.attention import ATTENTION_NAME, tree_attention_forward
+from specdec_fast.graphs import GRAPH_WARMUP_CALLS
 from specdec_fast.runner import ModelRunner
 
 VOCAB = 160
@@ -412,7 +413,7 @@ def test_cuda_graph_replay_matches_eager(dtype):
             tokens = drafts.clone()
             tokens[:, 0] = prefill.root_tokens
             steps = []
-            for _ in range(3):  # the first call captures, the others replay
+            for _ in range(GRAPH_WARMUP_CALLS + 2):  # warm-up, a capture, a replay
                 verified = runner.verify(tokens, parents)
                 steps.append((verified.logits.clone(), verified.hidden_states[-1].clone()))
                 accepted = torch.tensor([[0, 1, -1, -1, -1, -1]] * 3, dtype=torch.int32).cuda()
@@ -440,10 +441,12 @@ def test_cuda_graphs_captured_again_after_the_cache_grows():
     for use_graphs in (False, True):
         with ModelRunner(model, CAPACITY, use_cuda_graphs=use_graphs) as runner:
             root = runner.prefill(*(t.cuda() for t in small)).root_tokens
-            runner.verify(torch.cat([root[:, None], drafts[:1, 1:]], 1), parents[:1])
+            for _ in range(GRAPH_WARMUP_CALLS + 1):  # warm-up, then a capture
+                runner.verify(torch.cat([root[:, None], drafts[:1, 1:]], 1), parents[:1])
             root = runner.prefill(*(t.cuda() for t in large)).root_tokens
             tokens = torch.cat([root[:, None], drafts[:, 1:]], 1)
-            outputs[use_graphs] = [runner.verify(tokens, parents).logits.clone() for _ in "ab"]
+            calls = range(GRAPH_WARMUP_CALLS + 2)
+            outputs[use_graphs] = [runner.verify(tokens, parents).logits.clone() for _ in calls]
     for want, got in zip(outputs[False], outputs[True], strict=True):
         torch.testing.assert_close(got, want, **GRAPH_TOLERANCE[torch.float32])
 

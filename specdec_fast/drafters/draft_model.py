@@ -9,6 +9,7 @@ import numpy as np
 import torch
 from transformers import PreTrainedModel
 
+from specdec_fast import graphs
 from specdec_fast.arguments import CACHE_BLOCK
 from specdec_fast.kernels.tree_attention import MAX_TREE_NODES
 from specdec_fast.runner import ModelRunner
@@ -87,7 +88,8 @@ class DraftRunnerRows:
                 f"draft model is on {draft_model.device}, the target on {target.device}"
             )
         capacity = -(-max_cache_len // CACHE_BLOCK) * CACHE_BLOCK
-        self.runner = ModelRunner.for_model(draft_model, capacity)
+        # Its forwards replay as CUDA graphs when the call's target's do (`graphs.choice`).
+        self.runner = ModelRunner.for_model(draft_model, capacity, use_cuda_graphs=graphs.chosen())
 
     def begin(self, state: DraftState) -> None:
         """Prefill the draft's cache with every row's tokens but the last (the root)."""

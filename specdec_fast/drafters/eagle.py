@@ -34,6 +34,7 @@ import os
 
 import torch
 
+from specdec_fast import graphs
 from specdec_fast.arguments import CACHE_BLOCK
 from specdec_fast.attention import METADATA_KWARG
 from specdec_fast.cache import SpecKVCache
@@ -91,6 +92,7 @@ class EagleDrafter(Drafter):
         self._outputs: torch.Tensor | None = None  # [B, h]: output of each row's last entry
         self._attached = False
         self._steps: CompiledSteps | None = None
+        self._resident: graphs.Resident | None = None
 
     @classmethod
     def from_pretrained(cls, name_or_path: str | os.PathLike, target, **tree_args) -> EagleDrafter:
@@ -123,10 +125,24 @@ class EagleDrafter(Drafter):
         # In whole blocks, as the target's storage: the compiled steps know the capacity as a
         # constant, and calls of similar lengths then share their graphs.
         self._capacity = -(-needed // CACHE_BLOCK) * CACHE_BLOCK
+        # The head's cache and captured steps, kept on the head for the envelope: everything
+        # the steps read besides their arguments is in the key, or is that cache.
+        if self._resident is not None:
+            self._resident.release()
+        envelope = (self.top_k, self.depth, self.max_nodes, self._capacity, id(self._steps))
+        targets = (self._embed.weight.data_ptr(), self._lm_head.weight.data_ptr())
+        what = f"eagle{self.head.version}"
+        self._resident = graphs.resident(
+            self.head, (envelope, targets), what, graphs.chosen(), self._steps.record
+        )
 
     def end(self) -> None:
-        """Drop the head's cache and give the head its own attention back."""
+        """Leave the head's cache (kept on the head for the next drafter of the envelope,
+        `graphs.resident`) and give the head its own attention back."""
         self._cache = self._outputs = None
+        if self._resident is not None:
+            self._resident.release()
+            self._resident = None
         if self._attached:
             switch_attention(self.head, on=False)
             self._attached = False
@@ -156,8 +172,15 @@ class EagleDrafter(Drafter):
 
     def _run(self, kind: str, step, *args):
         """`step(self, *args)` through the head's compiled steps (`CompiledSteps`, the
-        machinery of the target's runner), or as it is when not compiling."""
+        machinery of the target's runner), or as it is when not compiling; replayed as a CUDA
+        graph per batch size when the call captures graphs (`StepGraphs`, bound to the head's
+        cache; both kept on the head, `graphs.resident`)."""
         label = f"{kind} B={args[0].shape[0]}"
+        captured = self._resident.graphs
+        captured.bind(self._cache)
+        return captured.run(kind, label, self._compiled, kind, label, step, *args)
+
+    def _compiled(self, kind: str, label: str, step, *args):
         return self._steps.run(kind, label, step, self, *args)
 
     def _bound_lengths(self, state: DraftState, num_new: int) -> None:
@@ -169,13 +192,15 @@ class EagleDrafter(Drafter):
 
     @torch.no_grad()
     def begin(self, state: DraftState) -> None:
-        self._cache = SpecKVCache(
-            self.head.config,
-            state.batch_size,
-            self._capacity,
-            dtype=self.head.fc.weight.dtype,
-            device=state.device,
-        )
+        cache, dtype = self._resident.state, self.head.fc.weight.dtype
+        if cache is not None and cache.fits(state.batch_size, self._capacity, dtype):
+            cache.resize(state.batch_size)
+        else:
+            self._resident.state = None  # free the old storage before allocating the new one
+            cache = self._resident.state = SpecKVCache(
+                self.head.config, state.batch_size, self._capacity, dtype=dtype, device=state.device
+            )
+        self._cache = cache
         self._outputs = self._fill(state)
 
     @torch.no_grad()
@@ -183,6 +208,7 @@ class EagleDrafter(Drafter):
         cache, batch = self._cache, self._cache.kv.shape[2]
         if batch + state.batch_size > cache.capacity:
             cache = cache.with_capacity(max(batch + state.batch_size, 2 * batch))
+            self._resident.state = cache
         # The newcomers' entries go to the rows past the batch, through a view of them.
         self._cache = cache.rows(batch, state.batch_size)
         try:

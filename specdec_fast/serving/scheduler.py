@@ -50,6 +50,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
+from specdec_fast import graphs
 from specdec_fast.arguments import build_sampling, draw_seed
 from specdec_fast.batch import FAILED, Batch, Row
 from specdec_fast.cache import model_shards
@@ -729,7 +730,7 @@ class Scheduler:
             if lane.rows:
                 lane.drafter.join(state)
             else:
-                with compile_choice(self._compile):
+                with compile_choice(self._compile), graphs.choice(self.runner.use_cuda_graphs):
                     lane.drafter.attach(self.model, self.max_cache_len)
                 lane.begun = True
                 lane.drafter.begin(state)
