@@ -110,8 +110,9 @@ def generate(
         tokenizer: the model's tokenizer, for string stops.
         on_tokens: called as `on_tokens(sequence_index, new_tokens)` whenever tokens are accepted
             (streaming); ITL statistics are measured at these moments.
-        use_cuda_graphs: capture the target's verify steps, and the EAGLE drafters' draft loops
-            and updates, as CUDA graphs (default: on for CUDA models; `specdec_fast.graphs`).
+        use_cuda_graphs: capture the target's verify steps and the drafter's device steps (draft
+            loops, updates, tree steps) as CUDA graphs (default: on for CUDA models;
+            `specdec_fast.graphs`).
         compile: run the model's forwards through `torch.compile` (default: `SPECDEC_COMPILE`,
             on). Each new step shape compiles once per process; the compiled steps are kept on
             the model for later calls (`ModelRunner.for_model`). The drafter's own models and

@@ -36,6 +36,7 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_flatten
 
+from specdec_fast.cache import SpecKVCache
 from specdec_fast.compiled import kept
 
 # Calls of a key run as they are before its capture: compilation and lazy initialisation (cuBLAS
@@ -64,6 +65,12 @@ def chosen() -> bool:
 def capturable(device: torch.device) -> bool:
     """Whether steps on `device` can be captured: CUDA's."""
     return device.type == "cuda"
+
+
+def capturing() -> bool:
+    """Whether a step is being captured now: code with a host shortcut off the compiler's path
+    (the block drafters' best-first heap) takes its device form then, as when compiling."""
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
 
 def capture(step: Callable, args: tuple, pool: Any) -> tuple[Callable[[], None], Any, Any]:
@@ -166,8 +173,9 @@ class StepGraphs:
         start = time.perf_counter()
         inputs = tuple(arg.clone() if isinstance(arg, torch.Tensor) else arg for arg in args)
         replay, outputs, self._pool = capture(step, inputs, self._pool)
-        if any(not isinstance(leaf, torch.Tensor) for leaf in tree_flatten(outputs)[0]):
-            raise TypeError(f"{self.what} {label}: a captured step returns tensors only")
+        leaves = tree_flatten(outputs)[0]
+        if any(leaf is not None and not isinstance(leaf, torch.Tensor) for leaf in leaves):
+            raise TypeError(f"{self.what} {label}: a captured step returns tensors (or None) only")
         captured = self._graphs[key] = _Captured(replay, inputs, outputs)
         if self.on_capture is not None:
             self.on_capture(f"graph {label}", time.perf_counter() - start)
@@ -192,6 +200,20 @@ class Resident:
 
     def release(self) -> None:
         self.busy = False
+
+    def cache(
+        self, config, batch_size: int, capacity: int, dtype: torch.dtype, device: torch.device
+    ) -> SpecKVCache:
+        """The kept KV cache (`state`) for `batch_size` new sequences of `capacity` slots: the
+        kept one when it fits (its addresses, which the graphs hold, unchanged), else a new one
+        (the old storage freed first)."""
+        cache = self.state
+        if cache is not None and cache.fits(batch_size, capacity, dtype):
+            cache.resize(batch_size)
+            return cache
+        self.state = None
+        self.state = SpecKVCache(config, batch_size, capacity, dtype=dtype, device=device)
+        return self.state
 
 
 def resident(

@@ -64,7 +64,7 @@ the attention function of every layer then calls the kernel without validating a
 import itertools
 import threading
 import weakref
-from collections.abc import Iterator, Sequence
+from collections.abc import Hashable, Iterator, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -583,6 +583,16 @@ class ModelRunner:
         self, tokens: torch.Tensor, parents: torch.Tensor, q_lens: torch.Tensor | None
     ) -> tuple:
         return self._run(_step_kind(tokens), self._verify_step, tokens, parents, q_lens)
+
+    def run_step(self, key: Hashable, label: str, step, *args):
+        """`step(*args)`: a caller's own step over this runner's cache (a draft model's loop,
+        PARD's tree step), through the runner's compiled steps as kind `key[0]` and, when the
+        runner captures, replayed as a CUDA graph kept with its own (`StepGraphs`). `key` names
+        everything the step reads besides its tensor arguments and this cache (the caller's
+        envelope: its tree, its chain length); `label` names compilations and captures."""
+        self._check_open()
+        self._graphs.bind(self.cache)
+        return self._graphs.run(key, label, self.steps.run, key[0], label, step, *args)
 
     def tree_logits(self, tokens: torch.Tensor, parents: torch.Tensor) -> torch.Tensor:
         """fp32 logits `[B, N, V]` of `verify`'s forward, its device ops alone: not compiled nor

@@ -34,6 +34,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from specdec_fast import graphs
 from specdec_fast.kernels.rng import gumbel, stream_key
 from specdec_fast.transfer import host_resident, to_device, to_host_array
 
@@ -440,7 +441,8 @@ def sample_draft_tokens(
     key = stream_key((seed[:, None] + positions)[:, :, None], 0, 0, stream)
     drawn = (scaled + gumbel(key, vocab)).argmax(dim=-1)
     greedy = logits.argmax(dim=-1)
-    one_hot = torch.nn.functional.one_hot(greedy, logits.shape[-1]).to(logits.dtype)
+    # A scatter, not `F.one_hot`: off CUDA that reads the indices' range back to the host.
+    one_hot = torch.zeros_like(logits).scatter_(-1, greedy[..., None], 1.0)
     probs = torch.where(sampled, torch.softmax(scaled, dim=-1), one_hot)
     return torch.where(sampled[..., 0], drawn, greedy), probs
 
@@ -495,8 +497,9 @@ def best_first_tree(
 
     log_probs: float `[B, D, V]`, log q_d at position d - 1 (-inf allowed); roots: int `[B]`.
     Returns int64 `(tokens, parents)` `[B, max_nodes]`, on `log_probs`' device. Traced by
-    `torch.compile` (a block drafter's compiled step), the pops are device rounds inside the
-    graph (`best_first_on_device`): no read. Eagerly, they run on a heap per row on the host
+    `torch.compile` (a block drafter's compiled step) or captured as a CUDA graph
+    (`graphs.capturing`), the pops are device rounds inside the graph
+    (`best_first_on_device`): no read. Eagerly, they run on a heap per row on the host
     (`_best_first_on_host`); on an accelerator after one read of the top-K candidates.
     """
     if max_nodes < 2:
@@ -509,7 +512,7 @@ def best_first_tree(
     values = top.values
     if depth_scale != 1.0:
         values = torch.cat([values[:, :1], values[:, 1:] * depth_scale], dim=1)
-    if torch.compiler.is_compiling():
+    if torch.compiler.is_compiling() or graphs.capturing():
         return best_first_on_device(values, top.indices, roots, max_nodes)
     if host_resident(log_probs):
         return _best_first_on_host(values, top.indices, roots, max_nodes)

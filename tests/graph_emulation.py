@@ -25,6 +25,8 @@ from specdec_fast import graphs
 # Captures and replays of every emulated graph in this process (a graph captured in one block
 # is replayed in later ones: runners and drafters keep theirs).
 COUNTS: Counter = Counter()
+# Non-empty while a step is traced (`graphs.capturing` then answers yes).
+TRACING: list[bool] = []
 
 
 def traced_capture(step, args, pool):
@@ -34,7 +36,11 @@ def traced_capture(step, args, pool):
         ran.append(step(*inputs))
         return ran[0]
 
-    traced = make_fx(recorded)(*args)
+    TRACING.append(True)
+    try:
+        traced = make_fx(recorded)(*args)
+    finally:
+        TRACING.pop()
     outputs = ran[0]
     skip = [True]  # the trace ran the captured call's step: its first replay has nothing to do
 
@@ -44,7 +50,8 @@ def traced_capture(step, args, pool):
             return
         fresh = traced(*args)
         for static, value in zip(tree_flatten(outputs)[0], tree_flatten(fresh)[0], strict=True):
-            static.copy_(value)
+            if static is not None:
+                static.copy_(value)
 
     COUNTS["captures"] += 1
     return replay, outputs, pool
@@ -58,4 +65,5 @@ def emulated_graphs():
         patch.setenv("SPECDEC_BACKEND", "torch")
         patch.setattr(graphs, "capture", traced_capture)
         patch.setattr(graphs, "capturable", lambda device: True)
+        patch.setattr(graphs, "capturing", lambda: bool(TRACING))
         yield lambda: COUNTS - start

@@ -1,17 +1,21 @@
 """Steps captured as graphs (`specdec_fast.graphs`, issue 44 item 4): `StepGraphs`' warm-up,
 capture, replay and binding, the drafters' `Resident` state, and `generate` with the target's
-verify and the EAGLE drafters' draft loop and update replayed, on the CPU under the emulation of
+verify and every drafter's device steps replayed, on the CPU under the emulation of
 `graph_emulation` (Python runs only at capture, as under a CUDA graph). Greedy runs must give
 the same tokens and the same per-row steps and accepted counts as runs without graphs (a stale
 graph drafts other trees: the tokens would stay lossless, the counts would not), sampled runs
 the same tokens with the same seeds; the `gpu` test repeats it with real CUDA graphs."""
 
+import re
+
 import pytest
 import torch
+from built_in_drafters import DRAFTERS, write_untrained_blocks
 from graph_emulation import emulated_graphs, traced_capture
 
 from specdec_fast import bundled, generate, graphs
 from specdec_fast.cache import SpecKVCache
+from specdec_fast.compiled import COMPILE_LOG
 from specdec_fast.drafters.registry import DrafterSpec
 from specdec_fast.graphs import GRAPH_WARMUP_CALLS, StepGraphs
 from specdec_fast.loading import load_model, load_tokenizer
@@ -88,7 +92,7 @@ def test_another_state_drops_the_graphs(emulated):
 def test_captured_steps_return_tensors_only_and_warm_up(emulated):
     steps = StepGraphs("test", warmup=1)
     steps.run("k", "step", lambda x: (x, 3), torch.ones(2))
-    with pytest.raises(TypeError, match="returns tensors only"):
+    with pytest.raises(TypeError, match="returns tensors"):
         steps.run("k", "step", lambda x: (x, 3), torch.ones(2))
     with pytest.raises(ValueError, match="warmup must be >= 1"):
         StepGraphs("test", warmup=0)
@@ -127,9 +131,16 @@ needs_bundled = pytest.mark.skipif(
     "tiny-code" not in bundled.available(), reason="the bundled checkpoints are not installed"
 )
 
-# The target's verify graphs serve every drafter; EAGLE's steps and the draft model's forwards
-# replay as graphs of their own.
-GRAPHED = ["none", "draft:tiny-code-draft:4", "eagle:tiny-code-eagle:8", "eagle:tiny-code-eagle3:8"]
+# Every drafter with device steps, greedy; the samplers sampled too. The target's verify graphs
+# serve all of them; each drafter's own steps (draft loops, updates, tree steps, the draft
+# model's forwards) replay as graphs of their own.
+CASES = [
+    *((spec, 0.0) for spec in DRAFTERS if not spec.startswith(("ngram", "suffix"))),
+    *(
+        (spec, 0.8)
+        for spec in ("draft:tiny-code-draft:4", "eagle:tiny-code-eagle3:8", "block:{dflash}:8")
+    ),
+]
 
 
 @pytest.fixture(scope="module")
@@ -170,18 +181,29 @@ def _runs(target, make, prompts, temperature, **options):
     return results
 
 
+@pytest.fixture(scope="module")
+def blocks(target, tmp_path_factory):
+    return write_untrained_blocks(target, tmp_path_factory.mktemp("blocks"))
+
+
 @needs_bundled
-@pytest.mark.parametrize("temperature", [0.0, 0.8], ids=["greedy", "sampled"])
-@pytest.mark.parametrize("spec", GRAPHED)
-def test_replayed_steps_give_the_same_outputs(target, prompts, spec, temperature, monkeypatch):
-    make = DrafterSpec.parse(spec).factory(target)
+@pytest.mark.parametrize(("spec", "temperature"), CASES, ids=[f"{s}-{t}" for s, t in CASES])
+def test_replayed_steps_give_the_same_outputs(
+    target, prompts, blocks, spec, temperature, monkeypatch
+):
+    make = DrafterSpec.parse(spec.format(**blocks)).factory(target)
     monkeypatch.setenv("SPECDEC_BACKEND", "torch")  # as the emulated runs below
     want = _runs(target, make, prompts, temperature)
+    logged = len(COMPILE_LOG)
     with emulated_graphs() as counts:
         got = _runs(target, make, prompts, temperature)
     assert got == want
-    # Graphs were replayed: the check above was not vacuous.
+    # Graphs were replayed, and the drafter captured steps of its own (not only the target's
+    # and draft models' verify steps, "graph B=3 N=8"): the check above was not vacuous.
     assert counts()["replays"] >= 10, counts()
+    captured = [label for label, _ in COMPILE_LOG[logged:] if " graph " in f" {label}"]
+    own = [label for label in captured if not re.search(r"graph B=\d+ N=\d+$", label)]
+    assert own or spec == "none", captured
 
 
 @needs_bundled
@@ -217,17 +239,17 @@ def test_later_drafters_replay_the_graphs_of_earlier_ones(target, prompts, monke
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("temperature", [0.0, 0.8], ids=["greedy", "sampled"])
-@pytest.mark.parametrize("spec", GRAPHED)
-def test_cuda_graphs_give_the_same_outputs(spec, temperature):
+@pytest.mark.parametrize(("spec", "temperature"), CASES, ids=[f"{s}-{t}" for s, t in CASES])
+def test_cuda_graphs_give_the_same_outputs(spec, temperature, tmp_path):
     device = torch.device("cuda")
     model = load_model("tiny-code", device)
+    paths = write_untrained_blocks(model, tmp_path) if "{" in spec else {}
     tokenizer = load_tokenizer("tiny-code")
     rows = [
         [tokenizer.bos_token_id, *tokenizer.encode(r["prompt"], add_special_tokens=False)][:40]
         for r in load_code_prompts(4)
     ]
-    make = DrafterSpec.parse(spec).factory(model)
+    make = DrafterSpec.parse(spec.format(**paths)).factory(model)
     runs = {
         on: [_runs(model, make, rows, temperature, use_cuda_graphs=on) for _ in "ab"]
         for on in (False, True)

@@ -19,8 +19,9 @@ import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 from torch.utils.weak import WeakIdKeyDictionary
 
+from specdec_fast import graphs
 from specdec_fast.cache import SpecKVCache
-from specdec_fast.compiled import CompiledSteps, compile_by_default
+from specdec_fast.compiled import CompiledSteps, compile_by_default, record_compile
 from specdec_fast.heads.block import DFlashHead
 from specdec_fast.kernels import pack_tree_mask
 from specdec_fast.kernels.tree_attention import run_tree_attention
@@ -134,6 +135,7 @@ class DFlashBlock:
         self.shape: BlockShape | None = None  # set by the drafter
         self.hidden_layers = head.hidden_layers
         self._cache: SpecKVCache | None = None
+        self._resident: graphs.Resident | None = None
         self._lengths: list[int] = []  # committed context entries per row (host mirror)
         self._pending: _Context | None = None
 
@@ -162,14 +164,31 @@ class DFlashBlock:
             str(head.fc.weight.dtype),
             str(target.device),
         )
+        # The head's cache and captured steps, kept on the head for the envelope: everything
+        # the steps read besides their arguments is in the key, or is that cache.
+        if self._resident is not None:
+            self._resident.release()
+        targets = (self._embed.weight.data_ptr(), self._lm_weight.data_ptr())
+        envelope = (self._signature, self._capacity, depth, self.shape, self._compile, targets)
+        self._resident = graphs.resident(head, envelope, "dflash", graphs.chosen(), record_compile)
 
-    def _run(self, kind: str, step, *args):
+    def _run(self, kind: str, step, *args, captured: bool = True):
         """`step(*args)` (a bound method), through its compiled version when compiling, shared
-        by every drafter over heads of this shape (`_DFLASH_STEPS`)."""
+        by every drafter over heads of this shape (`_DFLASH_STEPS`); replayed as a CUDA graph
+        when the call captures graphs and `captured` (`StepGraphs`, bound to the head's cache;
+        both kept on the head, `graphs.resident`). A step over a view of the cache's rows (a
+        join's) runs as it is."""
+        label = f"{kind} B={args[0].shape[0]}"
+        if not captured:
+            return self._compiled(kind, label, step, *args)
+        steps = self._resident.graphs
+        steps.bind(self._cache)
+        return steps.run(kind, label, self._compiled, kind, label, step, *args)
+
+    def _compiled(self, kind: str, label: str, step, *args):
         if not self._compile:
             return step(*args)
         steps = _DFLASH_STEPS.setdefault(self._signature, CompiledSteps("dflash", True))
-        label = f"{kind} B={args[0].shape[0]}"
         return steps.run(kind, label, step.__func__, step.__self__, *args)
 
     def _prompt_context(self, state: DraftState) -> _Context:
@@ -178,13 +197,12 @@ class DFlashBlock:
         return _Context.whole([state.hidden[layer] for layer in self.hidden_layers], counts)
 
     def begin(self, state: DraftState) -> None:
-        head, device = self.head, state.device
-        self._cache = SpecKVCache(
-            head.config,
+        self._cache = self._resident.cache(
+            self.head.config,
             state.batch_size,
             self._capacity,
-            dtype=head.fc.weight.dtype,
-            device=device,
+            self.head.fc.weight.dtype,
+            state.device,
         )
         self._lengths = [0] * state.batch_size
         self._pending = self._prompt_context(state)
@@ -209,13 +227,14 @@ class DFlashBlock:
             layer.update(keys, values)
         cache.cache_lens.add_(counts)
 
-    def _take(self, context: _Context, kind: str, step, *args):
+    def _take(self, context: _Context, kind: str, step, *args, captured: bool = True):
         """`step(*args, last, index, *features)` of `context` (compiled as `kind`), which writes
         and commits its entries."""
         cache = self._cache
         cache.bound_lengths(max(self._lengths))
         cache.ensure_room(context.width + self.head.block_size)
-        out = self._run(kind, step, *args, context.last, context.index, *context.features)
+        tensors = (context.last, context.index, *context.features)
+        out = self._run(kind, step, *args, *tensors, captured=captured)
         self._lengths = [
             length + count for length, count in zip(self._lengths, context.counts, strict=True)
         ]
@@ -229,9 +248,10 @@ class DFlashBlock:
             none = self.head.fc.weight.new_zeros(batch, 0, self.head.config.hidden_size)
             pending = _Context.whole([none] * len(self.hidden_layers), [0] * batch)
         slots = None
-        if state.device.type == "cpu":
+        if state.device.type == "cpu" and not self._resident.graphs.on:
             # The slots the block's attention reads there: the committed entries, the pending ones
             # and the block (a row's pad entries land past its block, which never reads them).
+            # Not for a captured step, whose shapes stay fixed (CUDA's; the CPU's in tests).
             span = max(
                 length + count for length, count in zip(self._lengths, pending.counts, strict=True)
             )
@@ -340,6 +360,7 @@ class DFlashBlock:
         cache, batch, count = self._cache, self._cache.kv.shape[2], state.batch_size
         if batch + count > cache.capacity:
             cache = cache.with_capacity(max(batch + count, 2 * batch))
+            self._resident.state = cache
         lengths = self._lengths
         self._cache, self._lengths = cache.rows(batch, count), [0] * count
         try:
@@ -348,7 +369,7 @@ class DFlashBlock:
             self._cache.commit_lengths(zeros, 0)
             prompt = self._prompt_context(state)
             if max(prompt.counts) > 0:
-                self._take(prompt, "context", self._context_step)
+                self._take(prompt, "context", self._context_step, captured=False)
             joined = self._lengths
         finally:
             self._cache = cache
@@ -361,3 +382,6 @@ class DFlashBlock:
     def end(self) -> None:
         self._cache = None
         self._pending = None
+        if self._resident is not None:
+            self._resident.release()
+            self._resident = None

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -228,11 +229,14 @@ class DraftModelDrafter(DraftRunnerRows, Drafter):
 
     def _loop(self, loop, *args: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """`loop(self, *args)` under no grad: the chain's or tree's whole draft loop as one step
-        of the draft model's runner, compiled (and its weights frozen) as the runner's own."""
+        of the draft model's runner, compiled (and its weights frozen) as the runner's own, and
+        replayed as a CUDA graph kept with the runner's when it captures (`run_step`; the tree's
+        index tensors are made once per tree, `_TreeIndex.build`)."""
         mode = "tree" if self.tree is not None else "chain"
         what = f"tree N={self.tree.num_nodes}" if self.tree else f"chain k={self.num_tokens}"
         label = f"draft loop {what} B={args[0].shape[0]}"
-        return self.runner.steps.run(f"{mode} loop", label, loop, self, *args)
+        key = (f"{mode} loop", self.tree, self.num_tokens)
+        return self.runner.run_step(key, label, loop, self, *args)
 
     def update(self, state: DraftState, outcome: StepOutcome) -> None:
         # `state.tokens` already holds the emitted tokens; the root was at len - emitted - 1.
@@ -332,7 +336,10 @@ class _TreeIndex:
     fed: tuple[int, ...]
 
     @classmethod
+    @functools.cache
     def build(cls, tree: StaticTree, device: torch.device) -> _TreeIndex:
+        """The index of `tree` on `device`, made once: captured draft loops keep reading the
+        same tensors."""
         depths = (0, *tree.depths)
         levels, fed = [], []
         for depth in range(1, tree.max_depth + 1):

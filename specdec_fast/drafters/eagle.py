@@ -192,15 +192,13 @@ class EagleDrafter(Drafter):
 
     @torch.no_grad()
     def begin(self, state: DraftState) -> None:
-        cache, dtype = self._resident.state, self.head.fc.weight.dtype
-        if cache is not None and cache.fits(state.batch_size, self._capacity, dtype):
-            cache.resize(state.batch_size)
-        else:
-            self._resident.state = None  # free the old storage before allocating the new one
-            cache = self._resident.state = SpecKVCache(
-                self.head.config, state.batch_size, self._capacity, dtype=dtype, device=state.device
-            )
-        self._cache = cache
+        self._cache = self._resident.cache(
+            self.head.config,
+            state.batch_size,
+            self._capacity,
+            self.head.fc.weight.dtype,
+            state.device,
+        )
         self._outputs = self._fill(state)
 
     @torch.no_grad()

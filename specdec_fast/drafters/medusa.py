@@ -6,6 +6,7 @@ import os
 
 import torch
 
+from specdec_fast import graphs
 from specdec_fast.compiled import CompiledSteps, module_steps
 from specdec_fast.heads.medusa import MedusaHeads, load_medusa_heads
 from specdec_fast.onednn import follow_target
@@ -56,7 +57,8 @@ class MedusaDrafter(Drafter):
         # nodes int `[B, M]` and their counts int `[B]` (the node at `nodes[b, counts[b]]`).
         self._source: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
         self._steps: CompiledSteps | None = None
-        # The tree's depths, ranks and parents on the device, uploaded once per call.
+        self._resident: graphs.Resident | None = None
+        # The tree's depths, ranks and parents on the device, uploaded once per tree and device.
         self._tree_index: tuple[torch.Tensor, ...] | None = None
 
     @classmethod
@@ -77,20 +79,30 @@ class MedusaDrafter(Drafter):
         follow_target(self.heads, target)
         self._lm_head = target.get_output_embeddings()
         self._steps = module_steps(self.heads, "medusa")
+        # The step's graphs and the tree's index tensors, kept on the heads per tree.
+        if self._resident is not None:
+            self._resident.release()
+        key = (self.tree, self._lm_head.weight.data_ptr(), id(self._steps))
+        self._resident = graphs.resident(
+            self.heads, key, "medusa", graphs.chosen(), self._steps.record
+        )
+        if self._resident.state is None:
+            self._resident.state = tuple(
+                to_device(values, target.device)
+                for values in (self.tree.depths, self.tree.ranks, self.tree.node_parents)
+            )
+        self._tree_index = self._resident.state
 
     def begin(self, state: DraftState) -> None:
         self._source = _cached_source(state)
 
     @torch.no_grad()
     def propose(self, state: DraftState) -> Proposal:
-        if self._tree_index is None:
-            self._tree_index = tuple(
-                to_device(values, state.device)
-                for values in (self.tree.depths, self.tree.ranks, self.tree.node_parents)
-            )
         label = f"heads B={state.batch_size}"
+        args = (self, state.roots, *self._source)
+        steps = self._resident.graphs
         return Proposal(
-            *self._steps.run("heads", label, _medusa_step, self, state.roots, *self._source)
+            *steps.run("heads", label, self._steps.run, "heads", label, _medusa_step, *args)
         )
 
     def update(self, state: DraftState, outcome: StepOutcome) -> None:
@@ -107,6 +119,9 @@ class MedusaDrafter(Drafter):
     def end(self) -> None:
         self._source = None
         self._tree_index = None
+        if self._resident is not None:
+            self._resident.release()
+            self._resident = None
 
 
 def _picked(hidden: torch.Tensor, nodes: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:

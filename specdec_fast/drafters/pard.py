@@ -22,7 +22,6 @@ import numpy as np
 import torch
 from transformers import PreTrainedModel
 
-from specdec_fast.compiled import compile_by_default
 from specdec_fast.heads.block import DEPTH_SCALE_FIELD
 from specdec_fast.heads.checkpoint import (
     SAFETENSORS_INDEX,
@@ -138,7 +137,6 @@ class PardBlock(DraftRunnerRows):
     def attach(self, target, max_cache_len: int, depth: int) -> None:
         # A step feeds the accepted drafts (<= depth), the root and the masks past the cache.
         self.open_runner(self.draft.model, target, max_cache_len + depth + self.draft.block_size)
-        self._compile = compile_by_default()
 
     def propose(self, state: DraftState) -> tuple[torch.Tensor, ...]:
         """The proposal's `(tokens, parents, draft_probs)` (`BlockShape.propose`): one forward
@@ -161,13 +159,11 @@ class PardBlock(DraftRunnerRows):
         ).logits
         sampling = block_sampling(state, self.shape)
         args = (logits, to_device(roots, device), state.roots, *sampling)
-        if self._compile:
-            # The tree step of the draft model's runner, compiled with its own steps.
-            kind = f"pard {self.shape.kind(bool(sampling))} b={size}"
-            label = f"{kind} B={args[0].shape[0]}"
-            proposal = self.runner.steps.run(kind, label, PardBlock._tree, self, *args)
-        else:
-            proposal = self._tree(*args)
+        # The tree step of the draft model's runner, compiled with its own steps and captured
+        # with its graphs.
+        kind = f"pard {self.shape.kind(bool(sampling))} b={size}"
+        label = f"{kind} B={args[0].shape[0]}"
+        proposal = self.runner.run_step((kind, self.shape), label, PardBlock._tree, self, *args)
         # The root is committed with the tokens before it; the masks' K/V are dropped.
         lengths = [len(row) for row in state.tokens]
         self._commit(to_device(lengths, device, torch.int32), lengths)
