@@ -123,22 +123,18 @@ class StepGraphs:
         self._graphs: dict[Hashable, _Captured] = {}
         self._calls: Counter = Counter()
         self._pool = None
-        self._bound: tuple[weakref.ref, tuple] | None = None
+        self._bound: weakref.ref | None = None
 
     def __len__(self) -> int:
         return len(self._graphs)
 
-    def bind(self, state: object, *fixed: Hashable) -> None:
+    def bind(self, state: object) -> None:
         """Declare the state the steps read besides their arguments (a KV cache, whose tensors
-        stay in place while it lives) and values that decide what they capture (the layers a
-        forward returns): when the state is another object, or a value another, than at the
-        last call, every graph is dropped (its capture recorded the old ones) and keys warm up
-        anew."""
-        if not self.on:
-            return
-        if self._bound is None or self._bound[0]() is not state or self._bound[1] != fixed:
+        stay in place while it lives): when it is another object than at the last call, every
+        graph is dropped (its capture recorded the old one's addresses) and keys warm up anew."""
+        if self.on and (self._bound is None or self._bound() is not state):
             self.clear()
-            self._bound = (weakref.ref(state), fixed)
+            self._bound = weakref.ref(state)
 
     def clear(self) -> None:
         """Forget every graph and the memory pool: a pool whose graphs are all gone cannot take
