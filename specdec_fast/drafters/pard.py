@@ -133,10 +133,12 @@ class PardBlock(DraftRunnerRows):
         self.shape: BlockShape | None = None  # set by the drafter
         self.runner: ModelRunner | None = None
         self._cached: list[int] = []  # tokens in the draft's cache per row (host mirror)
+        self._widest = 0  # the widest step's tokens, set at attach
 
     def attach(self, target, max_cache_len: int, depth: int) -> None:
         # A step feeds the accepted drafts (<= depth), the root and the masks past the cache.
-        self.open_runner(self.draft.model, target, max_cache_len + depth + self.draft.block_size)
+        self._widest = depth + self.draft.block_size
+        self.open_runner(self.draft.model, target, max_cache_len + self._widest)
 
     def propose(self, state: DraftState) -> tuple[torch.Tensor, ...]:
         """The proposal's `(tokens, parents, draft_probs)` (`BlockShape.propose`): one forward
@@ -145,7 +147,10 @@ class PardBlock(DraftRunnerRows):
         size, device = self.draft.block_size, state.device
         # Per row: the tokens after the cache up to the root, then the masks (host data).
         fed = [row[cached:] for row, cached in zip(state.tokens, self._cached, strict=True)]
+        # Under CUDA graphs every step is fed at the widest (one verify and one tree graph per
+        # batch size, not one per accepted count); pad rows past each row's `q_lens`.
         width = max(len(chunk) for chunk in fed) + size - 1
+        width = self.runner.verify_width(state.batch_size, width, self._widest)
         tokens = np.full((state.batch_size, width), self.draft.mask_token_id, dtype=np.int64)
         for row, chunk in enumerate(fed):
             tokens[row, : len(chunk)] = chunk
