@@ -725,7 +725,7 @@ class ModelRunner:
         batch = self.cache.kv.shape[2]
         if batch + len(prompts) > self.cache.capacity:
             self.cache = self.cache.with_capacity(max(batch + len(prompts), 2 * batch))
-            self._drop_graphs()
+            self._graphs.clear()
         cached = [len(p) - 1 for p in prompts]
         hidden = self.extend_rows(batch, [p[:-1] for p in prompts], [0] * len(prompts))
         self.admit_rows(batch, len(prompts), max(cached))
@@ -747,7 +747,7 @@ class ModelRunner:
         if self.cache is not None and self.cache.fits(batch, self.max_cache_len, dtype):
             self.cache.resize(batch)
             return
-        self._drop_graphs()
+        self._graphs.clear()
         self.cache = None  # free the old storage before allocating the new one
         self.cache = SpecKVCache(
             self.model.config,
@@ -830,7 +830,3 @@ class ModelRunner:
         )
         hidden = {layer: self._captured[layer] for layer in self._capture_layers}
         return output.logits.float(), hidden
-
-    def _drop_graphs(self) -> None:
-        """Forget the captured graphs (`StepGraphs.clear`)."""
-        self._graphs.clear()
