@@ -131,15 +131,15 @@ needs_bundled = pytest.mark.skipif(
     "tiny-code" not in bundled.available(), reason="the bundled checkpoints are not installed"
 )
 
-# Every drafter with device steps, greedy; the samplers sampled too. The target's verify graphs
-# serve all of them; each drafter's own steps (draft loops, updates, tree steps, the draft
-# model's forwards) replay as graphs of their own.
+# Every drafter with device steps, greedy, and the draft chain sampled (its draws are the
+# drafting code that sampling changes; the trees' drafting is the same, sampled or not). The
+# target's verify graphs serve all of them; each drafter's own steps (draft loops, updates, tree
+# steps, the draft model's forwards) replay as graphs of their own. EAGLE-1's head runs
+# EAGLE-3's drafter class: the test of later drafters covers it.
+SKIPPED = ("ngram", "suffix", "eagle:tiny-code-eagle:")
 CASES = [
-    *((spec, 0.0) for spec in DRAFTERS if not spec.startswith(("ngram", "suffix"))),
-    *(
-        (spec, 0.8)
-        for spec in ("draft:tiny-code-draft:4", "eagle:tiny-code-eagle3:8", "block:{dflash}:8")
-    ),
+    *((spec, 0.0) for spec in DRAFTERS if not spec.startswith(SKIPPED)),
+    ("draft:tiny-code-draft:4", 0.8),
 ]
 
 
@@ -157,28 +157,31 @@ def prompts():
     ]
 
 
+def _call(target, make, rows, temperature, **options):
+    """One call with a new drafter from `make`: its tokens, and each row's steps and accepted
+    counts (rows finish at their own steps)."""
+    out = generate(
+        target,
+        rows,
+        drafter=make(),
+        max_new_tokens=14,
+        temperature=temperature,
+        seed=5,
+        compile=False,
+        **options,
+    )
+    return (
+        [s.tolist() for s in out.sequences],
+        [(row.steps, row.accepted) for row in out.stats.sequences],
+    )
+
+
 def _runs(target, make, prompts, temperature, **options):
-    """Two calls (3 rows each, other prompts; rows finish at their own steps) through one
-    drafter factory: the second meets the graphs the first captured."""
-    results = []
-    for rows in (prompts[:3], prompts[1:]):
-        out = generate(
-            target,
-            rows,
-            drafter=make(),
-            max_new_tokens=20,
-            temperature=temperature,
-            seed=5,
-            compile=False,
-            **options,
-        )
-        results.append(
-            (
-                [s.tolist() for s in out.sequences],
-                [(row.steps, row.accepted) for row in out.stats.sequences],
-            )
-        )
-    return results
+    """Two calls (3 rows each, other prompts) through one drafter factory: the second meets the
+    graphs the first captured."""
+    return [
+        _call(target, make, rows, temperature, **options) for rows in (prompts[:3], prompts[1:])
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -230,9 +233,9 @@ def test_later_drafters_replay_the_graphs_of_earlier_ones(target, prompts, monke
     monkeypatch.setenv("SPECDEC_BACKEND", "torch")
     with emulated_graphs() as counts:
         for _ in range(GRAPH_WARMUP_CALLS + 1):
-            _runs(target, make, prompts, 0.0)
+            _call(target, make, prompts[:3], 0.0)
         before = counts()
-        _runs(target, make, prompts, 0.0)
+        _call(target, make, prompts[:3], 0.0)
         after = counts()
     assert before["captures"] >= 2
     assert after["captures"] == before["captures"] and after["replays"] > before["replays"]
