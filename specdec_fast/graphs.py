@@ -90,11 +90,11 @@ def capture(step: Callable, args: tuple, pool: Any) -> tuple[Callable[[], None],
     return graph.replay, outputs, pool
 
 
+@dataclass
 class _Captured:
-    def __init__(self, replay: Callable[[], None], inputs: tuple, outputs: Any):
-        self.replay = replay
-        self.inputs = inputs
-        self.outputs = outputs
+    replay: Callable[[], None]
+    inputs: tuple
+    outputs: Any
 
 
 class StepGraphs:
@@ -218,9 +218,13 @@ def resident(
     what: str,
     on: bool,
     on_capture: Callable[[str, float], None] | None = None,
+    previous: Resident | None = None,
 ) -> Resident:
     """The `Resident` that `module` keeps for envelope `key` (made on first use, or a private
-    one while it is held), held by the caller until its `release`."""
+    one while it is held), held by the caller until its `release`; `previous`, the caller's
+    earlier one (an attach again without an end), is released first."""
+    if previous is not None:
+        previous.release()
     held = kept(module, RESIDENT_ATTRIBUTE)
     entry = held.get((key, on))
     if entry is None or entry.busy:

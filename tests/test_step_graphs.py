@@ -243,18 +243,12 @@ def test_later_drafters_replay_the_graphs_of_earlier_ones(target, prompts, monke
 
 @pytest.mark.gpu
 @pytest.mark.parametrize(("spec", "temperature"), CASES, ids=[f"{s}-{t}" for s, t in CASES])
-def test_cuda_graphs_give_the_same_outputs(spec, temperature, tmp_path):
-    device = torch.device("cuda")
-    model = load_model("tiny-code", device)
+def test_cuda_graphs_give_the_same_outputs(prompts, spec, temperature, tmp_path):
+    model = load_model("tiny-code", torch.device("cuda"))
     paths = write_untrained_blocks(model, tmp_path) if "{" in spec else {}
-    tokenizer = load_tokenizer("tiny-code")
-    rows = [
-        [tokenizer.bos_token_id, *tokenizer.encode(r["prompt"], add_special_tokens=False)][:40]
-        for r in load_code_prompts(4)
-    ]
     make = DrafterSpec.parse(spec.format(**paths)).factory(model)
     runs = {
-        on: [_runs(model, make, rows, temperature, use_cuda_graphs=on) for _ in "ab"]
+        on: [_runs(model, make, prompts, temperature, use_cuda_graphs=on) for _ in "ab"]
         for on in (False, True)
     }
     assert runs[True] == runs[False]

@@ -166,11 +166,11 @@ class DFlashBlock:
         )
         # The head's cache and captured steps, kept on the head for the envelope: everything
         # the steps read besides their arguments is in the key, or is that cache.
-        if self._resident is not None:
-            self._resident.release()
         targets = (self._embed.weight.data_ptr(), self._lm_weight.data_ptr())
         envelope = (self._signature, self._capacity, depth, self.shape, self._compile, targets)
-        self._resident = graphs.resident(head, envelope, "dflash", graphs.chosen(), record_compile)
+        self._resident = graphs.resident(
+            head, envelope, "dflash", graphs.chosen(), record_compile, self._resident
+        )
 
     def _run(self, kind: str, step, *args, captured: bool = True):
         """`step(*args)` (a bound method), through its compiled version when compiling, shared

@@ -127,13 +127,16 @@ class EagleDrafter(Drafter):
         self._capacity = -(-needed // CACHE_BLOCK) * CACHE_BLOCK
         # The head's cache and captured steps, kept on the head for the envelope: everything
         # the steps read besides their arguments is in the key, or is that cache.
-        if self._resident is not None:
-            self._resident.release()
         envelope = (self.top_k, self.depth, self.max_nodes, self._capacity, id(self._steps))
         targets = (self._embed.weight.data_ptr(), self._lm_head.weight.data_ptr())
         what = f"eagle{self.head.version}"
         self._resident = graphs.resident(
-            self.head, (envelope, targets), what, graphs.chosen(), self._steps.record
+            self.head,
+            (envelope, targets),
+            what,
+            graphs.chosen(),
+            self._steps.record,
+            self._resident,
         )
 
     def end(self) -> None:

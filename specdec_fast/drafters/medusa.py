@@ -58,8 +58,6 @@ class MedusaDrafter(Drafter):
         self._source: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
         self._steps: CompiledSteps | None = None
         self._resident: graphs.Resident | None = None
-        # The tree's depths, ranks and parents on the device, uploaded once per tree and device.
-        self._tree_index: tuple[torch.Tensor, ...] | None = None
 
     @classmethod
     def from_pretrained(
@@ -79,19 +77,17 @@ class MedusaDrafter(Drafter):
         follow_target(self.heads, target)
         self._lm_head = target.get_output_embeddings()
         self._steps = module_steps(self.heads, "medusa")
-        # The step's graphs and the tree's index tensors, kept on the heads per tree.
-        if self._resident is not None:
-            self._resident.release()
+        # The step's graphs and the tree's index tensors (its `state`), kept on the heads per
+        # tree.
         key = (self.tree, self._lm_head.weight.data_ptr(), id(self._steps))
         self._resident = graphs.resident(
-            self.heads, key, "medusa", graphs.chosen(), self._steps.record
+            self.heads, key, "medusa", graphs.chosen(), self._steps.record, self._resident
         )
         if self._resident.state is None:
             self._resident.state = tuple(
                 to_device(values, target.device)
                 for values in (self.tree.depths, self.tree.ranks, self.tree.node_parents)
             )
-        self._tree_index = self._resident.state
 
     def begin(self, state: DraftState) -> None:
         self._source = _cached_source(state)
@@ -118,7 +114,6 @@ class MedusaDrafter(Drafter):
 
     def end(self) -> None:
         self._source = None
-        self._tree_index = None
         if self._resident is not None:
             self._resident.release()
             self._resident = None
@@ -152,6 +147,6 @@ def _medusa_step(
     roots `[B]` and the root-producing states' source (`_picked`)."""
     logits = drafter.heads(_picked(hidden, nodes, counts), drafter._lm_head)  # [B, heads, V]
     top = logits.topk(drafter.tree.max_rank, dim=-1).indices  # [B, heads, R]
-    depths, ranks, parents = drafter._tree_index
+    depths, ranks, parents = drafter._resident.state  # the tree's index, on the device
     tokens = torch.cat([roots.long()[:, None], top[:, depths - 1, ranks]], dim=1)
     return tokens, parents.expand(roots.shape[0], -1).contiguous()
