@@ -12,6 +12,9 @@ the table's notes, the tokens per step of the best block drafter against each EA
 `--budgets` and `--kinds` narrow the sweep (e.g. `--budgets 16 --kinds eagle,block`);
 `--float32-heads` adds each DFlash head computing in float32 beside its default dtype (bfloat16
 on CPUs with bfloat16 units, `loading.drafter_dtype`).
+Plain decoding and one EAGLE drafter (EAGLE-3's at N = 16 when in the grid) run once more with
+`generate(read_ahead=...)` the other way round from the device's default (on for CUDA): what
+queuing each step before reading the one before is worth.
 
 Speed is measured over `--rounds` rounds (default 3, 1 with `--quick`) in which every peer runs
 once in turn (`e2e.interleave`): tokens/s is the median of the rounds, each speed-up the median of
@@ -86,6 +89,14 @@ def drafter_grid(
                     spec.nodes(size),
                 )
     return grid
+
+
+def read_ahead_peer(grid: dict[str, Cell]) -> str | None:
+    """The grid's last EAGLE drafter (EAGLE-3's, bundled after EAGLE-1's) at the largest budget
+    up to 16 nodes, a drafter that reads ahead; None without one."""
+    eagles = [(cell.nodes, name) for name, cell in grid.items() if cell.kind == "eagle"]
+    fitting = [(nodes, name) for nodes, name in eagles if nodes <= 16] or eagles
+    return max(reversed(fitting), key=lambda pair: pair[0])[1] if fitting else None
 
 
 def plot_acceptance(
@@ -202,13 +213,18 @@ def run(
         )
         for name, cell in grid.items()
     }
-    # Plain decoding the other way round from the device's default (`generate(read_ahead=...)`:
-    # on for CUDA, off elsewhere): what queuing each step before the read is worth.
+    # Plain decoding and an EAGLE drafter (`Drafter.reads_ahead`) the other way round from the
+    # device's default (`generate(read_ahead=...)`: on for CUDA, off elsewhere): what queuing
+    # each step before the read is worth.
     read_ahead = device.type != "cuda"
-    other = f"ours plain [{'read ahead' if read_ahead else 'read each step'}]"
-    peers[other] = lambda warm_up: run_ours(
-        other, target, prompts, lambda: None, new_tokens, 1, warm_up, {"read_ahead": read_ahead}
-    )
+    mode = "read ahead" if read_ahead else "read each step"
+    for name in ("ours plain", read_ahead_peer(grid)):
+        if name is None:
+            continue
+        other = f"{name} [{mode}]"
+        peers[other] = lambda warm_up, other=other, make=grid[name].make: run_ours(
+            other, target, prompts, make, new_tokens, 1, warm_up, {"read_ahead": read_ahead}
+        )
     for name, kwargs in (
         ("HF generate", {}),
         ("HF assisted (draft model)", {"assistant_model": draft}),

@@ -30,7 +30,7 @@ from specdec_fast.arguments import check_generate_arguments
 from specdec_fast.batch import SAMPLING_FIELDS, Batch, Row, TokenCallback, UnusableLogits
 from specdec_fast.cache import model_shards
 from specdec_fast.compiled import COMPILE_LOG, compile_choice
-from specdec_fast.drafters.base import Drafter
+from specdec_fast.drafters.base import Drafter, reads_ahead
 from specdec_fast.parallel import check_agreement, check_tensor_parallel
 from specdec_fast.requests import Sampling
 from specdec_fast.runner import ModelRunner
@@ -122,10 +122,12 @@ def generate(
             any batch size, so speculative output equals plain output of this mode bit for bit
             in any dtype. Runs eagerly (compile and CUDA graphs must be left unset or off);
             costs speed (docs/ARCHITECTURE.md, "Exact mode").
-        read_ahead: plain decoding (no drafter) queues each step before it reads the step
-            before, so the device never waits on the host between steps (default: on for CUDA
-            models; a CPU has nothing to overlap). A row that stops then has made one token too
-            many, which is dropped: the output is the same either way.
+        read_ahead: queue each step before reading the step before, so the device never waits
+            on the host between steps (default: on for CUDA models; a CPU has nothing to
+            overlap): plain decoding, and drafters that read ahead (`Drafter.reads_ahead`:
+            Medusa, EAGLE-1/2/3, DFlash trees), which follow each step from its device outcome;
+            the others read every step. A row that stops then has made one step too many, which is
+            dropped: the output is the same either way.
 
     Raises:
         TypeError, ValueError: naming the argument, the expected form and the value given, before
@@ -229,9 +231,9 @@ def _decode(
 ) -> None:
     """Prefill `rows`, then steps until every row has finished. The drafter attaches under the
     call's compile and CUDA-graph choices (its own models and steps follow the target's). With
-    `read_ahead` and no drafter, each step is queued before the one before it is read
-    (`step.launch`), while no row can stop for its cache (`_room`); rows that stop leave after
-    the queued step is read."""
+    `read_ahead`, and no drafter or one that reads ahead (`Drafter.reads_ahead`), each step is
+    queued before the one before it is read (`step.launch`), while no row can stop for its cache
+    (`_room`); rows that stop leave after the queued step is read."""
     if drafter is not None:
         with compile_choice(compile), graphs.choice(runner.use_cuda_graphs):
             drafter.attach(runner.model, batch.capacity)
@@ -249,16 +251,18 @@ def _decode(
         state = batch.state(lane.rows, lane.index)
         state.hidden = prefill.hidden_states
         drafter.begin(state)
-    ahead = read_ahead and not lanes
+    ahead = read_ahead and all(reads_ahead(lane.drafter) for lane in lanes)
+    # The most tokens a row commits in a step: a tree's path and the next token.
+    commits = batch.max_nodes if lanes else 1
     queued = None
     while batch:
-        launched = queued or launch(runner, batch, lanes, vocab)
+        launched = queued or launch(runner, batch, lanes, vocab, 0 if ahead else None)
         queued = None
-        if ahead and _room(batch):
+        if ahead and _room(batch, commits):
             # A row whose logits were unusable has root -1 (the verify kernel's mark), which
             # the queued step must not embed; what it makes for that row is dropped with it.
             batch.roots = batch.roots.clamp(min=0)
-            queued = launch(runner, batch, lanes, vocab)
+            queued = launch(runner, batch, lanes, vocab, launched.proposal.num_nodes)
         ahead_slots = queued.proposal.num_nodes if queued else 0
         report = finish(runner, batch, launched, vocab, ahead_slots)
         finished = report.finished
@@ -271,8 +275,8 @@ def _decode(
                 raise UnusableLogits(f"sequence {rows.index(row)}: {row.error}")
 
 
-def _room(batch: Batch) -> bool:
-    """Whether no row can stop for its cache at the step in flight: a step queued behind it
-    then writes no row's cache beyond what a step after a read could (plain decoding commits
-    one token per row a step)."""
-    return max(row.cached for row in batch.rows) + 1 + batch.max_nodes <= batch.capacity
+def _room(batch: Batch, commits: int) -> bool:
+    """Whether no row can stop for its cache at the step in flight, which commits at most
+    `commits` tokens per row: a step queued behind it then writes no row's cache beyond what a
+    step after a read could."""
+    return max(row.cached for row in batch.rows) + commits + batch.max_nodes <= batch.capacity

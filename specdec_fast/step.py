@@ -16,8 +16,10 @@ scheduler alike (docs/ARCHITECTURE.md, "Data flow of one step").
 
 then `drop` takes the finished rows out of the batch, the runner's cache and every lane.
 `launch` is the device half (up to the started read), `finish` the host half, and `step` the
-two in turn. `generate`'s plain decoding may queue the next step between the two halves
-(`read_ahead`): the device then never waits for the host between steps.
+two in turn. `generate` may queue the next step between the two halves (`read_ahead`): the
+device then never waits for the host between steps. It does so for plain decoding and for
+drafters that read ahead (`Drafter.reads_ahead`), which `launch` then updates at once from the
+step's device outcome, before its read.
 
 A `Lane` is a drafter and the rows it drafts for: `generate` has one over every row (or none, for
 plain decoding); the scheduler one per route, each over that route's speculating rows. A lane's
@@ -31,7 +33,7 @@ the device; the host mirrors the lengths from the read-back (`Row.cached`).
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -116,18 +118,27 @@ class Launched:
     out: VerifyOutput
     read: StepRead
     start: float
+    updated: bool = False
 
 
-def launch(runner: ModelRunner, batch: Batch, lanes: list[Lane], vocab: int) -> Launched:
+def launch(
+    runner: ModelRunner, batch: Batch, lanes: list[Lane], vocab: int, unread: int | None = None
+) -> Launched:
     """The device half of a step (the module doc's lines up to the read-back, which it starts
     without waiting for): it leaves the next roots in `batch.roots`, so another step can be
-    queued before this one is read (`generate`'s read-ahead)."""
+    queued before this one is read (`generate`'s read-ahead).
+
+    `unread`: None to update the lanes' drafters after the read (`finish`); with read-ahead, the
+    tokens per row that steps queued before this one and not yet read may have added (0 for
+    none): the drafters, which must read ahead (`Drafter.reads_ahead`), see it in their state
+    (`DraftState.unread`) and are updated here, from the step's device outcome."""
     start = time.perf_counter()
     drafts = []
     for lane in lanes:
         if not lane.rows:
             continue
         state = batch.state(lane.rows, lane.index)
+        state.unread = unread or 0
         try:
             drafted = lane.drafter.propose(state)
             proposal = checked(lane.drafter, drafted, state, vocab)
@@ -141,7 +152,13 @@ def launch(runner: ModelRunner, batch: Batch, lanes: list[Lane], vocab: int) -> 
     runner.cache.compact(result.accepted_nodes, result.num_accepted, validate=False)
     batch.roots = result.next_tokens
     read = read_back(proposal, result, out.depths)
-    return Launched(drafts, proposal, result, out, read, start)
+    launched = Launched(drafts, proposal, result, out, read, start, unread is not None)
+    if launched.updated:
+        for draft in drafts:
+            # The step's own tokens are unread too: at most its tree's nodes per row.
+            ahead = replace(draft.state, unread=draft.state.unread + draft.proposal.num_nodes)
+            _update(draft, launched, ahead)
+    return launched
 
 
 def finish(
@@ -161,9 +178,10 @@ def finish(
             draft.lane.fail("propose", error, verified=True)
     emitted, finished = batch.emit(host, time.perf_counter())
     runner.cache.bound_lengths(max(row.cached for row in batch.rows) + ahead)
-    for draft in drafts:
-        if not draft.failed:
-            _update(draft, launched, host, emitted)
+    if not launched.updated:
+        for draft in drafts:
+            if not draft.failed:
+                _update(draft, launched, draft.state, host, emitted)
     seconds = time.perf_counter() - launched.start
     return StepReport(host, emitted, finished, drafts, seconds)
 
@@ -274,12 +292,21 @@ def _verify(
     return VerifyResult(accepted, num_accepted, next_tokens)
 
 
-def _update(draft: Drafted, launched: Launched, host: HostStep, emitted: list[list[int]]) -> None:
-    """The lane's drafter follows its rows' step, over its own tree width."""
+def _update(
+    draft: Drafted,
+    launched: Launched,
+    state: DraftState,
+    host: HostStep | None = None,
+    emitted: list[list[int]] | None = None,
+) -> None:
+    """The lane's drafter follows its rows' step, over its own tree width; from the device
+    outcome alone when `host` is None (read-ahead: the host fields are None)."""
     proposal, result, out = launched.proposal, launched.result, launched.out
     lane, positions, width = draft.lane, draft.positions, draft.proposal.num_nodes
     where = slice(None) if draft.index is None else draft.index
-    if draft.index is None:  # the lane has every row, in batch order
+    if host is None:
+        nodes = drafted = flagged = None
+    elif draft.index is None:  # the lane has every row, in batch order
         nodes, drafted, flagged = host.nodes, host.drafted, host.malformed
     else:
         bad = set(host.malformed)
@@ -304,7 +331,7 @@ def _update(draft: Drafted, launched: Launched, host: HostStep, emitted: list[li
         flagged,
     )
     try:
-        lane.drafter.update(draft.state, outcome)
+        lane.drafter.update(state, outcome)
     except Exception as error:  # noqa: BLE001 - the step was verified: the lane decides
         draft.failed = True
         lane.fail("update", error, verified=True)

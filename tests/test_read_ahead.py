@@ -1,8 +1,9 @@
-"""`generate`'s read-ahead: plain decoding queues each step before it reads the step before
-(`step.launch` / `step.finish`). Outputs, statistics and streamed tokens equal those of reading
-every step at once, whatever stops the rows (EOS, stop sequences, length, a full cache,
-sampled or greedy; unusable logits in tests/test_generate_edges.py); the queued step really is
-queued (two steps unread at once); a drafter's steps are read at once."""
+"""`generate`'s read-ahead: plain decoding, and drafters that read ahead (Medusa, EAGLE,
+DFlash), queue each step before they read the step before (`step.launch` / `step.finish`).
+Outputs, statistics and streamed tokens equal those of reading every step at once, whatever
+stops the rows (EOS, stop sequences, length, a full cache, sampled or greedy; unusable logits in
+tests/test_generate_edges.py); the queued step really is queued (two steps unread at once);
+other drafters' steps are read at once."""
 
 from collections import defaultdict
 
@@ -11,8 +12,11 @@ import torch
 from test_generate import hf_greedy
 from tiny_models import repetitive_prompts, tiny_llama
 
-from specdec_fast import NGramDrafter, engine, generate
+from specdec_fast import NGramDrafter, bundled, engine, generate
 from specdec_fast.arguments import CACHE_BLOCK
+from specdec_fast.drafters.registry import DrafterSpec
+from specdec_fast.loading import load_model, load_tokenizer
+from specdec_fast.prompts import load_code_prompts
 from specdec_fast.transfer import HostCopy
 
 VOCAB = 96
@@ -97,9 +101,9 @@ def test_a_full_cache_stops_rows_as_reading_every_step_does(prompts):
     assert len({new for new, _, _ in ahead[1]}) > 1, ahead[1]
 
 
-def test_the_next_step_is_queued_before_the_read(target, prompts, monkeypatch):
-    """With read-ahead two launched steps are unread at once; without, never; with a drafter
-    (read-ahead asked for) never, and the output is the same."""
+def count_unread(monkeypatch) -> tuple[list[int], list[int]]:
+    """`[unread]`, `[most]`: the launched steps not finished yet, now and at most (reset them
+    between runs)."""
     unread, most = [0], [0]
     launch, finish = engine.launch, engine.finish
 
@@ -114,12 +118,69 @@ def test_the_next_step_is_queued_before_the_read(target, prompts, monkeypatch):
 
     monkeypatch.setattr(engine, "launch", counted_launch)
     monkeypatch.setattr(engine, "finish", counted_finish)
+    return unread, most
+
+
+def test_the_next_step_is_queued_before_the_read(target, prompts, monkeypatch):
+    """With read-ahead two launched steps are unread at once; without, never; with a drafter
+    that does not read ahead (read-ahead asked for) never, and the output is the same."""
+    unread, most = count_unread(monkeypatch)
     for read_ahead, drafter, expected in ((True, None, 2), (False, None, 1), (True, "ngram", 1)):
         unread[0] = most[0] = 0
         make = (lambda: NGramDrafter(max_nodes=8)) if drafter else (lambda: None)
         sequences = run(target, prompts, read_ahead, drafter=make(), eos_token_id=[])[0]
         assert (most[0], unread[0]) == (expected, 0), (read_ahead, drafter)
         assert sequences == hf_greedy(target, prompts, NEW_TOKENS)
+
+
+def code_prompts() -> list[list[int]]:
+    """Four of the bundled code prompts for the tiny-code family, cut at 40 tokens."""
+    tokenizer = load_tokenizer("tiny-code")
+    return [
+        [tokenizer.bos_token_id, *tokenizer.encode(r["prompt"], add_special_tokens=False)][:40]
+        for r in load_code_prompts(4)
+    ]
+
+
+needs_bundled = pytest.mark.skipif(
+    "tiny-code" not in bundled.available(), reason="the bundled checkpoints are not installed"
+)
+
+
+@needs_bundled
+@pytest.mark.parametrize(
+    "spec",
+    [
+        "medusa:tiny-code-medusa:8",
+        "eagle:tiny-code-eagle:8",
+        "eagle:tiny-code-eagle3:8",
+        "block:tiny-code-dflash:8",
+    ],
+)
+def test_drafters_that_read_ahead_equal_reading_every_step(spec, monkeypatch):
+    """The drafter follows each step from its device outcome before the step is read, and the
+    next step is queued behind it: the same tokens, per-row steps (so the same trees), finish
+    reasons and streamed tokens as reading every step, greedy and sampled, with rows stopping
+    for EOS and for length at different steps."""
+    target, prompts = load_model("tiny-code", torch.device("cpu")), code_prompts()
+    make = DrafterSpec.parse(spec).factory(target)
+    free = run(target, prompts, False, drafter=make(), eos_token_id=[])[0]
+    eos = [rare_token(free, prompts, 0)]
+    unread, most = count_unread(monkeypatch)
+    sampled = {"temperature": 0.8, "seed": list(range(len(prompts)))}
+    for kwargs in ({}, sampled):
+        runs = {}
+        for read_ahead in (True, False):
+            unread[0] = most[0] = 0
+            runs[read_ahead] = run(
+                target, prompts, read_ahead, drafter=make(), eos_token_id=eos, **kwargs
+            )
+            assert (most[0], unread[0]) == (2 if read_ahead else 1, 0), (read_ahead, kwargs)
+        assert runs[True] == runs[False], kwargs
+        stats = runs[True][1]
+        assert sum(steps for _, steps, _ in stats) < NEW_TOKENS * len(prompts), stats  # drafted
+        if not kwargs:
+            assert {reason for _, _, reason in stats} == {"eos", "length"}, stats
 
 
 def test_read_ahead_must_be_a_bool(target, prompts):
@@ -134,10 +195,17 @@ def test_a_host_copy_on_the_cpu_is_the_tensor_read():
 
 @pytest.mark.gpu
 def test_read_ahead_on_cuda_equals_reading_every_step():
-    """The CUDA path (a pinned buffer, an event): the same greedy and sampled output."""
+    """The CUDA path (a pinned buffer, an event; CUDA graphs for the drafters' steps): the same
+    greedy and sampled output, plain and with drafters that read ahead."""
     target = tiny_llama(vocab_size=VOCAB).cuda()
     values = torch.arange(12, device="cuda").reshape(3, 4)
     assert HostCopy(values * 2).wait() == (values * 2).tolist()
     rows = repetitive_prompts([5, 9, 14, 3], VOCAB, seed=4)
     for kwargs in ({"eos_token_id": [7, 11]}, {"temperature": 0.9, "seed": [1, 2, 3, 4]}):
         assert run(target, rows, True, **kwargs) == run(target, rows, False, **kwargs)
+    code, prompts = load_model("tiny-code", torch.device("cuda")), code_prompts()
+    for spec in ("eagle:tiny-code-eagle3:8", "block:tiny-code-dflash:8"):
+        make = DrafterSpec.parse(spec).factory(code)
+        for kwargs in ({}, {"temperature": 0.8, "seed": [1, 2, 3, 4]}):
+            ahead = run(code, prompts, True, drafter=make(), **kwargs)
+            assert ahead == run(code, prompts, False, drafter=make(), **kwargs), (spec, kwargs)

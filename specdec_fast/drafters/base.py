@@ -45,6 +45,11 @@ once by the engine, and host data goes up with `specdec_fast.transfer.to_device`
   construction, so the engine checks only their shapes (see `Drafter`). A malformed proposal
   never reaches the target: `generate` raises `DrafterError` naming the drafter
   (`specdec_fast.drafters.checks`).
+- `reads_ahead: bool` (optional, default False): `update` reads only the outcome's device
+  tensors (`proposal`, `accepted_nodes`, `num_accepted`, `next_tokens`, `hidden`), and `propose`
+  and `update` read `state.tokens` only as lengths give or take `state.unread`. The engine may
+  then update the drafter as soon as a step is queued, before the step is read back, and queue
+  the next step behind it (`generate`'s `read_ahead`): the outcome's host fields are None there.
 
 Proposals of deterministic drafters (n-gram, suffix, Medusa, EAGLE, top-k draft trees) carry no
 draft probabilities; a chain sampled from a draft model carries `draft_probs` so that verification
@@ -102,6 +107,9 @@ class DraftState:
     roots: int64 [B] on the device, each row's root (`tokens[r][-1]`), or None before prefill.
     hidden: target hidden states by layer index: after prefill, [B, T, H] over the cached prompt
         tokens (padded rows hold zeros after `prompt_lens[r] - 1`).
+    unread: at most this many tokens per row are missing from `tokens`: those of steps queued
+        but not read back yet (read-ahead, `Drafter.reads_ahead`); in `update`, the updated
+        step's own included. 0 when every step is read before the drafter sees the next.
     """
 
     tokens: list[list[int]]
@@ -113,6 +121,7 @@ class DraftState:
     greedy: bool = True
     roots: torch.Tensor | None = None
     hidden: dict[int, torch.Tensor] = field(default_factory=dict)
+    unread: int = 0
 
     @property
     def batch_size(self) -> int:
@@ -134,17 +143,20 @@ class StepOutcome:
     drafted: per row, the draft nodes the tree offered (root excluded), on the host.
     malformed: the rows whose proposal the checks replaced by the root alone (see
         `Proposal.malformed`), on the host; empty when the proposal was not screened or passed.
+
+    The host fields (`emitted`, `accepted_paths`, `drafted`, `malformed`) are None when the
+    drafter is updated before the step is read (`Drafter.reads_ahead`).
     """
 
     proposal: Proposal
     accepted_nodes: torch.Tensor
     num_accepted: torch.Tensor
     next_tokens: torch.Tensor
-    emitted: list[list[int]]
+    emitted: list[list[int]] | None
     hidden: dict[int, torch.Tensor] = field(default_factory=dict)
-    accepted_paths: list[list[int]] = field(default_factory=list)
-    drafted: list[int] = field(default_factory=list)
-    malformed: list[int] = field(default_factory=list)
+    accepted_paths: list[list[int]] | None = field(default_factory=list)
+    drafted: list[int] | None = field(default_factory=list)
+    malformed: list[int] | None = field(default_factory=list)
 
 
 class Drafter:
@@ -159,6 +171,7 @@ class Drafter:
 
     hidden_layers: tuple[int, ...] = ()
     proposals_valid: bool = False
+    reads_ahead: bool = False
 
     def __init__(self, max_nodes: int, max_depth: int | None = None):
         if max_nodes < 2:
@@ -220,6 +233,11 @@ def supports_join(drafter) -> bool:
     if join is not Drafter.join:
         return True
     return kind.begin is Drafter.begin and kind.keep is Drafter.keep
+
+
+def reads_ahead(drafter) -> bool:
+    """Whether `drafter` can be updated before its step is read back (`Drafter.reads_ahead`)."""
+    return bool(getattr(drafter, "reads_ahead", False))
 
 
 def root_only(state: DraftState) -> Proposal:

@@ -115,6 +115,12 @@ class BlockDrafter(Drafter):
         return cls(load_block_model(name_or_path, target, dtype), **kwargs)
 
     @property
+    def reads_ahead(self) -> bool:
+        """DFlash's trees follow a step from its device outcome (`Drafter.reads_ahead`); a
+        sampled chain takes its roots' positions from the host's tokens, and PARD feeds them."""
+        return isinstance(self.flavour, DFlashBlock) and self.tree == "ddtree"
+
+    @property
     def flavour_name(self) -> str:
         return "dflash" if isinstance(self.flavour, DFlashBlock) else "pard"
 

@@ -67,18 +67,18 @@ def cast_copy(weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 class _Context:
     """Context entries not yet in the head's cache, picked on the device inside the step that
     takes them: per target layer the features `[B, M, H]` they come from, at columns `index`
-    (int `[B, n]`; -1 picks column 0, a pad entry), of which row r's first `counts[r]` are real
-    (the rest pads a ragged batch); `last` is `counts - 1` on the device (int32 `[B]`). A step's
-    accepted path is such a pick of its verified nodes (no op outside the step)."""
+    (int `[B, n]`; -1 picks column 0, a pad entry), of which row r's first `last[r] + 1` are
+    real (the rest pads a ragged batch; `last` int32 `[B]` on the device). A step's accepted
+    path is such a pick of its verified nodes (no op outside the step, no host value)."""
 
     features: list[torch.Tensor]
     index: torch.Tensor
     last: torch.Tensor
-    counts: list[int]
 
     @classmethod
     def whole(cls, features: list[torch.Tensor], counts: list[int]) -> _Context:
-        """Every column of `features`, padded to `MIN_CONTEXT_WIDTH` columns if narrower."""
+        """Every column of `features`, padded to `MIN_CONTEXT_WIDTH` columns if narrower, of
+        which row r's first `counts[r]` are real."""
         pad = MIN_CONTEXT_WIDTH - features[0].shape[1]
         if pad > 0:
             features = [
@@ -87,7 +87,7 @@ class _Context:
         batch, width, device = features[0].shape[0], features[0].shape[1], features[0].device
         index = torch.arange(width, device=device).expand(batch, -1)
         last = to_device([count - 1 for count in counts], device, torch.int32)
-        return cls(features, index, last, counts)
+        return cls(features, index, last)
 
     @property
     def width(self) -> int:
@@ -96,16 +96,20 @@ class _Context:
     def rows(self, rows: list[int]) -> _Context:
         index = to_device(rows, self.index.device)
         features = [f[index] for f in self.features]
-        return _Context(
-            features, self.index[index], self.last[index], [self.counts[r] for r in rows]
-        )
+        return _Context(features, self.index[index], self.last[index])
 
     def extended(self, count: int) -> _Context:
         """This context with `count` rows of pad entries after its rows."""
         features = [torch.cat([f, f.new_zeros(count, *f.shape[1:])]) for f in self.features]
         index = torch.cat([self.index, self.index.new_zeros(count, self.width)])
         last = torch.cat([self.last, self.last.new_full((count,), -1)])
-        return _Context(features, index, last, self.counts + [0] * count)
+        return _Context(features, index, last)
+
+
+def _cached(state: DraftState) -> list[int]:
+    """Each row's cached tokens as the host knows them (all but its root; `state.unread` more
+    may be unread)."""
+    return [len(row) - 1 for row in state.tokens]
 
 
 def _picked(last: torch.Tensor, index: torch.Tensor, features) -> tuple[torch.Tensor, list]:
@@ -136,7 +140,6 @@ class DFlashBlock:
         self.hidden_layers = head.hidden_layers
         self._cache: SpecKVCache | None = None
         self._resident: graphs.Resident | None = None
-        self._lengths: list[int] = []  # committed context entries per row (host mirror)
         self._pending: _Context | None = None
 
     def attach(self, target, max_cache_len: int, depth: int) -> None:
@@ -193,7 +196,7 @@ class DFlashBlock:
 
     def _prompt_context(self, state: DraftState) -> _Context:
         """The context entries of every row's cached prompt tokens (all but its root)."""
-        counts = [len(row) - 1 for row in state.tokens]
+        counts = _cached(state)
         return _Context.whole([state.hidden[layer] for layer in self.hidden_layers], counts)
 
     def begin(self, state: DraftState) -> None:
@@ -204,7 +207,6 @@ class DFlashBlock:
             self.head.fc.weight.dtype,
             state.device,
         )
-        self._lengths = [0] * state.batch_size
         self._pending = self._prompt_context(state)
 
     def _context_slots(self, counts: torch.Tensor, width: int) -> torch.Tensor:
@@ -227,18 +229,14 @@ class DFlashBlock:
             layer.update(keys, values)
         cache.cache_lens.add_(counts)
 
-    def _take(self, context: _Context, kind: str, step, *args, captured: bool = True):
+    def _take(self, context: _Context, bound: int, kind: str, step, *args, captured: bool = True):
         """`step(*args, last, index, *features)` of `context` (compiled as `kind`), which writes
-        and commits its entries."""
+        and commits its entries above committed ones that number at most `bound` per row."""
         cache = self._cache
-        cache.bound_lengths(max(self._lengths))
+        cache.bound_lengths(bound)
         cache.ensure_room(context.width + self.head.block_size)
         tensors = (context.last, context.index, *context.features)
-        out = self._run(kind, step, *args, *tensors, captured=captured)
-        self._lengths = [
-            length + count for length, count in zip(self._lengths, context.counts, strict=True)
-        ]
-        return out
+        return self._run(kind, step, *args, *tensors, captured=captured)
 
     def propose(self, state: DraftState) -> tuple[torch.Tensor, ...]:
         """The proposal's `(tokens, parents, draft_probs)` (`BlockShape.propose`) from one
@@ -247,18 +245,18 @@ class DFlashBlock:
         if pending is None:  # nothing verified since the last block: pad entries only
             none = self.head.fc.weight.new_zeros(batch, 0, self.head.config.hidden_size)
             pending = _Context.whole([none] * len(self.hidden_layers), [0] * batch)
+        # The committed entries and the pending ones: one per cached token, at most.
+        entries = max(_cached(state)) + state.unread
         slots = None
         if state.device.type == "cpu" and not self._resident.graphs.on:
-            # The slots the block's attention reads there: the committed entries, the pending ones
-            # and the block (a row's pad entries land past its block, which never reads them).
-            # Not for a captured step, whose shapes stay fixed (CUDA's; the CPU's in tests).
-            span = max(
-                length + count for length, count in zip(self._lengths, pending.counts, strict=True)
-            )
-            slots = torch.arange(span + self.head.block_size, device=state.device)
+            # The slots the block's attention reads there: the entries and the block (a row's
+            # pad entries land past its block, which never reads them). Not for a captured
+            # step, whose shapes stay fixed (CUDA's; the CPU's in tests).
+            slots = torch.arange(entries + self.head.block_size, device=state.device)
         sampling = block_sampling(state, self.shape)
         kind = f"block {self.shape.kind(bool(sampling))}"
-        proposal = self._take(pending, kind, self._proposal_step, state.roots, slots, *sampling)
+        args = (state.roots, slots, *sampling)
+        proposal = self._take(pending, entries, kind, self._proposal_step, *args)
         self._pending = None
         return proposal
 
@@ -339,17 +337,16 @@ class DFlashBlock:
 
     def update(self, state: DraftState, outcome: StepOutcome) -> None:
         if self._pending is not None:  # a step without a block (not the engine's order)
-            self._take(self._pending, "context", self._context_step)
+            entries = max(_cached(state)) + state.unread
+            self._take(self._pending, entries, "context", self._context_step)
         self._pending = _Context(
             [outcome.hidden[layer] for layer in self.hidden_layers],
             outcome.accepted_nodes[:, : self._depth + 1],
             outcome.num_accepted,
-            [len(path) + 1 for path in outcome.accepted_paths],
         )
 
     def keep(self, rows: list[int]) -> None:
         self._cache.select(rows)
-        self._lengths = [self._lengths[r] for r in rows]
         if self._pending is not None:
             self._pending = self._pending.rows(rows)
 
@@ -361,21 +358,17 @@ class DFlashBlock:
         if batch + count > cache.capacity:
             cache = cache.with_capacity(max(batch + count, 2 * batch))
             self._resident.state = cache
-        lengths = self._lengths
-        self._cache, self._lengths = cache.rows(batch, count), [0] * count
+        self._cache = cache.rows(batch, count)
         try:
             # A view's rows keep their last occupants' lengths: start them empty.
             zeros = torch.zeros(count, dtype=torch.int32, device=state.device)
             self._cache.commit_lengths(zeros, 0)
-            prompt = self._prompt_context(state)
-            if max(prompt.counts) > 0:
-                self._take(prompt, "context", self._context_step, captured=False)
-            joined = self._lengths
+            if max(_cached(state)) > 0:
+                prompt = self._prompt_context(state)
+                self._take(prompt, 0, "context", self._context_step, captured=False)
         finally:
             self._cache = cache
-            self._lengths = lengths
-        cache.admit(batch, count, max(joined))
-        self._lengths = lengths + joined
+        cache.admit(batch, count, max(_cached(state)))
         if self._pending is not None:
             self._pending = self._pending.extended(count)
 

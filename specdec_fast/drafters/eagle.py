@@ -63,6 +63,8 @@ class EagleDrafter(Drafter):
 
     # Valid trees by construction (tests/test_drafter_checks.py): values go unchecked.
     proposals_valid = True
+    # Follows a step from its device outcome, token counts taken as bounds (`_bound_lengths`).
+    reads_ahead = True
 
     def __init__(
         self,
@@ -188,9 +190,9 @@ class EagleDrafter(Drafter):
 
     def _bound_lengths(self, state: DraftState, num_new: int) -> None:
         """Bound the head's committed lengths from the host's token counts (a row's head holds
-        one entry per cached token, fewer than its tokens) and check room for `num_new` more:
-        no device read."""
-        self._cache.bound_lengths(max(len(row) for row in state.tokens))
+        one entry per cached token, fewer than its tokens, unread ones included) and check
+        room for `num_new` more: no device read."""
+        self._cache.bound_lengths(max(len(row) for row in state.tokens) + state.unread)
         self._cache.ensure_room(num_new)
 
     @torch.no_grad()

@@ -37,6 +37,8 @@ class MedusaDrafter(Drafter):
 
     # Valid trees by construction (tests/test_drafter_checks.py): values go unchecked.
     proposals_valid = True
+    # Follows a step from its device outcome alone.
+    reads_ahead = True
     hidden_layers = (FINAL_NORM,)
 
     def __init__(self, heads: MedusaHeads, tree: TreeSpec | None = None):
