@@ -1,5 +1,5 @@
-"""`generate`'s read-ahead: plain decoding, and drafters that read ahead (Medusa, EAGLE,
-DFlash), queue each step before they read the step before (`step.launch` / `step.finish`).
+"""`generate`'s read-ahead: plain decoding, and drafters that read ahead (Medusa, EAGLE, block
+trees), queue each step before they read the step before (`step.launch` / `step.finish`).
 Outputs, statistics and streamed tokens equal those of reading every step at once, whatever
 stops the rows (EOS, stop sequences, length, a full cache, sampled or greedy; unusable logits in
 tests/test_generate_edges.py); the queued step really is queued (two steps unread at once);
@@ -155,6 +155,7 @@ needs_bundled = pytest.mark.skipif(
         "eagle:tiny-code-eagle:8",
         "eagle:tiny-code-eagle3:8",
         "block:tiny-code-dflash:8",
+        "block:tiny-code-pard:8",
     ],
 )
 def test_drafters_that_read_ahead_equal_reading_every_step(spec, monkeypatch):

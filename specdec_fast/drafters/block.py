@@ -116,9 +116,9 @@ class BlockDrafter(Drafter):
 
     @property
     def reads_ahead(self) -> bool:
-        """DFlash's trees follow a step from its device outcome (`Drafter.reads_ahead`); a
-        sampled chain takes its roots' positions from the host's tokens, and PARD feeds them."""
-        return isinstance(self.flavour, DFlashBlock) and self.tree == "ddtree"
+        """Trees follow a step from its device outcome (`Drafter.reads_ahead`); a sampled chain
+        takes its roots' positions from the host's tokens."""
+        return self.tree == "ddtree"
 
     @property
     def flavour_name(self) -> str:

@@ -18,8 +18,8 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-import numpy as np
 import torch
+import torch.nn.functional as F
 from transformers import PreTrainedModel
 
 from specdec_fast.heads.block import DEPTH_SCALE_FIELD
@@ -123,7 +123,13 @@ def load_pard(
 
 
 class PardBlock(DraftRunnerRows):
-    """The PARD flavour: a causal LM on its own runner, one chain forward per step."""
+    """The PARD flavour: a causal LM on its own runner, one chain forward per step.
+
+    What a step feeds is made on the device, in a step of the runner's own (`_feed`): the drafts
+    the last step accepted, picked from its verified tree (`update` keeps the outcome's tensors),
+    the root and the masks. Only the feed's width comes from the host: the longest accepted
+    path, read with the step, or the widest when the step was not read yet (read-ahead,
+    `DraftState.unread`) or steps are captured."""
 
     hidden_layers: tuple[int, ...] = ()
 
@@ -132,56 +138,111 @@ class PardBlock(DraftRunnerRows):
         self.positions = draft.block_size
         self.shape: BlockShape | None = None  # set by the drafter
         self.runner: ModelRunner | None = None
-        self._cached: list[int] = []  # tokens in the draft's cache per row (host mirror)
+        # Tokens in the draft's cache per row (host mirror; bounds while steps are unread).
+        self._cached: list[int] = []
         self._widest = 0  # the widest step's tokens, set at attach
+        # The last verified trees' tokens int64 `[B, N]`, accepted nodes int32 `[B, N]` and
+        # accepted counts int32 `[B]` (`StepOutcome`'s, on the device); the longest accepted
+        # path when the host knows it (None: the step was not read yet).
+        self._source: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+        self._longest: int | None = 0
 
     def attach(self, target, max_cache_len: int, depth: int) -> None:
         # A step feeds the accepted drafts (<= depth), the root and the masks past the cache.
+        self._depth = depth
         self._widest = depth + self.draft.block_size
         self.open_runner(self.draft.model, target, max_cache_len + self._widest)
 
+    def begin(self, state: DraftState) -> None:
+        super().begin(state)
+        self._source, self._longest = self._no_drafts(state, self._depth + 1), 0
+
+    def _no_drafts(self, state: DraftState, width: int) -> tuple[torch.Tensor, ...]:
+        """A source of `width` nodes that accepted no draft, for each row of `state`: a new
+        row feeds its root alone."""
+        batch = state.batch_size
+        tokens = torch.zeros((batch, width), dtype=torch.int64)
+        nodes = torch.full((batch, width), -1, dtype=torch.int32)
+        counts = torch.zeros(batch, dtype=torch.int32)
+        return tuple(tensor.to(state.device) for tensor in (tokens, nodes, counts))
+
+    def keep(self, rows: list[int]) -> None:
+        super().keep(rows)
+        index = to_device(rows, self._source[0].device)
+        self._source = tuple(tensor[index] for tensor in self._source)
+
+    def join(self, state: DraftState) -> None:
+        super().join(state)
+        newcomers = self._no_drafts(state, self._source[0].shape[1])
+        self._source = tuple(torch.cat(pair) for pair in zip(self._source, newcomers, strict=True))
+
+    def end(self) -> None:
+        super().end()
+        self._source = None
+
     def propose(self, state: DraftState) -> tuple[torch.Tensor, ...]:
         """The proposal's `(tokens, parents, draft_probs)` (`BlockShape.propose`): one forward
-        of the draft's runner, then the tree from the block's logits in a compiled step of its
-        own."""
-        size, device = self.draft.block_size, state.device
-        # Per row: the tokens after the cache up to the root, then the masks (host data).
-        fed = [row[cached:] for row, cached in zip(state.tokens, self._cached, strict=True)]
-        # Under CUDA graphs every step is fed at the widest (one verify and one tree graph per
-        # batch size, not one per accepted count); pad rows past each row's `q_lens`.
-        width = max(len(chunk) for chunk in fed) + size - 1
-        width = self.runner.verify_width(state.batch_size, width, self._widest)
-        tokens = np.full((state.batch_size, width), self.draft.mask_token_id, dtype=np.int64)
-        for row, chunk in enumerate(fed):
-            tokens[row, : len(chunk)] = chunk
-        parents = np.tile(np.arange(-1, width - 1), (state.batch_size, 1))
-        roots = [len(chunk) - 1 for chunk in fed]
-        q_lens = [root + size for root in roots]
-        logits = self.runner.verify(
-            to_device(tokens, device),
-            to_device(parents, device),
-            to_device(q_lens, device, torch.int32),
-        ).logits
+        of the draft's runner between two compiled steps of its own, the feed and the tree."""
+        size, batch = self.draft.block_size, state.batch_size
+        # Under CUDA graphs every step is fed at the widest (one feed, verify and tree graph per
+        # batch size, not one per accepted count), and so is a step whose predecessor was not
+        # read; rows are padded past their `q_lens`.
+        width = self._widest if self._longest is None else self._longest + size
+        width = self.runner.verify_width(batch, width, self._widest)
+        columns = torch.empty((0, width), device=state.device)  # the feed's width, as a shape
+        label = f"pard feed B={batch}"
+        tokens, parents, q_lens, starts = self.runner.run_step(
+            ("pard feed", self._depth), label, PardBlock._feed, self, *self._source, state.roots,
+            columns,
+        )  # fmt: skip
+        logits = self.runner.verify(tokens, parents, q_lens).logits
         sampling = block_sampling(state, self.shape)
-        args = (logits, to_device(roots, device), state.roots, *sampling)
+        args = (logits, starts, state.roots, *sampling)
         # The tree step of the draft model's runner, compiled with its own steps and captured
-        # with its graphs.
+        # with its graphs; it commits the fed tokens up to the root.
         kind = f"pard {self.shape.kind(bool(sampling))} b={size}"
-        label = f"{kind} B={args[0].shape[0]}"
+        label = f"{kind} B={batch}"
         proposal = self.runner.run_step((kind, self.shape), label, PardBlock._tree, self, *args)
-        # The root is committed with the tokens before it; the masks' K/V are dropped.
-        lengths = [len(row) for row in state.tokens]
-        self._commit(to_device(lengths, device, torch.int32), lengths)
+        self._cached = [len(row) + state.unread for row in state.tokens]
+        self.runner.cache.bound_lengths(max(self._cached))
         return proposal
+
+    def _feed(
+        self,
+        tokens: torch.Tensor,
+        nodes: torch.Tensor,
+        accepted: torch.Tensor,
+        roots: torch.Tensor,
+        columns: torch.Tensor,
+    ) -> tuple[torch.Tensor, ...]:
+        """What a step feeds, `columns.shape[1]` tokens per row: the drafts the last step
+        accepted (picked from its tree's `tokens` at `nodes`, `accepted` of them), the root
+        (`roots` int64 `[B]`), then masks. Returns int64 tokens and parents (a chain) `[B, W]`,
+        int32 `q_lens` `[B]` and each row's root node, int64 `[B]`."""
+        width, mask = columns.shape[1], self.draft.mask_token_id
+        picked = nodes[:, 1 : self._depth + 1].long().clamp(min=0)
+        drafts = tokens.gather(1, picked)[:, :width]
+        drafts = F.pad(drafts, (0, width - drafts.shape[1]), value=mask)
+        starts = accepted.long()
+        place = torch.arange(width, device=roots.device)
+        fed = torch.where(place == starts[:, None], roots[:, None], drafts)
+        fed = torch.where(place > starts[:, None], mask, fed)
+        parents = (place - 1).expand(roots.shape[0], -1).contiguous()
+        return fed, parents, (starts + self.draft.block_size).to(torch.int32), starts
 
     def _tree(
         self, logits: torch.Tensor, starts: torch.Tensor, roots: torch.Tensor, *sampling
     ) -> tuple[torch.Tensor, ...]:
         """`BlockShape.propose` of the block of each row: fp32 `logits` `[B, W, V]` at rows
-        `starts[b]` (int64 `[B]`, the root's node) to `starts[b] + b - 1`."""
+        `starts[b]` (int64 `[B]`, the root's node) to `starts[b] + b - 1`. Commits the fed
+        tokens up to each root; the masks' K/V are dropped."""
         index = starts[:, None] + torch.arange(self.draft.block_size, device=logits.device)
         block = logits.gather(1, index[..., None].expand(-1, -1, logits.shape[-1]))
+        self.runner.cache.cache_lens.add_((starts + 1).to(torch.int32))
         return self.shape.propose(block, roots, *sampling)
 
     def update(self, state: DraftState, outcome: StepOutcome) -> None:
-        """Nothing to follow: the next step feeds the accepted drafts."""
+        """Keep the verified tree's tensors: the next step's feed picks the accepted drafts."""
+        self._source = (outcome.proposal.tokens, outcome.accepted_nodes, outcome.num_accepted)
+        paths = outcome.accepted_paths
+        self._longest = None if paths is None else max(map(len, paths), default=0)
