@@ -110,7 +110,7 @@ def index_lanes(batch: Batch, lanes: list[Lane]) -> None:
 @dataclass
 class Launched:
     """A step queued on the device (`launch`): its forward, acceptance and compaction, and its
-    read-back on the way to the host."""
+    read-back on the way to the host; `updated` once its drafters followed it (read-ahead)."""
 
     drafts: list[Drafted]
     proposal: Proposal

@@ -12,8 +12,9 @@ Either way the per-position distributions become a proposal through `specdec_fas
 lossless through verification's one-hot path when sampling too) or a chain (`tree="chain"`: the
 top-1 tokens when greedy, tokens sampled from the draft distributions with their probabilities
 otherwise, lossless through verification's draft-probability path). Nothing is read back from
-the device: what the drafter needs on the host (lengths, pending tokens, accepted paths) comes
-with the state and outcome.
+the device, and a tree's step needs nothing of the host but bounds of the rows' lengths (their
+token counts, `DraftState.unread` more): both flavours follow a step from its device outcome,
+so trees read ahead (`Drafter.reads_ahead`).
 
 Either layout may carry our own `ddtree_depth_scale` (top level of `config.json`): the
 best-first tree's calibration fitted for that checkpoint (`specdec_fast.trees.best_first_tree`,
