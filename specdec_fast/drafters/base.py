@@ -47,9 +47,10 @@ once by the engine, and host data goes up with `specdec_fast.transfer.to_device`
   (`specdec_fast.drafters.checks`).
 - `reads_ahead: bool` (optional, default False): `update` reads only the outcome's device
   tensors (`proposal`, `accepted_nodes`, `num_accepted`, `next_tokens`, `hidden`), and `propose`
-  and `update` read `state.tokens` only as lengths give or take `state.unread`. The engine may
-  then update the drafter as soon as a step is queued, before the step is read back, and queue
-  the next step behind it (`generate`'s `read_ahead`): the outcome's host fields are None there.
+  and `update` read `state.tokens` only for the rows' lengths, which may fall short by up to
+  `state.unread` tokens. The engine may then update the drafter as soon as a step is queued,
+  before the step is read back, and queue the next step behind it (`generate`'s `read_ahead`):
+  the outcome's host fields are None there.
 
 Proposals of deterministic drafters (n-gram, suffix, Medusa, EAGLE, top-k draft trees) carry no
 draft probabilities; a chain sampled from a draft model carries `draft_probs` so that verification

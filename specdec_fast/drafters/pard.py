@@ -190,11 +190,12 @@ class PardBlock(DraftRunnerRows):
         width = self._widest if self._longest is None else self._longest + size
         width = self.runner.verify_width(batch, width, self._widest)
         columns = torch.empty((0, width), device=state.device)  # the feed's width, as a shape
-        label = f"pard feed B={batch}"
+        # Everything the feed reads besides its arguments is in its key (the runner's graphs
+        # serve every drafter over this draft model).
+        key = ("pard feed", self._depth, self.draft.block_size, self.draft.mask_token_id)
         tokens, parents, q_lens, starts = self.runner.run_step(
-            ("pard feed", self._depth), label, PardBlock._feed, self, *self._source, state.roots,
-            columns,
-        )  # fmt: skip
+            key, f"pard feed B={batch}", PardBlock._feed, self, *self._source, state.roots, columns
+        )
         logits = self.runner.verify(tokens, parents, q_lens).logits
         sampling = block_sampling(state, self.shape)
         args = (logits, starts, state.roots, *sampling)
