@@ -128,6 +128,12 @@ class DraftState:
     def batch_size(self) -> int:
         return len(self.tokens)
 
+    @property
+    def longest(self) -> int:
+        """The most tokens a row may hold, unread ones included: what a drafter bounds its
+        cache's lengths with (no device read)."""
+        return max(len(row) for row in self.tokens) + self.unread
+
 
 @dataclass
 class StepOutcome:

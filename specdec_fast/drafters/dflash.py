@@ -106,12 +106,6 @@ class _Context:
         return _Context(features, index, last)
 
 
-def _cached(state: DraftState) -> list[int]:
-    """Each row's cached tokens as the host knows them (all but its root; `state.unread` more
-    may be unread)."""
-    return [len(row) - 1 for row in state.tokens]
-
-
 def _picked(last: torch.Tensor, index: torch.Tensor, features) -> tuple[torch.Tensor, list]:
     """A `_Context`'s counts (int32 `[B]`) and entries (`[B, n, H]` per layer), on the device."""
     index = index.long().clamp(min=0)
@@ -196,7 +190,7 @@ class DFlashBlock:
 
     def _prompt_context(self, state: DraftState) -> _Context:
         """The context entries of every row's cached prompt tokens (all but its root)."""
-        counts = _cached(state)
+        counts = [len(row) - 1 for row in state.tokens]
         return _Context.whole([state.hidden[layer] for layer in self.hidden_layers], counts)
 
     def begin(self, state: DraftState) -> None:
@@ -245,8 +239,8 @@ class DFlashBlock:
         if pending is None:  # nothing verified since the last block: pad entries only
             none = self.head.fc.weight.new_zeros(batch, 0, self.head.config.hidden_size)
             pending = _Context.whole([none] * len(self.hidden_layers), [0] * batch)
-        # The committed entries and the pending ones: one per cached token, at most.
-        entries = max(_cached(state)) + state.unread
+        # The committed entries and the pending ones: one per cached token (all but the root).
+        entries = state.longest - 1
         slots = None
         if state.device.type == "cpu" and not self._resident.graphs.on:
             # The slots the block's attention reads there: the entries and the block (a row's
@@ -337,8 +331,7 @@ class DFlashBlock:
 
     def update(self, state: DraftState, outcome: StepOutcome) -> None:
         if self._pending is not None:  # a step without a block (not the engine's order)
-            entries = max(_cached(state)) + state.unread
-            self._take(self._pending, entries, "context", self._context_step)
+            self._take(self._pending, state.longest - 1, "context", self._context_step)
         self._pending = _Context(
             [outcome.hidden[layer] for layer in self.hidden_layers],
             outcome.accepted_nodes[:, : self._depth + 1],
@@ -363,12 +356,12 @@ class DFlashBlock:
             # A view's rows keep their last occupants' lengths: start them empty.
             zeros = torch.zeros(count, dtype=torch.int32, device=state.device)
             self._cache.commit_lengths(zeros, 0)
-            if max(_cached(state)) > 0:
+            if state.longest > 1:
                 prompt = self._prompt_context(state)
                 self._take(prompt, 0, "context", self._context_step, captured=False)
         finally:
             self._cache = cache
-        cache.admit(batch, count, max(_cached(state)))
+        cache.admit(batch, count, state.longest - 1)
         if self._pending is not None:
             self._pending = self._pending.extended(count)
 

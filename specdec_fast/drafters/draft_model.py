@@ -68,11 +68,9 @@ def check_compatible(draft, target, draft_tokenizer=None, target_tokenizer=None)
 class DraftRunnerRows:
     """A draft model's runner kept row for row with the target's batch: the draft model drafter's
     and the PARD block flavour's. `runner` (None until `open_runner`) caches every row's tokens
-    but the current root after `begin`; `_cached`, the host mirror of its lengths, is the tokens
-    cached per row. A subclass sets both to None and [] in its `__init__`."""
+    but the current root after `begin`. A subclass sets it to None in its `__init__`."""
 
     runner: ModelRunner | None
-    _cached: list[int]
 
     def open_runner(
         self, draft_model, target, max_cache_len: int, draft_tokenizer=None, target_tokenizer=None
@@ -101,25 +99,17 @@ class DraftRunnerRows:
             ids[row, : len(tokens)] = tokens
             mask[row, : len(tokens)] = 1
         self.runner.prefill(to_device(ids, state.device), to_device(mask, state.device))
-        self._cached = [len(row) - 1 for row in state.tokens]
 
     def keep(self, rows: list[int]) -> None:
         self.runner.keep(rows)
-        self._cached = [self._cached[r] for r in rows]
 
     def join(self, state: DraftState) -> None:
         self.runner.prefill_rows(state.tokens)
-        self._cached += [len(row) - 1 for row in state.tokens]
 
     def end(self) -> None:
         if self.runner is not None:
             self.runner.close()
             self.runner = None
-
-    def _commit(self, lengths: torch.Tensor, host_lengths: list[int]) -> None:
-        """Set the draft cache's lengths (int `[B]` on the device) and their host mirror."""
-        self._cached = host_lengths
-        self.runner.cache.commit_lengths(lengths, max(host_lengths))
 
 
 class DraftModelDrafter(DraftRunnerRows, Drafter):
@@ -192,6 +182,23 @@ class DraftModelDrafter(DraftRunnerRows, Drafter):
     def end(self) -> None:
         super().end()
         self._tree_index = None
+
+    def begin(self, state: DraftState) -> None:
+        super().begin(state)
+        self._cached = [len(row) - 1 for row in state.tokens]
+
+    def keep(self, rows: list[int]) -> None:
+        super().keep(rows)
+        self._cached = [self._cached[r] for r in rows]
+
+    def join(self, state: DraftState) -> None:
+        super().join(state)
+        self._cached += [len(row) - 1 for row in state.tokens]
+
+    def _commit(self, lengths: torch.Tensor, host_lengths: list[int]) -> None:
+        """Set the draft cache's lengths (int `[B]` on the device) and their host mirror."""
+        self._cached = host_lengths
+        self.runner.cache.commit_lengths(lengths, max(host_lengths))
 
     def _catch_up(self, state: DraftState) -> None:
         """Feed the tokens before the root that the draft has not seen (ragged, as one chain)."""

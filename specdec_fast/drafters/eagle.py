@@ -192,7 +192,7 @@ class EagleDrafter(Drafter):
         """Bound the head's committed lengths from the host's token counts (a row's head holds
         one entry per cached token, fewer than its tokens, unread ones included) and check
         room for `num_new` more: no device read."""
-        self._cache.bound_lengths(max(len(row) for row in state.tokens) + state.unread)
+        self._cache.bound_lengths(state.longest)
         self._cache.ensure_room(num_new)
 
     @torch.no_grad()

@@ -138,8 +138,6 @@ class PardBlock(DraftRunnerRows):
         self.positions = draft.block_size
         self.shape: BlockShape | None = None  # set by the drafter
         self.runner: ModelRunner | None = None
-        # Tokens in the draft's cache per row (host mirror; bounds while steps are unread).
-        self._cached: list[int] = []
         self._widest = 0  # the widest step's tokens, set at attach
         # The last verified trees' tokens int64 `[B, N]`, accepted nodes int32 `[B, N]` and
         # accepted counts int32 `[B]` (`StepOutcome`'s, on the device); the longest accepted
@@ -204,8 +202,7 @@ class PardBlock(DraftRunnerRows):
         kind = f"pard {self.shape.kind(bool(sampling))} b={size}"
         label = f"{kind} B={batch}"
         proposal = self.runner.run_step((kind, self.shape), label, PardBlock._tree, self, *args)
-        self._cached = [len(row) + state.unread for row in state.tokens]
-        self.runner.cache.bound_lengths(max(self._cached))
+        self.runner.cache.bound_lengths(state.longest)
         return proposal
 
     def _feed(
