@@ -193,6 +193,7 @@ class Batch:
         self._scalars = SamplingParams(None, None, None, 0)  # the values shared by every row
         self.all_greedy = True
         self._root_parents: dict[int, torch.Tensor] = {}  # int64 [B, 1] of -1, by batch size
+        self.read_at = 0.0  # `time.perf_counter()` when the last step was read (`step.finish`)
 
     def __len__(self) -> int:
         return len(self.rows)

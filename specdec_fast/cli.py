@@ -496,6 +496,14 @@ def _add_serve(sub) -> None:
         "hidden states)",
     )
     serve.add_argument(
+        "--read-ahead",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="queue each decode step before reading the one before while no request joins or "
+        "leaves, so the device never waits for the host between steps (default: on for a CUDA "
+        "model; off for a tensor-parallel one)",
+    )
+    serve.add_argument(
         "--chat-template",
         default=None,
         help="a Jinja chat template (file or text) for tokenizers without one",

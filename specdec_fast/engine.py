@@ -30,12 +30,20 @@ from specdec_fast.arguments import check_generate_arguments
 from specdec_fast.batch import SAMPLING_FIELDS, Batch, Row, TokenCallback, UnusableLogits
 from specdec_fast.cache import model_shards
 from specdec_fast.compiled import COMPILE_LOG, compile_choice
-from specdec_fast.drafters.base import Drafter, reads_ahead
+from specdec_fast.drafters.base import Drafter
 from specdec_fast.parallel import check_agreement, check_tensor_parallel
 from specdec_fast.requests import Sampling
 from specdec_fast.runner import ModelRunner
 from specdec_fast.stats import SpecStats
-from specdec_fast.step import Lane, drop, finish, index_lanes, launch
+from specdec_fast.step import (
+    Lane,
+    drop,
+    finish,
+    index_lanes,
+    lanes_read_ahead,
+    launch,
+    queue_behind,
+)
 
 
 @dataclass
@@ -232,8 +240,8 @@ def _decode(
     """Prefill `rows`, then steps until every row has finished. The drafter attaches under the
     call's compile and CUDA-graph choices (its own models and steps follow the target's). With
     `read_ahead`, and no drafter or one that reads ahead (`Drafter.reads_ahead`), each step is
-    queued before the one before it is read (`step.launch`), while no row can stop for its cache
-    (`_room`); rows that stop leave after the queued step is read."""
+    queued before the one before it is read (`step.queue_behind`), while no row can stop for
+    its cache; rows that stop leave after the queued step is read."""
     if drafter is not None:
         with compile_choice(compile), graphs.choice(runner.use_cuda_graphs):
             drafter.attach(runner.model, batch.capacity)
@@ -251,18 +259,11 @@ def _decode(
         state = batch.state(lane.rows, lane.index)
         state.hidden = prefill.hidden_states
         drafter.begin(state)
-    ahead = read_ahead and all(reads_ahead(lane.drafter) for lane in lanes)
-    # The most tokens a row commits in a step: a tree's path and the next token.
-    commits = batch.max_nodes if lanes else 1
+    unread = 0 if read_ahead and lanes_read_ahead(lanes) else None
     queued = None
     while batch:
-        launched = queued or launch(runner, batch, lanes, vocab, 0 if ahead else None)
-        queued = None
-        if ahead and _room(batch, commits):
-            # A row whose logits were unusable has root -1 (the verify kernel's mark), which
-            # the queued step must not embed; what it makes for that row is dropped with it.
-            batch.roots = batch.roots.clamp(min=0)
-            queued = launch(runner, batch, lanes, vocab, launched.proposal.num_nodes)
+        launched = queued or launch(runner, batch, lanes, vocab, unread)
+        queued = queue_behind(runner, batch, lanes, vocab, launched)
         ahead_slots = queued.proposal.num_nodes if queued else 0
         report = finish(runner, batch, launched, vocab, ahead_slots)
         finished = report.finished
@@ -273,10 +274,3 @@ def _decode(
         for row in drop(runner, batch, lanes, finished):
             if row.error is not None:
                 raise UnusableLogits(f"sequence {rows.index(row)}: {row.error}")
-
-
-def _room(batch: Batch, commits: int) -> bool:
-    """Whether no row can stop for its cache at the step in flight, which commits at most
-    `commits` tokens per row: a step queued behind it then writes no row's cache beyond what a
-    step after a read could."""
-    return max(row.cached for row in batch.rows) + commits + batch.max_nodes <= batch.capacity

@@ -15,11 +15,12 @@ scheduler alike (docs/ARCHITECTURE.md, "Data flow of one step").
     lane.drafter.update(state, outcome)             per lane, over its rows
 
 then `drop` takes the finished rows out of the batch, the runner's cache and every lane.
-`launch` is the device half (up to the started read), `finish` the host half, and `step` the
-two in turn. `generate` may queue the next step between the two halves (`read_ahead`): the
-device then never waits for the host between steps. It does so for plain decoding and for
-drafters that read ahead (`Drafter.reads_ahead`), which `launch` then updates at once from the
-step's device outcome, before its read.
+`launch` is the device half (up to the started read) and `finish` the host half; their `vocab`
+is the target's vocabulary size (for the proposal checks). `generate` and the scheduler may
+queue the next step between the two halves (`read_ahead`, `queue_behind`): the device then
+never waits for the host between steps. They do so for plain decoding and for drafters that
+read ahead (`Drafter.reads_ahead`, `lanes_read_ahead`), which `launch` then updates at once
+from the step's device outcome, before its read.
 
 A `Lane` is a drafter and the rows it drafts for: `generate` has one over every row (or none, for
 plain decoding); the scheduler one per route, each over that route's speculating rows. A lane's
@@ -44,6 +45,7 @@ from specdec_fast.drafters.base import (
     DraftState,
     Proposal,
     StepOutcome,
+    reads_ahead,
     with_roots,
 )
 from specdec_fast.drafters.checks import checked, malformed_error, screens_values
@@ -161,12 +163,40 @@ def launch(
     return launched
 
 
+def lanes_read_ahead(lanes: list[Lane]) -> bool:
+    """Whether the next step may be queued before this one is read: every lane with rows has a
+    drafter that reads ahead (`Drafter.reads_ahead`); `launch` it with `unread=0`."""
+    return all(reads_ahead(lane.drafter) for lane in lanes if lane.rows)
+
+
+def queue_behind(
+    runner: ModelRunner, batch: Batch, lanes: list[Lane], vocab: int, launched: Launched
+) -> Launched | None:
+    """`launch` the next step behind `launched` before `launched` is read (read-ahead), or None
+    where it may not be queued: `launched`'s drafters were not updated at its launch
+    (`lanes_read_ahead` was false, or `unread` None), or some row could stop for its cache at
+    `launched` (a step queued behind it would then write that row's cache beyond what a step
+    after a read could). Finish the two in order; rows that finish at the first leave after
+    the second is read (`Batch.emit` drops what it made for them)."""
+    if not launched.updated:
+        return None
+    # The most tokens a row commits at `launched`: a tree's path and the next token.
+    commits = batch.max_nodes if any(lane.rows for lane in lanes) else 1
+    if max(row.cached for row in batch.rows) + commits + batch.max_nodes > batch.capacity:
+        return None
+    # A row whose logits were unusable has root -1 (the verify kernel's mark), which the
+    # queued step must not embed; what it makes for that row is dropped with it.
+    batch.roots = batch.roots.clamp(min=0)
+    return launch(runner, batch, lanes, vocab, launched.proposal.num_nodes)
+
+
 def finish(
     runner: ModelRunner, batch: Batch, launched: Launched, vocab: int, ahead: int = 0
 ) -> StepReport:
     """The host half of a `launch`ed step: wait for its read-back, emit, update the drafters.
     `ahead`: the cache slots a step queued after this one reserved (its verify width; 0 for
-    none)."""
+    none). The report's seconds run from the step's launch, or from the read of the step
+    before it when that came later (steps queued behind one another count no time twice)."""
     host = launched.read.wait()
     drafts = launched.drafts
     flagged = set(host.malformed)
@@ -182,14 +212,10 @@ def finish(
         for draft in drafts:
             if not draft.failed:
                 _update(draft, launched, draft.state, host, emitted)
-    seconds = time.perf_counter() - launched.start
+    now = time.perf_counter()
+    seconds = now - max(launched.start, batch.read_at)
+    batch.read_at = now
     return StepReport(host, emitted, finished, drafts, seconds)
-
-
-def step(runner: ModelRunner, batch: Batch, lanes: list[Lane], vocab: int) -> StepReport:
-    """One step of every row of `batch` (see the module doc); `vocab` is the target's
-    vocabulary size (for the proposal checks)."""
-    return finish(runner, batch, launch(runner, batch, lanes, vocab), vocab)
 
 
 def drop(runner: ModelRunner, batch: Batch, lanes: list[Lane], leaving: list[int]) -> list[Row]:

@@ -559,7 +559,10 @@ def test_requests_are_validated_and_the_queue_is_bounded():
 
 
 class WrongChain(Drafter):
-    """Drafts a chain of tokens the target does not pick (a stateless drafter)."""
+    """Drafts a chain of tokens the target does not pick (a stateless drafter, whose proposals
+    need only the roots: it reads ahead)."""
+
+    reads_ahead = True
 
     def __init__(self):
         super().__init__(4)
@@ -619,16 +622,20 @@ class OutOfVocabulary(WrongChain):
         return proposal
 
 
-def test_a_malformed_proposal_trips_its_route_to_plain_decoding():
+@pytest.mark.parametrize("read_ahead", [False, True])
+def test_a_malformed_proposal_trips_its_route_to_plain_decoding(read_ahead):
     """As `generate` raises `DrafterError` for it, the scheduler counts a drafter error naming
-    the broken rule and moves the route's rows to plain decoding; outputs are plain ones."""
+    the broken rule and moves the route's rows to plain decoding; outputs are plain ones. With
+    read-ahead the step queued behind the first was drafted before the trip: its malformed
+    trees count too."""
     model = tiny_llama(VOCAB, seed=16)
     prompts = repetitive_prompts([8, 11], VOCAB, seed=17)
-    scheduler = Scheduler(model, {"bad": OutOfVocabulary()}, eos_token_id=[])
+    scheduler = Scheduler(model, {"bad": OutOfVocabulary()}, eos_token_id=[], read_ahead=read_ahead)
     handles = [scheduler.submit(Request(p, 10, route="bad")) for p in prompts]
     scheduler.run_until_idle()
     lane = scheduler.lanes["bad"]
-    assert lane.counters.drafter_errors == 1 and lane.counters.trips == 1
+    assert lane.counters.drafter_errors == 1 + read_ahead and lane.counters.trips == 1
+    assert (scheduler.counters.queued > 0) == read_ahead
     assert "DrafterError" in lane.last_error and "vocabulary" in lane.last_error
     assert not lane.rows
     for handle, prompt in zip(handles, prompts, strict=True):
@@ -636,7 +643,8 @@ def test_a_malformed_proposal_trips_its_route_to_plain_decoding():
         assert handle.completion.tokens == out.sequences[0][len(prompt) :].tolist()
 
 
-def test_a_breached_acceptance_bound_moves_running_rows_to_plain():
+@pytest.mark.parametrize("read_ahead", [False, True])
+def test_a_breached_acceptance_bound_moves_running_rows_to_plain(read_ahead):
     model = tiny_llama(VOCAB, seed=12)
     prompts = repetitive_prompts([8, 15], VOCAB, seed=13)
     scheduler = Scheduler(
@@ -644,13 +652,16 @@ def test_a_breached_acceptance_bound_moves_running_rows_to_plain():
         {"wrong": WrongChain()},
         guardrails=small_window(min_acceptance_rate=0.5, max_tpot_p95_regression=100.0),
         eos_token_id=[],
+        read_ahead=read_ahead,
     )
     handles = [scheduler.submit(Request(p, 30, route="wrong")) for p in prompts]
     scheduler.run_until_idle()
     lane = scheduler.lanes["wrong"]
     assert lane.guard.fallbacks == 1 and lane.counters.trips == 1
-    # Two steps in the window, then plain: far fewer drafts than steps.
-    assert lane.counters.drafts == 2 * len(prompts)
+    # Two steps in the window (and, with read-ahead, the one queued behind the second), then
+    # plain: far fewer drafts than steps.
+    assert lane.counters.drafts == (2 + read_ahead) * len(prompts)
+    assert (scheduler.counters.queued > 0) == read_ahead
     for handle, prompt in zip(handles, prompts, strict=True):
         out = generate(model, [prompt], drafter=None, max_new_tokens=30, eos_token_id=[])
         assert handle.completion.tokens == out.sequences[0][len(prompt) :].tolist()

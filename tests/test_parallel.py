@@ -157,6 +157,8 @@ def test_unsupported_cases_are_refused(target, monkeypatch):
             Scheduler(target, compile=True)
         with pytest.raises(ValueError, match="overlap_prefill: a tensor-parallel target feeds"):
             Scheduler(target, overlap_prefill=True)
+        with pytest.raises(ValueError, match="read_ahead: a tensor-parallel target reads each"):
+            Scheduler(target, read_ahead=True)
     # A draft model that is itself sharded (as transformers records it) is refused.
     drafter = DrafterSpec.parse("draft:tiny-code-draft:4").build(target)
     monkeypatch.setattr(drafter.draft_model, "_tp_size", WORLD)

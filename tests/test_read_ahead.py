@@ -6,17 +6,22 @@ tests/test_generate_edges.py); the queued step really is queued (two steps unrea
 other drafters' steps are read at once."""
 
 from collections import defaultdict
+from types import SimpleNamespace
 
 import pytest
 import torch
+from prometheus_client.parser import text_string_to_metric_families
+from test_continuous_batching import expected_output, run_scripted
 from test_generate import hf_greedy
 from tiny_models import repetitive_prompts, tiny_llama
 
-from specdec_fast import NGramDrafter, bundled, engine, generate
+from specdec_fast import NGramDrafter, bundled, engine, generate, step
 from specdec_fast.arguments import CACHE_BLOCK
 from specdec_fast.drafters.registry import DrafterSpec
 from specdec_fast.loading import load_model, load_tokenizer
 from specdec_fast.prompts import load_code_prompts
+from specdec_fast.serving import Scheduler, scheduler
+from specdec_fast.serving.metrics import ServingMetrics
 from specdec_fast.transfer import HostCopy
 
 VOCAB = 96
@@ -103,9 +108,9 @@ def test_a_full_cache_stops_rows_as_reading_every_step_does(prompts):
 
 def count_unread(monkeypatch) -> tuple[list[int], list[int]]:
     """`[unread]`, `[most]`: the launched steps not finished yet, now and at most (reset them
-    between runs)."""
+    between runs), in `generate` and in the scheduler (a queued step is launched in `step`)."""
     unread, most = [0], [0]
-    launch, finish = engine.launch, engine.finish
+    launch, finish = step.launch, step.finish
 
     def counted_launch(*args, **kwargs):
         unread[0] += 1
@@ -116,8 +121,9 @@ def count_unread(monkeypatch) -> tuple[list[int], list[int]]:
         unread[0] -= 1
         return finish(*args, **kwargs)
 
-    monkeypatch.setattr(engine, "launch", counted_launch)
-    monkeypatch.setattr(engine, "finish", counted_finish)
+    for module in (engine, step, scheduler):
+        monkeypatch.setattr(module, "launch", counted_launch)
+        monkeypatch.setattr(module, "finish", counted_finish)
     return unread, most
 
 
@@ -192,9 +198,97 @@ def test_drafters_that_read_ahead_equal_reading_every_step(code, spec, sampled, 
             assert {reason for _, _, reason in stats} == {"eos", "length"}, stats
 
 
+# Routes whose drafters read ahead, plain decoding among them.
+SERVED = [
+    "none",
+    "medusa:tiny-code-medusa:8",
+    "eagle:tiny-code-eagle3:8",
+    "block:tiny-code-dflash:8",
+]
+
+
+def serve(target, routes, arrivals, read_ahead, cancel_after=None):
+    """The completions of `arrivals` (`run_scripted`) and the steps queued, as /metrics has it."""
+    scheduler = Scheduler(
+        target, routes, max_batch=3, prefill_chunk=16, eos_token_id=[], read_ahead=read_ahead
+    )
+    try:
+        handles = run_scripted(scheduler, arrivals, cancel_after)
+    finally:
+        scheduler.close()
+    router = SimpleNamespace(canary_speculating={}, shadow={}, routes={})
+    text = ServingMetrics(scheduler, router, "m").render().decode()
+    queued = [
+        sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if sample.name == "specdec_decode_steps_queued_total"
+    ]
+    assert queued == [scheduler.counters.queued]
+    return [handle.completion for handle in handles], scheduler.counters.queued
+
+
+@needs_bundled
+def test_served_requests_with_read_ahead_equal_generate(code, monkeypatch):
+    """Nine requests on routes that read ahead, greedy or sampled, arriving at scripted steps
+    into three slots, one cancelled while it decodes: with read-ahead the scheduler queues steps
+    while its batch is settled (two unread at once) and reads them before rows join or leave;
+    each request's tokens are `generate()`'s (greedy: plain decoding's; sampled: the same
+    drafter's), as without read-ahead. A route whose drafter does not read ahead (n-gram) is
+    read every step."""
+    target, prompts, _ = code
+    routes = {spec: DrafterSpec.parse(spec).build(target) for spec in SERVED}
+    # (arrival step, new tokens, route, sampled): the first request is cancelled at its eighth
+    # token, from the first batch position, in a settled batch (the fourth waits for a slot);
+    # the third arrives with a slot free while two rows decode, its prompt fed in one chunk.
+    script = [
+        (0, 30, 0, False), (0, 24, 1, False), (5, 16, 2, True), (6, 12, 3, False),
+        (7, 10, 0, False), (12, 14, 1, True), (15, 8, 2, False), (20, 18, 3, False),
+        (30, 9, 0, True),
+    ]  # fmt: skip
+    requests = [
+        {
+            "prompt": prompts[i % len(prompts)][: 10 + 3 * i],
+            "max_new_tokens": new,
+            "temperature": 0.8 if sampled else 0.0,
+            "seed": i,
+            "route": SERVED[route],
+        }
+        for i, (_, new, route, sampled) in enumerate(script)
+    ]
+    arrivals = [(at, request) for (at, *_), request in zip(script, requests, strict=True)]
+    unread, most = count_unread(monkeypatch)
+    served = {}
+    for read_ahead in (True, False):
+        unread[0] = most[0] = 0
+        served[read_ahead] = serve(target, routes, arrivals, read_ahead, {0: 8})
+        assert (most[0], unread[0]) == (2 if read_ahead else 1, 0), read_ahead
+    (completions, queued), (each_step, none_queued) = served[True], served[False]
+    assert queued > 10 and none_queued == 0, (queued, none_queued)
+    assert completions[0].finish_reason == "cancelled"
+    assert 8 <= len(completions[0].tokens) < requests[0]["max_new_tokens"]
+    for index, request in enumerate(requests[1:], 1):
+        assert completions[index].finish_reason == "length", index
+        assert completions[index].tokens == each_step[index].tokens, index
+        assert completions[index].tokens == expected_output(target, request["route"], request)
+    assert any(c.speculated for c in completions if c.route != "none")
+    ngram = {"route": NGramDrafter(max_nodes=8)}
+    arrivals = [
+        (0, {"prompt": p, "max_new_tokens": 12, "temperature": 0.0, "seed": 0, "route": "route"})
+        for p in prompts[:3]
+    ]
+    unread[0] = most[0] = 0
+    completions, queued = serve(target, ngram, arrivals, True)
+    assert (most[0], queued) == (1, 0)
+    for (_, request), completion in zip(arrivals, completions, strict=True):
+        assert completion.tokens == expected_output(target, "none", request)
+
+
 def test_read_ahead_must_be_a_bool(target, prompts):
     with pytest.raises(TypeError, match="read_ahead: expected None or a bool"):
         generate(target, prompts, drafter=None, max_new_tokens=2, read_ahead="yes")
+    with pytest.raises(TypeError, match="read_ahead: expected None or a bool"):
+        Scheduler(target, read_ahead=1)
 
 
 def test_a_host_copy_on_the_cpu_is_the_tensor_read():
@@ -218,3 +312,14 @@ def test_read_ahead_on_cuda_equals_reading_every_step():
         for kwargs in ({}, {"temperature": 0.8, "seed": [1, 2, 3, 4]}):
             ahead = run(code, prompts, True, drafter=make(), **kwargs)
             assert ahead == run(code, prompts, False, drafter=make(), **kwargs), (spec, kwargs)
+    # The scheduler reads ahead by default on CUDA: requests joining at steps 0, 0, 3 and 6.
+    routes = {spec: DrafterSpec.parse(spec).build(code) for spec in SERVED}
+    arrivals = [
+        (3 * (i // 2) + 3 * (i == 3), {"prompt": prompt, "max_new_tokens": 12 + 4 * i,
+         "temperature": 0.8 * (i == 2), "seed": i, "route": SERVED[i]})
+        for i, prompt in enumerate(prompts)
+    ]  # fmt: skip
+    served = {read_ahead: serve(code, routes, arrivals, read_ahead) for read_ahead in (None, False)}
+    assert served[None][1] > 0 and served[False][1] == 0
+    tokens = {key: [c.tokens for c in completions] for key, (completions, _) in served.items()}
+    assert tokens[None] == tokens[False]

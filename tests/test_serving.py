@@ -423,7 +423,7 @@ def test_serve_builds_its_routes_guardrails_and_template(monkeypatch, tmp_path):
     )
     argv = ["serve", "--drafter", "none", "--routes", str(routes), "--guardrails", str(guardrails)]
     argv += ["--chat-template", str(template), "--port", "8123", "--max-batch", "2"]
-    argv += ["--no-overlap-prefill", "--no-engine-process"]
+    argv += ["--no-overlap-prefill", "--read-ahead", "--no-engine-process"]
     assert main(argv) == 0
     engine = started["app"].state.engine
     try:
@@ -434,7 +434,7 @@ def test_serve_builds_its_routes_guardrails_and_template(monkeypatch, tmp_path):
         assert engine.scheduler.lanes["code"].guard.policy.min_window_steps == 1
         assert engine.scheduler.lanes["default"].drafter is None
         assert engine.scheduler.max_batch == 2 and engine.tokenizer.chat_template == TEMPLATE
-        assert not engine.scheduler.overlap_prefill
+        assert not engine.scheduler.overlap_prefill and engine.scheduler.read_ahead
     finally:
         engine.close()
 

@@ -20,7 +20,8 @@ moved to plain decoding), `specdec_route_speculative_requests_total` (requests d
 speculate), `specdec_shadow_requests_total`, `specdec_shadow_mismatches_total` and
 `specdec_shadow_skipped_total`; `specdec_requests_rejected_total` (label `reason`:
 queue_full, stopped); and where the scheduler's time goes: `specdec_decode_steps_total` and
-`specdec_decode_step_seconds_total` (label `batch`), `specdec_prefill_chunks_total`,
+`specdec_decode_step_seconds_total` (label `batch`), `specdec_decode_steps_queued_total`
+(steps queued before the step ahead of them was read: read-ahead), `specdec_prefill_chunks_total`,
 `specdec_prefill_tokens_total`, `specdec_prefill_seconds_total`,
 `specdec_prefill_beside_seconds_total`.
 """
@@ -144,6 +145,11 @@ class _SchedulerCollector:
                 family.add_metric([model, str(batch)], values[index])
             yield family
         for name, help_text, value in (
+            (
+                "specdec_decode_steps_queued",
+                "Decode steps queued before the step ahead of them was read (read-ahead).",
+                steps.queued,
+            ),
             (
                 "specdec_prefill_chunks",
                 "Prompt chunks fed between decode steps.",

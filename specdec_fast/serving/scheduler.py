@@ -29,9 +29,15 @@ row's seed and position, never by its slot).
 A decode step is `specdec_fast.step`, the step `generate` runs, over the routes' lanes: the
 scheduler keeps admission, prefill and joins, routes, streaming, the guardrails' decisions and
 the metrics. A step reads the device once (the emitted tokens, `batch.read_back`); prefill
-chunks and joins read nothing back. `step()` runs one iteration on the calling thread;
-`start()` runs steps on a thread of its own, and `submit` and `Handle.cancel` may then be called
-from any thread.
+chunks and joins read nothing back. With `read_ahead` (on by default on CUDA), while the batch
+is settled (no request waiting, being fed or cancelled) and every route with running rows has
+plain decoding or a drafter that reads ahead, the next step is queued before the last one is
+read, as `generate` does: the host's work between steps (the step's emission, streaming, the
+guards, the next iteration) then overlaps the device's. A change to the batch (a row finished
+or cancelled, a newcomer) first reads the queued step; a route moved to plain decoding needs
+no read (the queued step's trees were verified as any other's).
+`step()` runs one iteration on the calling thread; `start()` runs steps on a thread of its own,
+and `submit` and `Handle.cancel` may then be called from any thread.
 
 On a tensor-parallel target (`specdec_fast.parallel.load_target`) every rank holds the same
 scheduler: rank 0's takes the requests, the others' run its steps (`follow`), and at the top of
@@ -62,7 +68,18 @@ from specdec_fast.requests import Sampling, StopRule
 from specdec_fast.runner import ModelRunner
 from specdec_fast.serving.lockstep import HEARTBEAT_S, Lockstep
 from specdec_fast.stats import SequenceStats
-from specdec_fast.step import Drafted, Lane, StepReport, drop, index_lanes, step
+from specdec_fast.step import (
+    Drafted,
+    Lane,
+    Launched,
+    StepReport,
+    drop,
+    finish,
+    index_lanes,
+    lanes_read_ahead,
+    launch,
+    queue_behind,
+)
 from specdec_fast.transfer import to_device
 
 PREFILL_CHUNK = 256
@@ -171,12 +188,15 @@ class RouteCounters:
 @dataclass
 class StepCounters:
     """Where the scheduler's time goes, cumulative: decode steps by batch size (`decode[B]` =
-    [steps, seconds]) and prompt chunks fed (`prefill_chunks`, `prefill_tokens`). `prefill_seconds`
+    [steps, seconds]; a step's seconds exclude those of the step queued before it), the decode
+    steps queued before the step ahead of them was read (`queued`: read-ahead) and prompt
+    chunks fed (`prefill_chunks`, `prefill_tokens`). `prefill_seconds`
     is the time the scheduler's thread spent on prompts (feeding them, or waiting for a chunk
     fed beside the steps when it had nothing to decode); `prefill_beside_seconds` the time of
     the chunks fed beside decode steps (`overlap_prefill`), on their own thread."""
 
     decode: dict[int, list] = field(default_factory=dict)
+    queued: int = 0
     prefill_chunks: int = 0
     prefill_tokens: int = 0
     prefill_seconds: float = 0.0
@@ -304,6 +324,10 @@ class Scheduler:
         prefill_chunk: prompt tokens per row fed between two decode steps (or beside one).
         eos_token_id: stop ids of requests that give none (default: the model's).
         use_cuda_graphs, compile: as for `generate` (drafters' own models follow `compile`).
+        read_ahead: queue each decode step before reading the one before while the batch is
+            settled (see the module doc), as `generate`'s `read_ahead`; outputs are the same.
+            None (default): on for a CUDA model; off for a tensor-parallel target (its ranks
+            decide between steps in lockstep), where True is refused.
         overlap_prefill: feed newcomers' prompts on a thread of their own while the batch
             decodes (their rows join when a chunk is in; outputs are the same). It needs a CPU
             model and routes that read no hidden states (`ModelRunner.feeds_beside_steps`), and
@@ -328,6 +352,7 @@ class Scheduler:
         use_cuda_graphs: bool | None = None,
         compile: bool | None = None,
         overlap_prefill: bool | None = None,
+        read_ahead: bool | None = None,
         after_step: Callable[[], None] | None = None,
     ):
         routes = dict(routes) if routes is not None else {DEFAULT_ROUTE: None}
@@ -346,13 +371,20 @@ class Scheduler:
                 raise ValueError(
                     "overlap_prefill: a tensor-parallel target feeds prompts between its steps"
                 )
-            compile = use_cuda_graphs = overlap_prefill = False
+            if read_ahead:
+                raise ValueError(
+                    "read_ahead: a tensor-parallel target reads each step before the next (its "
+                    "ranks apply rank 0's plan between steps)"
+                )
+            compile = use_cuda_graphs = overlap_prefill = read_ahead = False
         for name, drafter in routes.items():
             if drafter is not None and not supports_join(drafter):
                 raise ValueError(
                     f"routes[{name!r}]: {type(drafter).__name__} cannot take rows into a running "
                     "batch (it does not implement Drafter.join)"
                 )
+        if read_ahead is not None and not isinstance(read_ahead, bool):
+            raise TypeError(f"read_ahead: expected None or a bool, got {read_ahead!r}")
         for name, value, low in (
             ("max_batch", max_batch, 1),
             ("max_queue", max_queue, 0),
@@ -395,6 +427,8 @@ class Scheduler:
         )
         self.runner.reserve(max_batch)
         self.device = self.runner.device
+        self.read_ahead = self.device.type == "cuda" if read_ahead is None else read_ahead
+        self._queued: Launched | None = None  # a step launched and not yet read (read-ahead)
         self._lockstep = Lockstep(self.device) if sharded else None
         # Rank 0's idle thread wakes for the heartbeat that the other ranks wait for.
         self._idle_s = HEARTBEAT_S if sharded else None
@@ -641,6 +675,8 @@ class Scheduler:
     # -- admission ---------------------------------------------------------------------------
 
     def _start_prefill(self) -> None:
+        if self._waiting and len(self.rows) < self.max_batch:
+            self._read_queued()  # newcomers are fed past the batch's end: it must be settled
         taken = []
         with self._lock:
             while self._waiting and len(taken) < self.max_batch - len(self.rows):
@@ -747,7 +783,36 @@ class Scheduler:
         self.batch = Batch(self.device, self.max_cache_len, self.max_nodes)
 
     def _decode(self) -> None:
-        report = step(self.runner, self.batch, self._lanes, self.vocab_size)
+        """One decode step: the one queued by the step before (read-ahead), or a new one; the
+        next is queued behind it when it may be (no group of newcomers being fed,
+        `step.queue_behind`) and stays queued unless rows finish at this step."""
+        runner, batch, lanes, vocab = self.runner, self.batch, self._lanes, self.vocab_size
+        launched, self._queued = self._queued, None
+        if launched is None:
+            unread = 0 if self.read_ahead and lanes_read_ahead(lanes) else None
+            launched = launch(runner, batch, lanes, vocab, unread)
+        queued = None
+        if self._prefill is None:
+            queued = queue_behind(runner, batch, lanes, vocab, launched)
+        ahead = 0 if queued is None else queued.proposal.num_nodes
+        finished = self._book(finish(runner, batch, launched, vocab, ahead))
+        if queued is not None:
+            self.counters.queued += 1
+            if finished:
+                # Rows leave: read the queued step first (it ran for them too).
+                finished = sorted({*finished, *self._book(finish(runner, batch, queued, vocab))})
+            else:
+                self._queued = queued
+        self._drop(finished)
+
+    def _read_queued(self) -> None:
+        """Read the step queued by read-ahead, if any, before the batch changes."""
+        if self._queued is not None:
+            queued, self._queued = self._queued, None
+            self._drop(self._book(finish(self.runner, self.batch, queued, self.vocab_size)))
+
+    def _book(self, report: StepReport) -> list[int]:
+        """Count a step read (routes, guards, time); returns the positions of its finished rows."""
         if self._lockstep is not None:
             # The guards decide on the step's time: every rank must read the same.
             report.seconds = self._lockstep.slowest(report.seconds)
@@ -757,7 +822,7 @@ class Scheduler:
         steps = self.counters.decode.setdefault(len(self.rows), [0, 0.0])
         steps[0] += 1
         steps[1] += report.seconds
-        self._drop(report.finished)
+        return report.finished
 
     def _guard_step(self, report: StepReport) -> None:
         """Each guarded route records the step of its plain rows and of its speculating ones
@@ -808,6 +873,8 @@ class Scheduler:
                 self._waiting.remove(row)
         for row in cancelled:
             self._finish(row, CANCELLED)
+        if any(row.handle.cancelled for row in self.rows):
+            self._read_queued()
         leaving = [p for p, row in enumerate(self.rows) if row.handle.cancelled]
         for p in leaving:
             self.rows[p].stats.finish_reason = CANCELLED
@@ -823,7 +890,7 @@ class Scheduler:
             waiting = list(self._waiting)
             self._waiting.clear()
         rows = self.rows + (self._prefill.rows if self._prefill is not None else []) + waiting
-        self._prefill = None
+        self._prefill = self._queued = None
         for lane in self._lanes:
             lane.trip(count=False)
         self._reset_batch()

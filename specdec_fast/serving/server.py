@@ -421,6 +421,7 @@ def serve(args) -> int:
         "max_queue": args.max_queue,
         "prefill_chunk": args.prefill_chunk,
         "overlap_prefill": args.overlap_prefill,
+        "read_ahead": args.read_ahead,
         "context_len": args.max_model_len,
         "chat_template": template,
         "keep_special_tokens": args.keep_special_tokens,

@@ -41,6 +41,7 @@ class Service:
         seed: of the canary draws.
         compile: compile the model's steps (`generate`'s `compile`).
         overlap_prefill: the scheduler's (`Scheduler`): prompts fed beside the decode steps.
+        read_ahead: the scheduler's: each decode step queued before the one before is read.
         after_step: the scheduler's: called at the end of each of its steps.
     """
 
@@ -61,6 +62,7 @@ class Service:
         seed: int = 0,
         compile: bool | None = None,
         overlap_prefill: bool | None = None,
+        read_ahead: bool | None = None,
         after_step: Callable[[], None] | None = None,
     ):
         self.model, self.tokenizer, self.model_name = model, tokenizer, model_name
@@ -90,6 +92,7 @@ class Service:
             eos_token_id=stop_token_ids(model, tokenizer),
             compile=compile,
             overlap_prefill=overlap_prefill,
+            read_ahead=read_ahead,
             after_step=after_step,
         )
         self.metrics: ServingMetrics | None = None
