@@ -221,7 +221,7 @@ def finish(
 def drop(runner: ModelRunner, batch: Batch, lanes: list[Lane], leaving: list[int]) -> list[Row]:
     """The rows at batch positions `leaving` leave the batch, the runner's cache and their
     lanes (each lane's drafter keeps its other rows; a lane left without rows keeps nothing);
-    returns them."""
+    returns them. Every launched step must have been read (`finish`)."""
     if not leaving:
         return []
     gone = set(leaving)
@@ -229,6 +229,10 @@ def drop(runner: ModelRunner, batch: Batch, lanes: list[Lane], leaving: list[int
     keep = [p for p in range(len(batch.rows)) if p not in gone]
     runner.keep(keep)
     batch.keep(keep)
+    if batch.rows:
+        # Every step was read: the rows left bound the cache's lengths, not a longer one that
+        # left (its cache full), which would cost the next step's room check a device read.
+        runner.cache.bound_lengths(max(row.cached for row in batch.rows))
     gone_rows = {id(row) for row in left}
     for lane in lanes:
         kept = [i for i, row in enumerate(lane.rows) if id(row) not in gone_rows]

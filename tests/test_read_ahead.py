@@ -17,6 +17,7 @@ from tiny_models import repetitive_prompts, tiny_llama
 
 from specdec_fast import NGramDrafter, bundled, engine, generate, step
 from specdec_fast.arguments import CACHE_BLOCK
+from specdec_fast.cache import SpecKVCache
 from specdec_fast.drafters.registry import DrafterSpec
 from specdec_fast.loading import load_model, load_tokenizer
 from specdec_fast.prompts import load_code_prompts
@@ -96,12 +97,23 @@ def test_stop_sequences_and_sampling_equal_reading_every_step(target, prompts, f
     assert len({reason for _, _, reason in ahead[1]}) == 2, ahead[1]
 
 
-def test_a_full_cache_stops_rows_as_reading_every_step_does(prompts):
+def test_a_full_cache_stops_rows_as_reading_every_step_does(prompts, monkeypatch):
     """Rows stop for their cache at different steps, and no queued step writes beyond it: on
-    a fresh model the cache holds exactly `max_cache_len` (a multiple of its block) slots."""
+    a fresh model the cache holds exactly `max_cache_len` (a multiple of its block) slots.
+    The host's bound of the lengths always shows the room (no device read): a row that left
+    with its cache full no longer counts."""
+    reads = []
+    ensure_room = SpecKVCache.ensure_room
+
+    def checked(cache, num_new):
+        reads.extend([num_new] * (not cache.has_room(num_new)))
+        return ensure_room(cache, num_new)
+
+    monkeypatch.setattr(SpecKVCache, "ensure_room", checked)
     kwargs = {"eos_token_id": [], "max_cache_len": CACHE_BLOCK, "max_new_tokens": CACHE_BLOCK}
     ahead = run(tiny_llama(vocab_size=VOCAB), prompts, True, **kwargs)
     assert ahead == run(tiny_llama(vocab_size=VOCAB), prompts, False, **kwargs)
+    assert reads == []
     assert {reason for _, _, reason in ahead[1]} == {"cache"}
     assert len({new for new, _, _ in ahead[1]}) > 1, ahead[1]
 

@@ -30,12 +30,12 @@ A decode step is `specdec_fast.step`, the step `generate` runs, over the routes'
 scheduler keeps admission, prefill and joins, routes, streaming, the guardrails' decisions and
 the metrics. A step reads the device once (the emitted tokens, `batch.read_back`); prefill
 chunks and joins read nothing back. With `read_ahead` (on by default on CUDA), while the batch
-is settled (no request waiting, being fed or cancelled) and every route with running rows has
-plain decoding or a drafter that reads ahead, the next step is queued before the last one is
-read, as `generate` does: the host's work between steps (the step's emission, streaming, the
-guards, the next iteration) then overlaps the device's. A change to the batch (a row finished
-or cancelled, a newcomer) first reads the queued step; a route moved to plain decoding needs
-no read (the queued step's trees were verified as any other's).
+is settled (no newcomer to admit or being fed, no cancelled row) and every route with running
+rows has plain decoding or a drafter that reads ahead, the next step is queued before the last
+one is read, as `generate` does: the host's work between steps (the step's emission,
+streaming, the guards, the next iteration) then overlaps the device's. A change to the batch (a
+row finished or cancelled, a newcomer) first reads the queued step; a route moved to plain
+decoding needs no read (the queued step's trees were verified as any other's).
 `step()` runs one iteration on the calling thread; `start()` runs steps on a thread of its own,
 and `submit` and `Handle.cancel` may then be called from any thread.
 
@@ -873,9 +873,10 @@ class Scheduler:
                 self._waiting.remove(row)
         for row in cancelled:
             self._finish(row, CANCELLED)
-        if any(row.handle.cancelled for row in self.rows):
-            self._read_queued()
         leaving = [p for p, row in enumerate(self.rows) if row.handle.cancelled]
+        if leaving and self._queued is not None:
+            self._read_queued()  # rows may leave with it: their positions change
+            leaving = [p for p, row in enumerate(self.rows) if row.handle.cancelled]
         for p in leaving:
             self.rows[p].stats.finish_reason = CANCELLED
         self._drop(leaving)
