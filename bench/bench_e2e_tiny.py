@@ -14,7 +14,9 @@ the table's notes, the tokens per step of the best block drafter against each EA
 on CPUs with bfloat16 units, `loading.drafter_dtype`).
 Plain decoding and one EAGLE drafter (EAGLE-3's at N = 16 when in the grid) run once more with
 `generate(read_ahead=...)` the other way round from the device's default (on for CUDA): what
-queuing each step before reading the one before is worth.
+queuing each step before reading the one before is worth; and twice more through the server's
+scheduler (`..., served`, one request at a time, with and without its read-ahead): what the
+server's loop costs beside `generate`'s.
 
 Speed is measured over `--rounds` rounds (default 3, 1 with `--quick`) in which every peer runs
 once in turn (`e2e.interleave`): tokens/s is the median of the rounds, each speed-up the median of
@@ -35,7 +37,16 @@ from pathlib import Path
 import pytest
 import torch
 from common import RESULTS_DIR, bench_device, environment, write_results
-from e2e import E2ERecord, compare, format_table, interleave, paired_ratio, run_hf, run_ours
+from e2e import (
+    E2ERecord,
+    compare,
+    format_table,
+    interleave,
+    paired_ratio,
+    run_hf,
+    run_ours,
+    run_served,
+)
 
 from specdec_fast import BlockDrafter, bundled
 from specdec_fast.drafters.base import Drafter
@@ -216,15 +227,24 @@ def run(
     # Plain decoding and an EAGLE drafter (`Drafter.reads_ahead`) the other way round from the
     # device's default (`generate(read_ahead=...)`: on for CUDA, off elsewhere): what queuing
     # each step before the read is worth.
+    # The same two served by the scheduler, reading ahead and each step (`Scheduler`'s
+    # `read_ahead`): the server's cost per step beside `generate`'s.
     read_ahead = device.type != "cuda"
     mode = "read ahead" if read_ahead else "read each step"
     for name in ("ours plain", read_ahead_peer(grid)):
         if name is None:
             continue
         other = f"{name} [{mode}]"
-        peers[other] = lambda warm_up, other=other, make=grid[name].make: run_ours(
+        make = grid[name].make
+        peers[other] = lambda warm_up, other=other, make=make: run_ours(
             other, target, prompts, make, new_tokens, 1, warm_up, {"read_ahead": read_ahead}
         )
+        for ahead, served_mode in ((True, "read ahead"), (False, "read each step")):
+            served = f"{name}, served [{served_mode}]"
+            options = {"read_ahead": ahead}
+            peers[served] = lambda warm_up, served=served, make=make, options=options: run_served(
+                served, target, prompts, make, new_tokens, warm_up, options
+            )
     for name, kwargs in (
         ("HF generate", {}),
         ("HF assisted (draft model)", {"assistant_model": draft}),

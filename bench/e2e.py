@@ -3,6 +3,7 @@
 Peers, all greedy on the same prompts and the same number of new tokens:
 - `ours plain`: our engine without a drafter (the baseline every speed-up is measured against);
 - `ours <drafter>`: our engine with that drafter;
+- `..., served`: the same through the server's scheduler (`run_served`, one request at a time);
 - `HF generate`: `model.generate(do_sample=False)` with the default dynamic cache;
 - `HF assisted (draft model)`: `generate(assistant_model=draft)` (HF supports batch 1 only);
 - `HF prompt lookup`: `generate(prompt_lookup_num_tokens=k)` (batch 1 only).
@@ -29,6 +30,7 @@ from common import sync
 
 from specdec_fast import generate
 from specdec_fast.drafters.base import Drafter
+from specdec_fast.serving import Request, Scheduler
 
 
 @dataclass
@@ -98,9 +100,7 @@ def run_ours(
                 **options,
             )
     outputs: list[list[int]] = []
-    new_tokens, steps, accepted, drafted = 0, 0, 0, 0
-    offered: list[int] = []
-    taken: list[int] = []
+    stats = []
     sync(target.device)
     start = time.perf_counter()
     for first in range(0, len(prompts), batch):
@@ -115,15 +115,71 @@ def run_ours(
                 **options,
             )
         outputs += [s.tolist() for s in out.sequences]
-        new_tokens += out.stats.new_tokens
-        for seq in out.stats.sequences:
-            steps += seq.steps
-            accepted += seq.accepted
-            drafted += seq.drafted
-            add_per_depth(offered, taken, seq)
+        stats += out.stats.sequences
     sync(target.device)
-    seconds = time.perf_counter() - start
-    record = E2ERecord(
+    return _record(peer, batch, stats, time.perf_counter() - start), outputs
+
+
+def run_served(
+    peer: str,
+    target,
+    prompts: Sequence[Sequence[int]],
+    make_drafter: Callable[[], Drafter | None],
+    max_new_tokens: int,
+    warm_up: bool = True,
+    options: dict | None = None,
+) -> tuple[E2ERecord, list[list[int]]]:
+    """Our server's scheduler (`specdec_fast.serving.Scheduler`, without HTTP) over `prompts`,
+    one request at a time (batch 1, as `run_ours` at batch 1: the scheduler's own cost per step
+    beside `generate`'s loop), after an untimed request (unless `warm_up` is False). `options`:
+    more arguments of the `Scheduler` (`read_ahead`). Its cache holds the longest prompt, the
+    new tokens and a tree, as `generate`'s does: the compiled steps, whose shapes carry the
+    cache's capacity, are then the ones `run_ours` compiled."""
+    drafter = make_drafter()
+    nodes = 1 if drafter is None else drafter.max_nodes
+    capacity = max(len(prompt) for prompt in prompts) + max_new_tokens + nodes
+    scheduler = Scheduler(
+        target,
+        {"route": drafter},
+        max_batch=1,
+        max_cache_len=capacity,
+        eos_token_id=[],
+        **(options or {}),
+    )
+
+    def serve(prompt: Sequence[int]):
+        handle = scheduler.submit(Request(list(prompt), max_new_tokens, route="route"))
+        scheduler.run_until_idle()
+        return handle.completion
+
+    try:
+        if warm_up:
+            serve(prompts[0])
+        sync(target.device)
+        start = time.perf_counter()
+        completions = [serve(prompt) for prompt in prompts]
+        sync(target.device)
+        seconds = time.perf_counter() - start
+    finally:
+        scheduler.close()
+    for completion in completions:
+        if completion.finish_reason != "length":
+            raise RuntimeError(f"{peer}: a request ended with {completion.finish_reason!r}")
+    outputs = [[*prompt, *c.tokens] for prompt, c in zip(prompts, completions, strict=True)]
+    return _record(peer, 1, [c.stats for c in completions], seconds), outputs
+
+
+def _record(peer: str, batch: int, stats: Sequence, seconds: float) -> E2ERecord:
+    """A timed run's record from its sequences' statistics (`SequenceStats`)."""
+    steps = sum(seq.steps for seq in stats)
+    accepted = sum(seq.accepted for seq in stats)
+    drafted = sum(seq.drafted for seq in stats)
+    new_tokens = sum(seq.new_tokens for seq in stats)
+    offered: list[int] = []
+    taken: list[int] = []
+    for seq in stats:
+        add_per_depth(offered, taken, seq)
+    return E2ERecord(
         peer=peer,
         batch=batch,
         new_tokens=new_tokens,
@@ -133,7 +189,6 @@ def run_ours(
         tokens_per_step=(accepted + steps) / steps if steps else None,
         per_position=[a / o for a, o in zip(taken, offered, strict=True)],
     )
-    return record, outputs
 
 
 def run_hf(

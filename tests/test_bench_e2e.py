@@ -6,9 +6,9 @@ import os
 import pytest
 import torch
 from bench_smoke import import_bench
-from tiny_models import first_layers
+from tiny_models import first_layers, repetitive_prompts, tiny_llama
 
-from specdec_fast import bundled
+from specdec_fast import NGramDrafter, bundled
 from specdec_fast.loading import load_model, load_tokenizer
 
 
@@ -199,3 +199,20 @@ def test_bench_freeze_runs_both_settings_side_by_side(monkeypatch, tmp_path):
     with pytest.raises(SystemExit, match="tiny-code heads"):
         bench.run(["plain", "dflash:8"], 1, 6, 1, model=str(tmp_path))
     assert len(bench.table(records).splitlines()) == 2 + len(records)
+
+
+def test_served_runs_give_our_outputs_and_statistics(monkeypatch):
+    """`run_served` (the scheduler, one request at a time, with and without read-ahead) gives
+    `run_ours`'s tokens and per-step figures for the same drafter."""
+    e2e = import_bench(monkeypatch, "e2e")
+    target = tiny_llama(vocab_size=96)
+    prompts = repetitive_prompts([5, 9], 96, seed=1)
+    make = lambda: NGramDrafter(max_nodes=4)  # noqa: E731
+    ours, outputs = e2e.run_ours("ours", target, prompts, make, 12, 1, warm_up=False)
+    for read_ahead in (True, False):
+        record, served = e2e.run_served(
+            "served", target, prompts, make, 12, options={"read_ahead": read_ahead}
+        )
+        assert served == outputs
+        assert (record.new_tokens, record.tokens_per_step) == (24, ours.tokens_per_step)
+        assert record.batch == 1 and record.tokens_per_s > 0
