@@ -3,7 +3,10 @@ trees), queue each step before they read the step before (`step.launch` / `step.
 Outputs, statistics and streamed tokens equal those of reading every step at once, whatever
 stops the rows (EOS, stop sequences, length, a full cache, sampled or greedy; unusable logits in
 tests/test_generate_edges.py); the queued step really is queued (two steps unread at once);
-other drafters' steps are read at once."""
+other drafters' steps are read at once. The server's scheduler reads ahead the same way while
+its batch is settled, and reads the queued step before rows join or leave: served requests
+arriving and cancelled at scripted steps equal `generate()` (guardrail trips under read-ahead
+in tests/test_continuous_batching.py)."""
 
 from collections import defaultdict
 from types import SimpleNamespace

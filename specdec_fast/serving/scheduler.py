@@ -358,6 +358,8 @@ class Scheduler:
         routes = dict(routes) if routes is not None else {DEFAULT_ROUTE: None}
         if not routes:
             raise ValueError("routes: expected at least one route")
+        if read_ahead is not None and not isinstance(read_ahead, bool):
+            raise TypeError(f"read_ahead: expected None or a bool, got {read_ahead!r}")
         sharded = model_shards(model) > 1
         if sharded:
             # A tensor-parallel target (`lockstep`) runs eagerly, and its prompts are fed on the
@@ -383,8 +385,6 @@ class Scheduler:
                     f"routes[{name!r}]: {type(drafter).__name__} cannot take rows into a running "
                     "batch (it does not implement Drafter.join)"
                 )
-        if read_ahead is not None and not isinstance(read_ahead, bool):
-            raise TypeError(f"read_ahead: expected None or a bool, got {read_ahead!r}")
         for name, value, low in (
             ("max_batch", max_batch, 1),
             ("max_queue", max_queue, 0),
