@@ -304,14 +304,17 @@ ALIKE_POLICY = GuardrailPolicy(
 )
 
 
+@pytest.mark.parametrize("read_ahead", [False, True], ids=["read each step", "read ahead"])
 @pytest.mark.parametrize("case", ["good", "collapse", "propose", "update", "begin"])
 def test_a_request_leaves_its_route_alike_through_generate_and_the_server(
-    target, prompts, plain, case
+    target, prompts, plain, case, read_ahead
 ):
     """Guardrails keep one account of a step (`RouteGuard.record_step`, `record_error`): one
     request through `generate` with a guarded drafter and through the server's scheduler, on a
     route of the same policy, leaves the route's guard in the same state (its window, errors,
-    trips and cool-down), with plain decoding's output both ways."""
+    trips and cool-down), with plain decoding's output both ways. The server reading ahead
+    (its plain steps after a trip queue) counts no step twice, nor the one queued past the
+    request's end."""
     from specdec_fast.serving.scheduler import Request, Scheduler
 
     def make():
@@ -328,7 +331,9 @@ def test_a_request_leaves_its_route_alike_through_generate_and_the_server(
     assert [s.tolist() for s in out.sequences] == [plain[0][: len(prompts[0]) + 24]]
 
     served = Guardrails(routes={"r": ALIKE_POLICY})
-    scheduler = Scheduler(target, {"r": make()}, guardrails=served, eos_token_id=[])
+    scheduler = Scheduler(
+        target, {"r": make()}, guardrails=served, eos_token_id=[], read_ahead=read_ahead
+    )
     handle = scheduler.submit(Request(prompts[0], 24, route="r"))
     scheduler.run_until_idle()
     assert handle.completion.tokens == plain[0][len(prompts[0]) : len(prompts[0]) + 24]

@@ -223,7 +223,9 @@ SERVED = [
 
 
 def serve(target, routes, arrivals, read_ahead, cancel_after=None):
-    """The completions of `arrivals` (`run_scripted`) and the steps queued, as /metrics has it."""
+    """The completions of `arrivals` (`run_scripted`) and the steps queued, as /metrics has it.
+    Each route's counters hold what its requests' statistics hold: nothing of a step queued
+    past a row's end."""
     scheduler = Scheduler(
         target, routes, max_batch=3, prefill_chunk=16, eos_token_id=[], read_ahead=read_ahead
     )
@@ -240,7 +242,12 @@ def serve(target, routes, arrivals, read_ahead, cancel_after=None):
         if sample.name == "specdec_decode_steps_queued_total"
     ]
     assert queued == [scheduler.counters.queued]
-    return [handle.completion for handle in handles], scheduler.counters.queued
+    completions = [handle.completion for handle in handles]
+    for name, lane in scheduler.lanes.items():
+        stats = [c.stats for c in completions if c.route == name and c.speculated]
+        counted = (lane.counters.draft_tokens, lane.counters.accepted_tokens)
+        assert counted == (sum(s.drafted for s in stats), sum(s.accepted for s in stats)), name
+    return completions, scheduler.counters.queued
 
 
 @needs_bundled

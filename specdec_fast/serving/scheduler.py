@@ -259,11 +259,12 @@ class _Lane(Lane):
             self.counters.drafter_errors += 1
             self.last_error = f"drafter error in end: {type(error).__name__}: {error}"
 
-    def count(self, draft: Drafted, host, rows: list[_Row]) -> None:
-        """The counters and rows' `speculated` of the lane's step `draft` (batch `rows`)."""
+    def count(self, draft: Drafted, host, rows: list[_Row], gone: set[int] | frozenset) -> None:
+        """The counters and rows' `speculated` of the lane's step `draft` (batch `rows`), but
+        for the rows at positions `gone`."""
         counters = self.counters
         for p in draft.positions:
-            if host.drafted[p]:
+            if host.drafted[p] and p not in gone:
                 rows[p].speculated = True
                 counters.drafts += 1
                 counters.draft_tokens += host.drafted[p]
@@ -799,8 +800,9 @@ class Scheduler:
         if queued is not None:
             self.counters.queued += 1
             if finished:
-                # Rows leave: read the queued step first (it ran for them too).
-                finished = sorted({*finished, *self._book(finish(runner, batch, queued, vocab))})
+                # Rows leave: read the queued step first; what it ran for them made nothing.
+                late = self._book(finish(runner, batch, queued, vocab), set(finished))
+                finished = sorted({*finished, *late})
             else:
                 self._queued = queued
         self._drop(finished)
@@ -811,35 +813,42 @@ class Scheduler:
             queued, self._queued = self._queued, None
             self._drop(self._book(finish(self.runner, self.batch, queued, self.vocab_size)))
 
-    def _book(self, report: StepReport) -> list[int]:
-        """Count a step read (routes, guards, time); returns the positions of its finished rows."""
+    def _book(self, report: StepReport, gone: set[int] | frozenset = frozenset()) -> list[int]:
+        """Count a step read (routes, guards, time), but for the rows at positions `gone` (they
+        had finished at the step before, which this one was queued behind); returns the
+        positions of the rows that finished at it."""
         if self._lockstep is not None:
             # The guards decide on the step's time: every rank must read the same.
             report.seconds = self._lockstep.slowest(report.seconds)
         for draft in report.drafted:
-            draft.lane.count(draft, report.host, self.rows)
-        self._guard_step(report)
+            draft.lane.count(draft, report.host, self.rows, gone)
+        self._guard_step(report, gone)
         steps = self.counters.decode.setdefault(len(self.rows), [0, 0.0])
         steps[0] += 1
         steps[1] += report.seconds
         return report.finished
 
-    def _guard_step(self, report: StepReport) -> None:
+    def _guard_step(self, report: StepReport, gone: set[int] | frozenset) -> None:
         """Each guarded route records the step of its plain rows and of its speculating ones
-        (`RouteGuard.record_step`, as `generate`'s guarded drafters do); a route whose guard
-        turned speculation off moves its rows to plain decoding."""
-        drafts = {id(draft.lane): draft for draft in report.drafted}
+        (`RouteGuard.record_step`, as `generate`'s guarded drafters do), the rows at `gone`
+        left out; a route whose guard turned speculation off moves its rows to plain
+        decoding."""
+        drafts = {
+            id(draft.lane): draft
+            for draft in report.drafted
+            if any(p not in gone for p in draft.positions)
+        }
         drafted_positions = {p for draft in drafts.values() for p in draft.positions}
         plain: dict[str, list[list[int]]] = {}
         for p, (row, tokens) in enumerate(zip(self.rows, report.emitted, strict=True)):
-            if p not in drafted_positions:
+            if p not in drafted_positions and p not in gone:
                 plain.setdefault(row.request.route, []).append(tokens)
         host = report.host
         for lane in self._lanes:
             if lane.guard is None:
                 continue
             draft = drafts.get(id(lane))
-            where = [] if draft is None else draft.positions
+            where = [] if draft is None else [p for p in draft.positions if p not in gone]
             speculating = lane.guard.record_step(
                 report.seconds,
                 plain.get(lane.name, []),
