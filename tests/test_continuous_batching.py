@@ -667,20 +667,28 @@ def test_a_breached_acceptance_bound_moves_running_rows_to_plain(read_ahead):
         assert handle.completion.tokens == out.sequences[0][len(prompt) :].tolist()
 
 
-# (spec, reads per decode step allowed beyond the read-back), counted as in test_step_budget.py
+# (spec, reads per decode step allowed beyond the read-back, read-ahead), counted as in
+# test_step_budget.py
 READS = [
-    ("none", 0),
-    ("ngram:8", 0),
-    ("medusa:tiny-code-medusa:8", 0),
-    ("draft:tiny-code-draft:4", 1),
+    ("none", 0, False),
+    ("ngram:8", 0, False),
+    ("medusa:tiny-code-medusa:8", 0, False),
+    ("draft:tiny-code-draft:4", 1, False),
+    ("none", 0, True),
+    ("medusa:tiny-code-medusa:8", 0, True),
 ]
 
 
 @needs_bundled
-@pytest.mark.parametrize(("spec", "extra"), READS, ids=[spec for spec, _ in READS])
-def test_one_host_read_per_decode_step(code_model, code_prompts, spec, extra):
-    """As `generate`: the step reads the device once; joins and prefill chunks read nothing (a
-    short and a long run with the same joins differ by their steps' reads only)."""
+@pytest.mark.parametrize(
+    ("spec", "extra", "read_ahead"),
+    READS,
+    ids=[spec + " read ahead" * read_ahead for spec, _, read_ahead in READS],
+)
+def test_one_host_read_per_decode_step(code_model, code_prompts, spec, extra, read_ahead):
+    """As `generate`: the step reads the device once, read ahead or not; joins and prefill
+    chunks read nothing (a short and a long run with the same joins differ by their steps'
+    reads only)."""
     counts = []
     for new_tokens in (6, 30):
         scheduler = Scheduler(
@@ -688,6 +696,7 @@ def test_one_host_read_per_decode_step(code_model, code_prompts, spec, extra):
             {"route": DrafterSpec.parse(spec).build(code_model)},
             prefill_chunk=8,
             eos_token_id=[],
+            read_ahead=read_ahead,
         )
         arrivals = [
             (step, {"prompt": code_prompts[i], "max_new_tokens": new_tokens, "route": "route"})
@@ -695,7 +704,9 @@ def test_one_host_read_per_decode_step(code_model, code_prompts, spec, extra):
         ]
         with counting() as reads:
             run_scripted(scheduler, arrivals)
-        counts.append((len(reads), scheduler.steps, reads))
+        steps = sum(count for count, _ in scheduler.counters.decode.values())
+        assert (scheduler.counters.queued > 0) == read_ahead
+        counts.append((len(reads), steps, reads))
         scheduler.close()
     (short_reads, short_steps, _), (long_reads, long_steps, records) = counts
     assert long_steps > short_steps
