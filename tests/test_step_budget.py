@@ -3,9 +3,10 @@ drafter, at batch 1 and 8 in compiled mode, one blocking host read per steady-st
 emitted tokens) and at most `MAX_EAGER_OPS` operators dispatched outside compiled graphs, each a
 kernel launch on a GPU. Counted on the CPU as an accelerator would run the step
 (`bench/step_ops.py`: our kernels count as their launches, `to_device` as its copy, the
-host-resident shortcuts off); on CUDA the `gpu` test runs steady-state steps under
-`torch.cuda.set_sync_debug_mode("error")`, which catches the syncs hidden inside torch operators
-(`nonzero`, boolean indexing) that no count on the CPU sees.
+host-resident shortcuts off); on CUDA the `gpu` tests run steady-state steps under
+`torch.cuda.set_sync_debug_mode("error")`, `generate`'s and the server scheduler's reading ahead,
+which catches the syncs hidden inside torch operators (`nonzero`, boolean indexing) that no
+count on the CPU sees.
 
 Cost: each drafter compiles its step shapes once per batch class (1, 2+); the target's compiled
 steps are kept on the module's model and shared by every drafter with the same hooks, a
@@ -34,6 +35,7 @@ from specdec_fast import bundled, generate, transfer
 from specdec_fast.drafters.registry import DrafterSpec
 from specdec_fast.loading import load_model, load_tokenizer
 from specdec_fast.prompts import load_code_prompts
+from specdec_fast.serving import Request, Scheduler
 
 sys.path.insert(0, str(BENCH_DIR))
 from step_ops import (  # noqa: E402
@@ -224,19 +226,8 @@ def test_steady_steps_never_sync_but_for_the_read_back(spec, batch, tmp_path, mo
         [tokenizer.bos_token_id, *tokenizer.encode(r["prompt"], add_special_tokens=False)]
         for r in load_code_prompts(batch)
     ]
-    original, armed = transfer.to_host, []
-
-    def read_back(tensor, landed=None):
-        torch.cuda.set_sync_debug_mode(0)
-        try:
-            return original(tensor, landed)
-        finally:
-            if armed:  # from the first read-back of the second run on
-                torch.cuda.set_sync_debug_mode("error")
-
-    for module in [m for name, m in sys.modules.items() if name.startswith("specdec_fast")]:
-        if getattr(module, "to_host", None) is original:
-            monkeypatch.setattr(module, "to_host", read_back)
+    armed = []
+    arm_after_read_backs(monkeypatch, armed)
     generate(model, prompts, drafter=make(), max_new_tokens=24, eos_token_id=[])  # graphs
     armed.append(True)
     try:
@@ -244,3 +235,58 @@ def test_steady_steps_never_sync_but_for_the_read_back(spec, batch, tmp_path, mo
     finally:
         torch.cuda.set_sync_debug_mode(0)
     assert out.stats.steps > 2
+
+
+def arm_after_read_backs(monkeypatch, armed: list) -> None:
+    """Every step's read-back (`transfer.to_host`) runs with sync checks off; once `armed` holds
+    anything, each read-back leaves them on ("error"): any other sync of a step then raises."""
+    original = transfer.to_host
+
+    def read_back(tensor, landed=None):
+        torch.cuda.set_sync_debug_mode(0)
+        try:
+            return original(tensor, landed)
+        finally:
+            if armed:
+                torch.cuda.set_sync_debug_mode("error")
+
+    for module in [m for name, m in sys.modules.items() if name.startswith("specdec_fast")]:
+        if getattr(module, "to_host", None) is original:
+            monkeypatch.setattr(module, "to_host", read_back)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("spec", ["none", "eagle:tiny-code-eagle3:8", "block:tiny-code-dflash:8"])
+def test_served_steady_steps_never_sync_but_for_the_read_back(spec, monkeypatch):
+    """The server's scheduler, reading ahead (its default on CUDA), with four requests decoding:
+    once they have joined, every device sync but the steps' read-backs raises, until they have
+    left; the second wave's outputs are the first's (which compiled and captured)."""
+    device = torch.device("cuda")
+    model = load_model("tiny-code", device)
+    drafter = None if spec == "none" else DrafterSpec.parse(spec).build(model)
+    tokenizer = load_tokenizer("tiny-code")
+    prompts = [
+        [tokenizer.bos_token_id, *tokenizer.encode(r["prompt"], add_special_tokens=False)][:40]
+        for r in load_code_prompts(4)
+    ]
+    scheduler = Scheduler(model, {"route": drafter}, max_batch=4, eos_token_id=[], compile=False)
+    assert scheduler.read_ahead
+    armed = []
+    arm_after_read_backs(monkeypatch, armed)
+    try:
+        waves = []
+        for wave in range(2):
+            handles = [scheduler.submit(Request(p, 24, route="route")) for p in prompts]
+            while len(scheduler.rows) < len(prompts):  # the prompts fed, the rows joined
+                scheduler.step()
+            if wave:
+                armed.append(True)
+            try:
+                scheduler.run_until_idle()
+            finally:
+                armed.clear()
+                torch.cuda.set_sync_debug_mode(0)
+            waves.append([handle.completion.tokens for handle in handles])
+    finally:
+        scheduler.close()
+    assert waves[0] == waves[1] and scheduler.counters.queued > 0
