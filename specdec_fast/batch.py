@@ -198,6 +198,11 @@ class Batch:
     def __len__(self) -> int:
         return len(self.rows)
 
+    @property
+    def most_cached(self) -> int:
+        """The most cache slots a row holds, as the host mirrors them (`Row.cached`)."""
+        return max(row.cached for row in self.rows)
+
     def join(self, rows: list[Row], roots: torch.Tensor) -> None:
         """`rows` join after the batch's rows; `roots` int64 `[len(rows)]` on the device."""
         self.rows = self.rows + rows

@@ -182,7 +182,7 @@ def queue_behind(
         return None
     # The most tokens a row commits at `launched`: a tree's path and the next token.
     commits = batch.max_nodes if any(lane.rows for lane in lanes) else 1
-    if max(row.cached for row in batch.rows) + commits + batch.max_nodes > batch.capacity:
+    if batch.most_cached + commits + batch.max_nodes > batch.capacity:
         return None
     # A row whose logits were unusable has root -1 (the verify kernel's mark), which the
     # queued step must not embed; what it makes for that row is dropped with it.
@@ -207,7 +207,7 @@ def finish(
             error = malformed_error(draft.lane.drafter, draft.drafted, vocab)
             draft.lane.fail("propose", error, verified=True)
     emitted, finished = batch.emit(host, time.perf_counter())
-    runner.cache.bound_lengths(max(row.cached for row in batch.rows) + ahead)
+    runner.cache.bound_lengths(batch.most_cached + ahead)
     if not launched.updated:
         for draft in drafts:
             if not draft.failed:
@@ -232,7 +232,7 @@ def drop(runner: ModelRunner, batch: Batch, lanes: list[Lane], leaving: list[int
     if batch.rows:
         # Every step was read: the rows left bound the cache's lengths, not a longer one that
         # left (its cache full), which would cost the next step's room check a device read.
-        runner.cache.bound_lengths(max(row.cached for row in batch.rows))
+        runner.cache.bound_lengths(batch.most_cached)
     gone_rows = {id(row) for row in left}
     for lane in lanes:
         kept = [i for i, row in enumerate(lane.rows) if id(row) not in gone_rows]

@@ -138,6 +138,7 @@ class PardBlock(DraftRunnerRows):
         self.positions = draft.block_size
         self.shape: BlockShape | None = None  # set by the drafter
         self.runner: ModelRunner | None = None
+        self._depth = 0  # the deepest accepted path, set at attach
         self._widest = 0  # the widest step's tokens, set at attach
         # The last verified trees' tokens int64 `[B, N]`, accepted nodes int32 `[B, N]` and
         # accepted counts int32 `[B]` (`StepOutcome`'s, on the device); the longest accepted
@@ -158,11 +159,10 @@ class PardBlock(DraftRunnerRows):
     def _no_drafts(self, state: DraftState, width: int) -> tuple[torch.Tensor, ...]:
         """A source of `width` nodes that accepted no draft, for each row of `state`: a new
         row feeds its root alone."""
-        batch = state.batch_size
-        tokens = torch.zeros((batch, width), dtype=torch.int64)
-        nodes = torch.full((batch, width), -1, dtype=torch.int32)
-        counts = torch.zeros(batch, dtype=torch.int32)
-        return tuple(tensor.to(state.device) for tensor in (tokens, nodes, counts))
+        batch, device = state.batch_size, state.device
+        tokens = torch.zeros((batch, width), dtype=torch.int64, device=device)
+        nodes = torch.full((batch, width), -1, dtype=torch.int32, device=device)
+        return tokens, nodes, torch.zeros(batch, dtype=torch.int32, device=device)
 
     def keep(self, rows: list[int]) -> None:
         super().keep(rows)

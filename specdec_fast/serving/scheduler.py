@@ -259,7 +259,7 @@ class _Lane(Lane):
             self.counters.drafter_errors += 1
             self.last_error = f"drafter error in end: {type(error).__name__}: {error}"
 
-    def count(self, draft: Drafted, host, rows: list[_Row], gone: set[int] | frozenset) -> None:
+    def count(self, draft: Drafted, host, rows: list[_Row], gone: set[int]) -> None:
         """The counters and rows' `speculated` of the lane's step `draft` (batch `rows`), but
         for the rows at positions `gone`."""
         counters = self.counters
@@ -800,9 +800,8 @@ class Scheduler:
         if queued is not None:
             self.counters.queued += 1
             if finished:
-                # Rows leave: read the queued step first; what it ran for them made nothing.
-                late = self._book(finish(runner, batch, queued, vocab), set(finished))
-                finished = sorted({*finished, *late})
+                # Rows leave: read the queued step first (what it ran for them made nothing).
+                finished = sorted({*finished, *self._book(finish(runner, batch, queued, vocab))})
             else:
                 self._queued = queued
         self._drop(finished)
@@ -813,10 +812,12 @@ class Scheduler:
             queued, self._queued = self._queued, None
             self._drop(self._book(finish(self.runner, self.batch, queued, self.vocab_size)))
 
-    def _book(self, report: StepReport, gone: set[int] | frozenset = frozenset()) -> list[int]:
-        """Count a step read (routes, guards, time), but for the rows at positions `gone` (they
-        had finished at the step before, which this one was queued behind); returns the
+    def _book(self, report: StepReport) -> list[int]:
+        """Count a step read (routes, guards, time), but for rows that had finished at the step
+        before, which this one was queued behind (they emitted nothing at it); returns the
         positions of the rows that finished at it."""
+        ended = {p for p, row in enumerate(self.rows) if row.stats.finish_reason is not None}
+        gone = ended.difference(report.finished)
         if self._lockstep is not None:
             # The guards decide on the step's time: every rank must read the same.
             report.seconds = self._lockstep.slowest(report.seconds)
@@ -828,7 +829,7 @@ class Scheduler:
         steps[1] += report.seconds
         return report.finished
 
-    def _guard_step(self, report: StepReport, gone: set[int] | frozenset) -> None:
+    def _guard_step(self, report: StepReport, gone: set[int]) -> None:
         """Each guarded route records the step of its plain rows and of its speculating ones
         (`RouteGuard.record_step`, as `generate`'s guarded drafters do), the rows at `gone`
         left out; a route whose guard turned speculation off moves its rows to plain
