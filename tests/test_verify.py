@@ -256,6 +256,39 @@ def test_sampling_kernel_agrees_with_reference(
     assert filters or batch < 8 or int(result.num_accepted.max()) >= 2  # walks go deep
 
 
+@pytest.mark.parametrize("seeds", ["per-row", "per-node"])
+@pytest.mark.parametrize(
+    ("kind", "batch", "num_nodes", "vocab", "dtype"),
+    [
+        ("tree", 17, 13, 61, torch.float32),
+        ("tree", 5, 9, 33, torch.bfloat16),
+        ("tree", 3, 7, 37, torch.float16),
+        ("chain", 9, 6, 50, torch.float32),
+        ("tree", 1, 1, 29, torch.float32),
+    ],
+)
+def test_fused_host_walk_draws_what_the_reference_draws(
+    kind, batch, num_nodes, vocab, dtype, seeds
+):
+    """The fused backend's sampled walk of deterministic trees (draws at the visited nodes only)
+    against the reference (draws at every node), filters on and off, greedy rows mixed in."""
+    from specdec_fast.kernels.fused.verify import verify_fused
+
+    generator = torch.Generator().manual_seed(batch * num_nodes + vocab)
+    logits, tokens, parents, _, params = sampling_case(
+        kind, batch, num_nodes, vocab, dtype, generator
+    )
+    if seeds == "per-node":
+        params["seed"] = params["seed"][:, None] + torch.arange(num_nodes)
+    deep = 0
+    for filters in (False, True):
+        case = dict(params) if filters else {**params, "top_k": 0, "top_p": 1.0}
+        result = verify_fused(logits, tokens, parents, None, **case)
+        assert_same(result, verify_reference(logits, tokens, parents, None, **case))
+        deep = max(deep, int(result.num_accepted.max()))
+    assert num_nodes < 6 or deep >= 2  # the walks go past the first level
+
+
 @pytest.mark.parametrize("kind", ["tree", "chain+probs"])
 def test_per_node_seeds_agree_across_backends(monkeypatch, kind):
     """int64 [B, N] seeds (the engine's row seed + node position): the kernel, the reference and
