@@ -20,6 +20,7 @@ DRAFTERS = [
     "medusa:tiny-code-medusa:8",
     "eagle:tiny-code-eagle:8",
     "eagle:tiny-code-eagle3:8",
+    "eagle:tiny-code-eagle:8+ngram:8",
     "block:{dflash}:8",
     "block:{pard}:8",
 ]

@@ -5,6 +5,7 @@ from .block import BlockDrafter
 from .checks import DrafterError
 from .draft_model import DraftModelDrafter
 from .eagle import EagleDrafter
+from .graft import GraftedDrafter
 from .medusa import MedusaDrafter
 from .ngram import NGramDrafter
 from .pard import PardDraft
@@ -17,6 +18,7 @@ __all__ = [
     "Drafter",
     "DrafterError",
     "EagleDrafter",
+    "GraftedDrafter",
     "MedusaDrafter",
     "NGramDrafter",
     "PardDraft",

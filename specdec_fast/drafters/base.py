@@ -198,6 +198,18 @@ class Drafter:
         self.max_nodes = max_nodes
         self.max_depth = max_depth
 
+    def follow_paths_to(self, depth: int) -> None:
+        """Let `update` follow accepted paths up to `depth` drafted nodes deep, deeper than this
+        drafter's own trees reach: a `GraftedDrafter` verifies another drafter's branches beside
+        this one's, and the accepted path may run down them. Called before `attach`. By default
+        a drafter follows paths only as deep as its own trees (`max_depth`); drafters whose
+        `update` takes a path of any depth override this."""
+        if depth > self.max_depth:
+            raise ValueError(
+                f"{type(self).__name__} follows accepted paths at most max_depth = "
+                f"{self.max_depth} deep, not {depth}: graft a shallower lookup onto it"
+            )
+
     def attach(self, target, max_cache_len: int) -> None:
         """Bind to the target model of a `generate` call (lookup drafters need nothing)."""
 

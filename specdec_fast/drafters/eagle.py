@@ -20,7 +20,8 @@ One step:
 
 Each of the two is one step function of device work only, with every shape fixed by the
 envelope (B, top_k, depth, max_nodes) chosen at attach: the tree levels are fed at widths
-k, 2k, ..., (depth - 1) k, the update at depth + 1 with the accepted counts masking the rest, and
+k, 2k, ..., (depth - 1) k, the update at depth + 1 (deeper when a grafted lookup branch reaches
+further, `follow_paths_to`) with the accepted counts masking the rest, and
 the tree is built by `DynamicTreeBuilder` on the device (a dynamic tree is dynamic in its
 contents only). In compiled mode each runs as one graph per batch size through the head's
 `CompiledSteps` (the machinery of the target's `ModelRunner`), so a step dispatches nothing of
@@ -88,6 +89,7 @@ class EagleDrafter(Drafter):
             raise ValueError(f"top_k={top_k} exceeds the head's {head.draft_vocab_size} tokens")
         self.head = head
         self.depth, self.top_k = depth, top_k
+        self.follow_depth = depth  # the deepest accepted path `update` feeds
         self.hidden_layers = head.target_layers
         self._embed = self._lm_head = None
         self._cache: SpecKVCache | None = None
@@ -108,6 +110,11 @@ class EagleDrafter(Drafter):
             f"depth={self.depth}, top_k={self.top_k})"
         )
 
+    def follow_paths_to(self, depth: int) -> None:
+        """Feed accepted paths up to `depth` nodes deep in `update` (from the next `attach`):
+        the update's chain is `max(depth, self.depth) + 1` entries wide."""
+        self.follow_depth = max(depth, self.depth)
+
     def attach(self, target, max_cache_len: int) -> None:
         """Check the head against `target`, switch it to our attention, and fix the step's
         envelope: every tensor of `propose` and `update` is shaped by (B, top_k, depth,
@@ -123,13 +130,20 @@ class EagleDrafter(Drafter):
         self._steps = module_steps(self.head, f"eagle{self.head.version}")
         # Entries past the committed length: the refed tree levels, or the accepted-path chain.
         self._draft_width = max(self.top_k * (self.depth - 1), 1)
-        needed = max_cache_len + max(self._draft_width, self.depth + 1)
+        needed = max_cache_len + max(self._draft_width, self.follow_depth + 1)
         # In whole blocks, as the target's storage: the compiled steps know the capacity as a
         # constant, and calls of similar lengths then share their graphs.
         self._capacity = -(-needed // CACHE_BLOCK) * CACHE_BLOCK
         # The head's cache and captured steps, kept on the head for the envelope: everything
         # the steps read besides their arguments is in the key, or is that cache.
-        envelope = (self.top_k, self.depth, self.max_nodes, self._capacity, id(self._steps))
+        envelope = (
+            self.top_k,
+            self.depth,
+            self.follow_depth,
+            self.max_nodes,
+            self._capacity,
+            id(self._steps),
+        )
         targets = (self._embed.weight.data_ptr(), self._lm_head.weight.data_ptr())
         what = f"eagle{self.head.version}"
         self._resident = graphs.resident(
@@ -297,7 +311,7 @@ class EagleDrafter(Drafter):
 
     @torch.no_grad()
     def update(self, state: DraftState, outcome: StepOutcome) -> None:
-        self._bound_lengths(state, self.depth + 1)
+        self._bound_lengths(state, self.follow_depth + 1)
         hidden = [outcome.hidden[layer] for layer in self.hidden_layers]
         self._outputs = self._run(
             "update",
@@ -317,7 +331,7 @@ class EagleDrafter(Drafter):
         next_tokens: torch.Tensor,
         *hidden: torch.Tensor,
     ) -> torch.Tensor:
-        """Feed and commit the accepted path's entries at full width (depth + 1, the rows'
+        """Feed and commit the accepted path's entries at full width (follow_depth + 1, the rows'
         accepted counts masking the rest on the device), one compiled graph per batch size.
 
         tokens: int64 `[B, N]`, the verified tree's tokens; accepted_nodes: int32 `[B, N]`;
@@ -325,9 +339,11 @@ class EagleDrafter(Drafter):
         the verified nodes, `[B, N, H]` per `hidden_layers`. Returns the output of each row's
         last accepted entry, `[B, h]` (it ranks the next root's children).
         """
-        width = self.depth + 1  # the root and at most `depth` accepted nodes
+        width = self.follow_depth + 1  # the root and at most `follow_depth` accepted nodes
         accepted = num_accepted.long()
         nodes = accepted_nodes[:, :width].long().clamp(min=0)
+        if nodes.shape[1] < width:  # a step's tree narrower than the deepest path followed
+            nodes = torch.nn.functional.pad(nodes, (0, width - nodes.shape[1]))
         path_tokens = tokens.gather(1, nodes)
         step = torch.arange(width, device=nodes.device)
         following = torch.cat([path_tokens[:, 1:], next_tokens[:, None]], dim=1)

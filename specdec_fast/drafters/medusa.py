@@ -103,6 +103,9 @@ class MedusaDrafter(Drafter):
             *steps.run("heads", label, self._steps.run, "heads", label, _medusa_step, *args)
         )
 
+    def follow_paths_to(self, depth: int) -> None:
+        """Any depth: `update` keeps the last accepted node's state, wherever the path ran."""
+
     def update(self, state: DraftState, outcome: StepOutcome) -> None:
         self._source = (outcome.hidden[FINAL_NORM], outcome.accepted_nodes, outcome.num_accepted)
 

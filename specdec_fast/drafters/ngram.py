@@ -48,6 +48,9 @@ class NGramDrafter(Drafter):
         self._history: list[np.ndarray] = []  # per row, its tokens so far (with spare room)
         self._lengths: list[int] = []
 
+    def follow_paths_to(self, depth: int) -> None:
+        """Any depth: the history grows from the rows' tokens, whatever path emitted them."""
+
     def begin(self, state: DraftState) -> None:
         self._reset_history(state.batch_size)
 

@@ -12,6 +12,9 @@ SIZE is N, the tokens verified per step with the root included, except for chain
 their length k in drafted tokens (N = k + 1). `DrafterSpec.parse` reads a spec; `factory(target)`
 loads its checkpoint once and returns a builder by size.
 
+A tree spec may end in `+ngram[:N]` or `+suffix[:N]`: that lookup's tree grafted onto the
+drafter's (`GraftedDrafter`), both verified in one step (`eagle:PATH:8+ngram:8`, N = 8 + 8 - 1).
+
 Adding a drafter: its own module in `specdec_fast/drafters/` and one `DrafterKind` in `KINDS`.
 """
 
@@ -32,6 +35,7 @@ from .base import Drafter
 from .block import BlockDrafter, load_block_model
 from .draft_model import DraftModelDrafter
 from .eagle import EagleDrafter
+from .graft import GraftedDrafter
 from .medusa import MedusaDrafter
 from .ngram import NGramDrafter
 from .suffix import SuffixDrafter
@@ -215,9 +219,17 @@ def kinds_for_benchmarks(quick: bool = False) -> tuple[str, ...]:
     return tuple(kind.name for kind in KINDS if not kind.chain and (kind.quick or not quick))
 
 
+def lookup_kinds() -> tuple[str, ...]:
+    """The kinds a spec may graft onto a tree drafter's (`SPEC+KIND[:N]`): those that read no
+    checkpoint and build trees (the lookups)."""
+    return tuple(kind.name for kind in KINDS if kind.load is None and not kind.chain)
+
+
 def spec_syntax() -> str:
-    """Every spec form, for error messages: "none | ngram[:N] | ... | eagle:PATH[:N]"."""
-    return " | ".join(["none", *(kind.syntax for kind in KINDS)])
+    """Every spec form, for error messages: "none | ngram[:N] | ... | eagle:PATH[:N]", and the
+    lookup graft."""
+    grafts = "|".join(lookup_kinds())
+    return " | ".join(["none", *(kind.syntax for kind in KINDS), f"SPEC+{{{grafts}}}[:N]"])
 
 
 def spec_help() -> str:
@@ -226,19 +238,28 @@ def spec_help() -> str:
     lines += [
         f"  {kind.syntax:<20} {kind.help} [{kind.size_name}={kind.default_size}]" for kind in KINDS
     ]
+    lines.append(
+        f"  {'SPEC+ngram[:N]':<20} a tree SPEC with a lookup's tree grafted on, one verify for "
+        f"both ({' or '.join(lookup_kinds())})"
+    )
     return "\n".join(lines)
 
 
 @dataclass(frozen=True)
 class DrafterSpec:
-    """A parsed drafter SPEC (see the module doc); kind "none" is plain decoding."""
+    """A parsed drafter SPEC (see the module doc); kind "none" is plain decoding; `graft` the
+    lookup grafted onto the drafter's trees (`SPEC+ngram:8`), or None."""
 
     kind: str
     path: str | None = None
     size: int | None = None
+    graft: DrafterSpec | None = None
 
     @classmethod
     def parse(cls, spec: str) -> DrafterSpec:
+        base, plus, lookup = spec.rpartition("+")
+        if plus:
+            return cls._grafted(spec, cls.parse(base), cls.parse(lookup))
         kind_name, _, rest = spec.partition(":")
         if kind_name in PLAIN_SPECS and not rest:
             return cls("none")
@@ -254,6 +275,20 @@ class DrafterSpec:
             return cls(kind.name, head, _size(spec, tail))
         return cls(kind.name, rest, None)
 
+    @classmethod
+    def _grafted(cls, spec: str, base: DrafterSpec, lookup: DrafterSpec) -> DrafterSpec:
+        if lookup.kind not in lookup_kinds() or lookup.graft is not None:
+            raise ValueError(
+                f"drafter spec {spec!r}: after '+' expected a lookup, "
+                f"{' or '.join(f'{kind}[:N]' for kind in lookup_kinds())}"
+            )
+        if base.info is None or base.info.chain or base.graft is not None:
+            raise ValueError(
+                f"drafter spec {spec!r}: a lookup grafts onto one tree drafter's spec (not "
+                "plain decoding, a chain, or another graft)"
+            )
+        return cls(base.kind, base.path, base.size, lookup)
+
     @property
     def info(self) -> DrafterKind | None:
         """The registry entry (None for plain decoding)."""
@@ -264,11 +299,16 @@ class DrafterSpec:
         return size or self.size or self.info.default_size
 
     def nodes(self, size: int | None = None) -> int:
-        """N, the tokens verified per step, at `size` (1 for plain decoding)."""
-        return 1 if self.info is None else self.info.nodes(self.resolved_size(size))
+        """N, the tokens verified per step, at `size` (1 for plain decoding), a grafted
+        lookup's nodes included."""
+        if self.info is None:
+            return 1
+        own = self.info.nodes(self.resolved_size(size))
+        return own if self.graft is None else own + self.graft.nodes() - 1
 
     def with_size(self, size: int | None) -> DrafterSpec:
-        return DrafterSpec(self.kind, self.path, size)
+        """The spec at another size of its drafter (a grafted lookup keeps its own)."""
+        return DrafterSpec(self.kind, self.path, size, self.graft)
 
     def factory(self, target) -> Callable[[int | None], Drafter | None]:
         """Load the spec's checkpoint once for `target`; the result builds a drafter for a size
@@ -277,7 +317,12 @@ class DrafterSpec:
         if kind is None:
             return lambda size=None: None
         checkpoint = kind.load(self.path, target) if kind.load is not None else None
-        return lambda size=None: kind.build(checkpoint, self.resolved_size(size))
+        if self.graft is None:
+            return lambda size=None: kind.build(checkpoint, self.resolved_size(size))
+        lookup = self.graft.factory(target)
+        return lambda size=None: GraftedDrafter(
+            kind.build(checkpoint, self.resolved_size(size)), lookup()
+        )
 
     def build(self, target, size: int | None = None) -> Drafter | None:
         """The drafter for `target`; `size` (k or N) overrides the spec's own."""
@@ -291,11 +336,14 @@ class DrafterSpec:
         size = self.resolved_size(size)
         if self.info.chain:
             return f"{name} k={size} (N={size + 1})"
+        if self.graft is not None:
+            return f"{name} N={size} + {self.graft.label()}"
         return f"{name} N={size}"
 
     def __str__(self) -> str:
         text = self.kind if self.path is None else f"{self.kind}:{self.path}"
-        return text if self.size is None else f"{text}:{self.size}"
+        text = text if self.size is None else f"{text}:{self.size}"
+        return text if self.graft is None else f"{text}+{self.graft}"
 
 
 def bundled_specs() -> list[DrafterSpec]:

@@ -103,6 +103,9 @@ class SuffixDrafter(Drafter):
         self._prompt_lens: list[int] = []
         self._finished: list[list[int]] = []
 
+    def follow_paths_to(self, depth: int) -> None:
+        """Any depth: the indexes grow from the emitted tokens, whatever path emitted them."""
+
     def begin(self, state: DraftState) -> None:
         depth = self.max_match + self.max_depth
         self._requests = [_RequestIndex(depth, tokens) for tokens in state.tokens]

@@ -110,7 +110,7 @@ class BenchConfig:
                     f"drafters: {text!r} is plain decoding, the baseline of every cell"
                 )
             spec = parsed.with_size(None)
-            tree_spec = DrafterSpec(parsed.info.tree_kind or spec.kind, spec.path)
+            tree_spec = DrafterSpec(parsed.info.tree_kind or spec.kind, spec.path, None, spec.graft)
             # A chain length k: k drafted tokens, which a tree drafter spends on N = k + 1 nodes.
             chain = parsed.info.chain
             grid = [(spec, k if chain else k + 1) for k in sorted(set(self.sizes))]

@@ -1,0 +1,162 @@
+"""A lookup branch grafted onto a model drafter's tree: one verification tries both.
+
+A trained head (EAGLE, Medusa) predicts the next few tokens of any text; prompt lookup (n-gram,
+suffix) predicts long runs exactly where the answer copies its context: a quoted passage, a
+repeated identifier, a JSON key, a loop. Their hits overlap little, so verifying both trees in one
+step accepts the longer of the two paths.
+
+`GraftedDrafter(drafter, lookup)` proposes `drafter`'s tree with `lookup`'s tree merged in under
+the same root (`graft`): a lookup node whose token is already a child of the node its parent
+maps to is that child (its own column stays padding), and every other lookup node becomes a new
+node after the tree's. A lookup run that starts along the head's best path thus continues it
+instead of competing with it as a duplicate sibling. The merge is a few device ops per lookup
+node, with no read (one compiled step in compiled mode); the lookup's tree is built on the host
+from the rows' tokens as the lookup drafter alone builds it, so the composite does not read
+ahead.
+
+Eagerly, the width is the tree's plus the longest lookup tree of the step, known on the host: a
+step without a lookup match verifies the head's tree alone. Compiled, every step has the full
+width `max_nodes` (a fixed envelope; CUDA graphs pad every step to the widest anyway,
+`ModelRunner.verify_width`), and the merge is one compiled step per batch size.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from specdec_fast.compiled import CompiledSteps, compile_by_default
+
+from .base import PAD_PARENT, Drafter, DraftState, Proposal, StepOutcome
+
+# The merge's compiled steps by compile choice, shared by every grafted drafter of the process
+# (each `generate` call of a registry spec makes a new one): a shape compiles once.
+_MERGE_STEPS: dict[bool, CompiledSteps] = {}
+
+
+def graft(tree: Proposal, branch: Proposal, steps: CompiledSteps | None = None) -> Proposal:
+    """`tree` `[B, N]` with `branch` `[B, M]` merged in under the same roots: `[B, N + M - 1]`.
+
+    Branch node i (in its topological order) maps to the merged node of its parent's children
+    with its token when `tree` has one there (column N + i - 1 is then padding); else it is
+    column N + i - 1, its parent the merged node of its parent. Trees only: neither may carry
+    draft probabilities. `steps` runs the merge as a compiled step when they compile.
+    """
+    if tree.draft_probs is not None or branch.draft_probs is not None:
+        raise ValueError("graft merges deterministic trees: drafts with draft_probs cannot merge")
+    if branch.num_nodes == 1:
+        return tree
+    args = (tree.tokens, tree.parents, branch.tokens, branch.parents)
+    if steps is None:
+        return Proposal(*_merged(*args))
+    label = f"merge B={tree.tokens.shape[0]}"
+    return Proposal(*steps.run("merge", label, _merged, *args))
+
+
+def _merged(
+    tokens: torch.Tensor,
+    parents: torch.Tensor,
+    branch_tokens: torch.Tensor,
+    branch_parents: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`graft`'s merge, device ops only: (tokens, parents) of the merged trees."""
+    nodes, extra = tokens.shape[1], branch_tokens.shape[1]
+    tokens, parents = tokens.long(), parents.long()
+    branch_tokens, branch_parents = branch_tokens.long(), branch_parents.long()
+    mapped = torch.zeros_like(branch_parents)  # merged index of each branch node (root: 0)
+    grafted = []
+    for node in range(1, extra):
+        parent = branch_parents[:, node]
+        under = mapped.gather(1, parent.clamp(min=0)[:, None])  # [B, 1]
+        # Padding's parents (-2) and the root's (-1) never equal `under` (>= 0).
+        same = (parents == under) & (tokens == branch_tokens[:, node, None])
+        found = same.any(dim=1)
+        own = torch.full_like(parent, nodes + node - 1)
+        mapped[:, node] = torch.where(found, same.int().argmax(dim=1), own)
+        grafted.append(torch.where((parent >= 0) & ~found, under[:, 0], PAD_PARENT))
+    merged_tokens = torch.cat([tokens, branch_tokens[:, 1:]], dim=1)
+    return merged_tokens, torch.cat([parents, torch.stack(grafted, dim=1)], dim=1)
+
+
+def _widened(branch: Proposal, width: int) -> Proposal:
+    """`branch` padded with padding nodes to `width` nodes."""
+    batch, missing = branch.tokens.shape[0], width - branch.num_nodes
+    if missing <= 0:
+        return branch
+    pad = branch.tokens.new_zeros((batch, missing))
+    return Proposal(
+        torch.cat([branch.tokens, pad], dim=1),
+        torch.cat([branch.parents, torch.full_like(pad, PAD_PARENT)], dim=1),
+    )
+
+
+class GraftedDrafter(Drafter):
+    """`drafter`'s trees with `lookup`'s grafted on (see the module doc).
+
+    drafter: a tree drafter without draft probabilities (EAGLE, Medusa, a draft model's tree, a
+        block drafter), which follows accepted paths as deep as `lookup`'s trees reach
+        (`Drafter.follow_paths_to`: EAGLE and Medusa follow any depth).
+    lookup: a lookup drafter (`NGramDrafter`, `SuffixDrafter`).
+
+    max_nodes is the sum of both budgets less the shared root; max_depth the deeper of the two.
+    """
+
+    reads_ahead = False
+
+    def __init__(self, drafter: Drafter, lookup: Drafter):
+        for name, part in (("drafter", drafter), ("lookup", lookup)):
+            if not isinstance(part, Drafter):
+                raise TypeError(f"{name}: expected a Drafter, got {type(part).__name__}")
+        drafter.follow_paths_to(lookup.max_depth)
+        lookup.follow_paths_to(drafter.max_depth)
+        super().__init__(
+            drafter.max_nodes + lookup.max_nodes - 1, max(drafter.max_depth, lookup.max_depth)
+        )
+        self.drafter, self.lookup = drafter, lookup
+        self.hidden_layers = tuple(drafter.hidden_layers)
+        self.proposals_valid = drafter.proposals_valid and lookup.proposals_valid
+        self._steps: CompiledSteps | None = None
+
+    def __repr__(self) -> str:
+        return f"GraftedDrafter({self.drafter!r}, {self.lookup!r})"
+
+    @property
+    def parts(self) -> tuple[Drafter, Drafter]:
+        return self.drafter, self.lookup
+
+    def attach(self, target, max_cache_len: int) -> None:
+        for part in self.parts:
+            part.attach(target, max_cache_len)
+        compile = compile_by_default()
+        self._steps = _MERGE_STEPS.setdefault(compile, CompiledSteps("graft", compile))
+
+    def begin(self, state: DraftState) -> None:
+        for part in self.parts:
+            part.begin(state)
+
+    def propose(self, state: DraftState) -> Proposal:
+        tree = self.drafter.propose(state)
+        if tree.draft_probs is not None:
+            raise ValueError(
+                f"{type(self.drafter).__name__} proposed draft probabilities (a sampled chain): "
+                "a lookup branch grafts only onto deterministic trees"
+            )
+        branch = self.lookup.propose(state)
+        if self._steps.compile:  # one shape per batch size: the envelope stays fixed
+            branch = _widened(branch, self.lookup.max_nodes)
+        return graft(tree, branch, self._steps)
+
+    def update(self, state: DraftState, outcome: StepOutcome) -> None:
+        for part in self.parts:
+            part.update(state, outcome)
+
+    def keep(self, rows: list[int]) -> None:
+        for part in self.parts:
+            part.keep(rows)
+
+    def join(self, state: DraftState) -> None:
+        for part in self.parts:
+            part.join(state)
+
+    def end(self) -> None:
+        for part in self.parts:
+            part.end()
