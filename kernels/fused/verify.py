@@ -179,7 +179,7 @@ def _sampled_on_host(
     """`verify` of deterministic trees (no draft probabilities) for host tensors, sampled rows
     among them: the walk of `_greedy_on_host`, each row drawing at its current node only. A
     draw over the vocabulary (top-k/top-p, Gumbel noise) costs about 2 ms per node at V = 49152
-    on a CPU core, so drawing at the nodes a walk visits (the accepted path and the node after
+    on a 2-core CPU, so drawing at the nodes a walk visits (the accepted path and the node after
     it) instead of at every node of the tree makes a 15-node step's sampling 5-8x cheaper."""
     batch, num_nodes, _ = raw.shape
     real = parents != -2

@@ -92,9 +92,10 @@ def _widened(branch: Proposal, width: int) -> Proposal:
 class GraftedDrafter(Drafter):
     """`drafter`'s trees with `lookup`'s grafted on (see the module doc).
 
-    drafter: a tree drafter without draft probabilities (EAGLE, Medusa, a draft model's tree, a
-        block drafter), which follows accepted paths as deep as `lookup`'s trees reach
-        (`Drafter.follow_paths_to`: EAGLE and Medusa follow any depth).
+    drafter: a tree drafter without draft probabilities, which must follow accepted paths as
+        deep as `lookup`'s trees reach (`Drafter.follow_paths_to`): EAGLE and Medusa follow any
+        depth; a draft model's tree or a block drafter only its own `max_depth`, so a lookup
+        grafted onto one must not reach deeper (a ValueError says so).
     lookup: a lookup drafter (`NGramDrafter`, `SuffixDrafter`).
 
     max_nodes is the sum of both budgets less the shared root; max_depth the deeper of the two.
