@@ -122,7 +122,7 @@ def test_spec_grafts_a_lookup_onto_a_tree_drafter():
             DrafterSpec.parse(bad)
 
 
-pytestmark_pair = pytest.mark.skipif(
+needs_pair = pytest.mark.skipif(
     not {"tiny-code", "tiny-code-eagle3"} <= set(bundled.available()),
     reason="the bundled checkpoints are not installed",
 )
@@ -149,7 +149,7 @@ def grafted(target, lookup_nodes: int = 8) -> GraftedDrafter:
     return GraftedDrafter(head, NGramDrafter(max_nodes=lookup_nodes))
 
 
-@pytestmark_pair
+@needs_pair
 def test_grafted_greedy_equals_plain_and_accepts_more_than_either_part(pair):
     target, prompts = pair
     kwargs = {"max_new_tokens": NEW_TOKENS, "eos_token_id": []}
@@ -169,7 +169,23 @@ def test_grafted_greedy_equals_plain_and_accepts_more_than_either_part(pair):
     assert per_step["grafted"] > per_step["ngram"], per_step
 
 
-@pytestmark_pair
+@needs_pair
+@pytest.mark.parametrize("spec", ["medusa:tiny-code-medusa:6+suffix:8", "ngram:4+suffix:6"])
+def test_other_grafts_follow_paths_deeper_than_their_own_trees(pair, spec):
+    # Medusa's 6-node tree is 4 deep and n-gram's 4-node one 3: the suffix lookups' trees (7 and
+    # 5 deep) go deeper, and some accepted paths with them.
+    target, prompts = pair
+    kwargs = {"max_new_tokens": NEW_TOKENS, "eos_token_id": []}
+    drafter = DrafterSpec.parse(spec).build(target)
+    assert drafter.lookup.max_depth > drafter.drafter.max_depth
+    out = generate(target, prompts, drafter=drafter, **kwargs)
+    plain = generate(target, prompts, drafter=None, **kwargs)
+    assert [s.tolist() for s in out.sequences] == [s.tolist() for s in plain.sequences]
+    own = drafter.drafter.max_depth
+    assert sum(sum(s.position_accepted[own:]) for s in out.stats.sequences) > 0, own
+
+
+@needs_pair
 def test_grafted_sampling_equals_plain_sampling_with_the_same_seeds(pair):
     # Both parts propose without draft probabilities, so verification keeps every row on the
     # target's own sampled tokens: the same seeds give plain sampling's exact output.
