@@ -26,7 +26,7 @@ import torch
 
 from specdec_fast.compiled import CompiledSteps, compile_by_default
 
-from .base import PAD_PARENT, Drafter, DraftState, Proposal, StepOutcome
+from .base import PAD_PARENT, Drafter, DraftState, Proposal, StepOutcome, with_roots
 
 # The merge's compiled steps by compile choice, shared by every grafted drafter of the process
 # (each `generate` call of a registry spec makes a new one): a shape compiles once.
@@ -77,18 +77,6 @@ def _merged(
     return merged_tokens, torch.cat([parents, torch.stack(grafted, dim=1)], dim=1)
 
 
-def _widened(branch: Proposal, width: int) -> Proposal:
-    """`branch` padded with padding nodes to `width` nodes."""
-    batch, missing = branch.tokens.shape[0], width - branch.num_nodes
-    if missing <= 0:
-        return branch
-    pad = branch.tokens.new_zeros((batch, missing))
-    return Proposal(
-        torch.cat([branch.tokens, pad], dim=1),
-        torch.cat([branch.parents, torch.full_like(pad, PAD_PARENT)], dim=1),
-    )
-
-
 class GraftedDrafter(Drafter):
     """`drafter`'s trees with `lookup`'s grafted on (see the module doc).
 
@@ -135,15 +123,9 @@ class GraftedDrafter(Drafter):
             part.begin(state)
 
     def propose(self, state: DraftState) -> Proposal:
-        tree = self.drafter.propose(state)
-        if tree.draft_probs is not None:
-            raise ValueError(
-                f"{type(self.drafter).__name__} proposed draft probabilities (a sampled chain): "
-                "a lookup branch grafts only onto deterministic trees"
-            )
-        branch = self.lookup.propose(state)
+        tree, branch = self.drafter.propose(state), self.lookup.propose(state)
         if self._steps.compile:  # one shape per batch size: the envelope stays fixed
-            branch = _widened(branch, self.lookup.max_nodes)
+            branch = with_roots(branch, branch.tokens[:, 0], self.lookup.max_nodes)
         return graft(tree, branch, self._steps)
 
     def update(self, state: DraftState, outcome: StepOutcome) -> None:
