@@ -39,8 +39,8 @@ from specdec_fast.step import (
     Lane,
     drop,
     finish,
+    first_unread,
     index_lanes,
-    lanes_read_ahead,
     launch,
     queue_behind,
 )
@@ -259,7 +259,7 @@ def _decode(
         state = batch.state(lane.rows, lane.index)
         state.hidden = prefill.hidden_states
         drafter.begin(state)
-    unread = 0 if read_ahead and lanes_read_ahead(lanes) else None
+    unread = first_unread(lanes, read_ahead)
     queued = None
     while batch:
         launched = queued or launch(runner, batch, lanes, vocab, unread)

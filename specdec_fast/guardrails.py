@@ -37,7 +37,14 @@ from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
-from specdec_fast.drafters.base import Drafter, DraftState, Proposal, StepOutcome, root_only
+from specdec_fast.drafters.base import (
+    Drafter,
+    DraftState,
+    Proposal,
+    StepOutcome,
+    reads_ahead,
+    root_only,
+)
 from specdec_fast.drafters.checks import checked, malformed_error
 from specdec_fast.files import FileFormatError, parse_yaml
 from specdec_fast.stats import percentile
@@ -355,6 +362,18 @@ class Guardrails:
         return {name: guard.snapshot() for name, guard in self.routes.items()}
 
 
+@dataclass
+class _Launched:
+    """A step of `GuardedDrafter` waiting for its read (read-ahead): whether the inner drafter
+    proposed it (and its proposal as made), whether the inner drafter failed on it, and when it
+    was proposed."""
+
+    speculated: bool
+    drafted: Proposal | None
+    failed: bool
+    start: float
+
+
 class GuardedDrafter(WrappedDrafter):
     """Runs `inner` under a route's guard; any failure of `inner` becomes plain decoding.
 
@@ -363,6 +382,12 @@ class GuardedDrafter(WrappedDrafter):
     exception), a malformed proposal (`DrafterError`, from the same checks the engine runs)
     included. `guard` None keeps only the error fallback. Its own proposals are the inner
     drafter's after those checks, or the root alone: valid either way.
+
+    It reads ahead when `inner` does (`Drafter.reads_ahead`): the inner drafter is then updated
+    at each step's launch, and the guard records the step at its `read`, so a trip takes effect
+    one step later than reading every step would (the step queued behind it was proposed
+    before), as on the server's routes. A step's seconds run from its proposal, or from the read
+    of the step before when that came later.
     """
 
     proposals_valid = True
@@ -383,6 +408,12 @@ class GuardedDrafter(WrappedDrafter):
         self._speculated = False  # the current step's proposal came from inner
         self._drafted: Proposal | None = None  # that proposal as inner made it
         self._step_start = 0.0
+        self._unread: deque[_Launched] = deque()  # steps updated ahead, in launch order
+        self._last_read = 0.0
+
+    @property
+    def reads_ahead(self) -> bool:
+        return reads_ahead(self.inner)
 
     def _fail(self, where: str, error: Exception, record: bool = True) -> None:
         """Stop drafting for this request; `record` an error step on the route's window."""
@@ -394,6 +425,8 @@ class GuardedDrafter(WrappedDrafter):
     def attach(self, target, max_cache_len: int) -> None:
         self.events = []
         self._usable = False
+        self._unread.clear()
+        self._last_read = 0.0
         self._vocab = target.config.get_text_config(decoder=True).vocab_size
         try:
             self.inner.attach(target, max_cache_len)
@@ -430,28 +463,61 @@ class GuardedDrafter(WrappedDrafter):
         return root_only(state)
 
     def update(self, state: DraftState, outcome: StepOutcome) -> None:
-        failed = False
-        if self._speculated and outcome.malformed:
-            # The screen replaced the malformed rows by plain steps: the output is unchanged.
-            error = malformed_error(self.inner, self._drafted, self._vocab)
-            self._fail("propose", error, record=False)
-            failed = True
-        elif self._speculated:
+        step = _Launched(self._speculated, self._drafted, False, self._step_start)
+        ahead = outcome.emitted is None  # before the read: `read` follows
+        if step.speculated and not ahead and outcome.malformed:
+            self._malformed(step)
+        elif step.speculated:
             try:
                 self.inner.update(state, outcome)
             except Exception as error:  # noqa: BLE001
-                # The step itself was verified: it is recorded below, as an error step.
+                # The step itself was verified: it is recorded with it, as an error step.
                 self._fail("update", error, record=False)
-                failed = True
+                step.failed = True
+        if ahead:
+            self._unread.append(step)
+        else:
+            self._record(step, outcome)
+
+    def read(self, state: DraftState, outcome: StepOutcome) -> None:
+        step = self._unread.popleft()
+        inner_read = getattr(self.inner, "read", None)  # an optional member of the protocol
+        if step.speculated and not step.failed and outcome.malformed:
+            self._malformed(step)
+        elif step.speculated and not step.failed and inner_read is not None:
+            try:
+                inner_read(state, outcome)
+            except Exception as error:  # noqa: BLE001
+                self._fail("read", error, record=False)
+                step.failed = True
+        self._record(step, outcome)
+
+    def _malformed(self, step: _Launched) -> None:
+        """The screen replaced the step's malformed rows by plain steps (the output is
+        unchanged): stop drafting, the step recorded as an error step."""
+        step.failed = True
+        if self._active:  # with read-ahead, the step after it may be malformed too
+            self._fail("propose", malformed_error(self.inner, step.drafted, self._vocab), False)
+
+    def _record(self, step: _Launched, outcome: StepOutcome) -> None:
+        """The step on the route's window (`RouteGuard.record_step`), over the rows that were
+        still running: with read-ahead, a step queued behind the one where rows finished ran
+        for them too, and emitted nothing for them."""
         if self.guard is None:
             return
-        seconds = self.clock() - self._step_start
-        if not self._speculated:
-            self.guard.record_step(seconds, outcome.emitted)
+        now = self.clock()
+        seconds = now - max(step.start, self._last_read)
+        self._last_read = now
+        running = [r for r, tokens in enumerate(outcome.emitted) if tokens]
+        if not running:
             return
-        drafted = sum(outcome.drafted)
-        accepted = sum(map(len, outcome.accepted_paths))
-        self.guard.record_step(seconds, [], outcome.emitted, drafted, accepted, error=failed)
+        emitted = [outcome.emitted[r] for r in running]
+        if not step.speculated:
+            self.guard.record_step(seconds, emitted)
+            return
+        drafted = sum(outcome.drafted[r] for r in running)
+        accepted = sum(len(outcome.accepted_paths[r]) for r in running)
+        self.guard.record_step(seconds, [], emitted, drafted, accepted, error=step.failed)
 
     def keep(self, rows: list[int]) -> None:
         if not self._active:

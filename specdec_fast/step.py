@@ -12,23 +12,25 @@ scheduler alike (docs/ARCHITECTURE.md, "Data flow of one step").
     read      = read_back(...)                      the step's one device-to-host read, started
     host      = read.wait()                         ... and waited for
     batch.emit(host)                                stop rules, finish reasons, stats, streaming
-    lane.drafter.update(state, outcome)             per lane, over its rows
+    lane.drafter.update(state, outcome)             per lane, over its rows (with read-ahead at
+                                                    the launch, and `read(state, outcome)` here)
 
 then `drop` takes the finished rows out of the batch, the runner's cache and every lane.
 `launch` is the device half (up to the started read) and `finish` the host half; their `vocab`
 is the target's vocabulary size (for the proposal checks). `generate` and the scheduler may
 queue the next step between the two halves (`read_ahead`, `queue_behind`): the device then
 never waits for the host between steps. They do so for plain decoding and for drafters that
-read ahead (`Drafter.reads_ahead`, `lanes_read_ahead`), which `launch` then updates at once
-from the step's device outcome, before its read.
+read ahead (`Drafter.reads_ahead`, `first_unread`), which `launch` then updates at once
+from the step's device outcome, before its read; `finish` gives them the outcome again with its
+host fields (`Drafter.read`).
 
 A `Lane` is a drafter and the rows it drafts for: `generate` has one over every row (or none, for
 plain decoding); the scheduler one per route, each over that route's speculating rows. A lane's
-drafter failing (an exception in `propose`, `update` or `keep`, or a malformed proposal that the
-checks replaced by plain steps) goes to `Lane.fail`: `generate`'s lanes raise, the scheduler's
-move their rows to plain decoding. Nothing between two steps reads the device: the next roots
-are the verify kernel's output and the cache lengths are advanced by the compaction kernel, on
-the device; the host mirrors the lengths from the read-back (`Row.cached`).
+drafter failing (an exception in `propose`, `update`, `read` or `keep`, or a malformed proposal
+that the checks replaced by plain steps) goes to `Lane.fail`: `generate`'s lanes raise, the
+scheduler's move their rows to plain decoding. Nothing between two steps reads the device: the
+next roots are the verify kernel's output and the cache lengths are advanced by the compaction
+kernel, on the device; the host mirrors the lengths from the read-back (`Row.cached`).
 """
 
 from __future__ import annotations
@@ -65,10 +67,10 @@ class Lane:
         self.index: torch.Tensor | None = None  # `positions` on the device; None: every row
 
     def fail(self, where: str, error: Exception, verified: bool = False) -> None:
-        """The drafter failed in `where` ("propose", "update", "keep"): raise `error` (a lane
-        that survives its drafter's failures overrides this). `verified`: the step had verified
-        the lane's proposal (the checks flagged it after the forward, or `update` raised), so
-        the step's report holds its figures (`Drafted.failed`)."""
+        """The drafter failed in `where` ("propose", "update", "read", "keep"): raise `error`
+        (a lane that survives its drafter's failures overrides this). `verified`: the step had
+        verified the lane's proposal (the checks flagged it after the forward, or `update` or
+        `read` raised), so the step's report holds its figures (`Drafted.failed`)."""
         raise error
 
 
@@ -76,7 +78,8 @@ class Lane:
 class Drafted:
     """A lane's part in a step: the state its drafter saw (and sees again in `update`), its
     proposal as the drafter made it and as checked, at the batch `positions` its rows held;
-    `failed` once the lane's drafter failed after proposing."""
+    `failed` once the lane's drafter failed after proposing; `outcome` the one it was updated
+    with ahead of the read (read-ahead), which `finish` completes for its `read`."""
 
     lane: Lane
     state: DraftState
@@ -85,6 +88,7 @@ class Drafted:
     drafted: Proposal
     proposal: Proposal
     failed: bool = False
+    outcome: StepOutcome | None = None
 
 
 @dataclass
@@ -163,10 +167,12 @@ def launch(
     return launched
 
 
-def lanes_read_ahead(lanes: list[Lane]) -> bool:
-    """Whether the next step may be queued before this one is read: every lane with rows has a
-    drafter that reads ahead (`Drafter.reads_ahead`); `launch` it with `unread=0`."""
-    return all(reads_ahead(lane.drafter) for lane in lanes if lane.rows)
+def first_unread(lanes: list[Lane], read_ahead: bool) -> int | None:
+    """`launch`'s `unread` for a step with none queued before it: 0 (the next step may then be
+    queued before this one is read) with `read_ahead` where every lane with rows has a drafter
+    that reads ahead (`Drafter.reads_ahead`), else None."""
+    ahead = read_ahead and all(reads_ahead(lane.drafter) for lane in lanes if lane.rows)
+    return 0 if ahead else None
 
 
 def queue_behind(
@@ -174,7 +180,7 @@ def queue_behind(
 ) -> Launched | None:
     """`launch` the next step behind `launched` before `launched` is read (read-ahead), or None
     where it may not be queued: `launched`'s drafters were not updated at its launch
-    (`lanes_read_ahead` was false, or `unread` None), or some row could stop for its cache at
+    (`unread` was None: `first_unread`), or some row could stop for its cache at
     `launched` (a step queued behind it would then write that row's cache beyond what a step
     after a read could). Finish the two in order; rows that finish at the first leave after
     the second is read (`Batch.emit` drops what it made for them)."""
@@ -208,10 +214,14 @@ def finish(
             draft.lane.fail("propose", error, verified=True)
     emitted, finished = batch.emit(host, time.perf_counter())
     runner.cache.bound_lengths(batch.most_cached + ahead)
-    if not launched.updated:
-        for draft in drafts:
-            if not draft.failed:
-                _update(draft, launched, draft.state, host, emitted)
+    for draft in drafts:
+        if draft.failed:
+            continue
+        if launched.updated:
+            if draft.lane.rows:  # not moved to plain decoding since (the scheduler's lanes)
+                _read(draft, host, emitted)
+        else:
+            _update(draft, launched, draft.state, host, emitted)
     now = time.perf_counter()
     seconds = now - max(launched.start, batch.read_at)
     batch.read_at = now
@@ -322,6 +332,24 @@ def _verify(
     return VerifyResult(accepted, num_accepted, next_tokens)
 
 
+def _host_fields(draft: Drafted, host: HostStep, emitted: list[list[int]]) -> dict:
+    """The outcome's host fields for the lane's rows, from the step's read-back."""
+    if draft.index is None:  # the lane has every row, in batch order
+        return {
+            "emitted": emitted,
+            "accepted_paths": host.nodes,
+            "drafted": host.drafted,
+            "malformed": host.malformed,
+        }
+    positions, bad = draft.positions, set(host.malformed)
+    return {
+        "emitted": [emitted[p] for p in positions],
+        "accepted_paths": [host.nodes[p] for p in positions],
+        "drafted": [host.drafted[p] for p in positions],
+        "malformed": [i for i, p in enumerate(positions) if p in bad],
+    }
+
+
 def _update(
     draft: Drafted,
     launched: Launched,
@@ -330,20 +358,11 @@ def _update(
     emitted: list[list[int]] | None = None,
 ) -> None:
     """The lane's drafter follows its rows' step, over its own tree width; from the device
-    outcome alone when `host` is None (read-ahead: the host fields are None)."""
+    outcome alone when `host` is None (read-ahead: the host fields are None, and the outcome
+    is kept for `_read`)."""
     proposal, result, out = launched.proposal, launched.result, launched.out
-    lane, positions, width = draft.lane, draft.positions, draft.proposal.num_nodes
+    width = draft.proposal.num_nodes
     where = slice(None) if draft.index is None else draft.index
-    if host is None:
-        nodes = drafted = flagged = None
-    elif draft.index is None:  # the lane has every row, in batch order
-        nodes, drafted, flagged = host.nodes, host.drafted, host.malformed
-    else:
-        bad = set(host.malformed)
-        emitted = [emitted[p] for p in positions]
-        nodes = [host.nodes[p] for p in positions]
-        drafted = [host.drafted[p] for p in positions]
-        flagged = [i for i, p in enumerate(positions) if p in bad]
     outcome = StepOutcome(
         Proposal(
             proposal.tokens[where, :width],
@@ -354,14 +373,31 @@ def _update(
         result.accepted_nodes[where, :width],
         result.num_accepted[where],
         result.next_tokens[where],
-        emitted,
+        None,
         {layer: h[where, :width] for layer, h in out.hidden_states.items()},
-        nodes,
-        drafted,
-        flagged,
+        None,
+        None,
+        None,
     )
+    if host is None:
+        draft.outcome = outcome
+    else:
+        outcome = replace(outcome, **_host_fields(draft, host, emitted))
+    _tell(draft, "update", state, outcome)
+
+
+def _read(draft: Drafted, host: HostStep, emitted: list[list[int]]) -> None:
+    """A lane updated ahead of the read gets its outcome again with the host fields
+    (`Drafter.read`, an optional member of the protocol)."""
+    if getattr(draft.lane.drafter, "read", None) is not None:
+        outcome = replace(draft.outcome, **_host_fields(draft, host, emitted))
+        _tell(draft, "read", draft.state, outcome)
+
+
+def _tell(draft: Drafted, member: str, state: DraftState, outcome: StepOutcome) -> None:
+    """The lane's drafter's `update` or `read`; a failure goes to the lane (`Lane.fail`)."""
     try:
-        lane.drafter.update(state, outcome)
+        getattr(draft.lane.drafter, member)(state, outcome)
     except Exception as error:  # noqa: BLE001 - the step was verified: the lane decides
         draft.failed = True
-        lane.fail("update", error, verified=True)
+        draft.lane.fail(member, error, verified=True)

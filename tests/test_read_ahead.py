@@ -8,6 +8,7 @@ its batch is settled, and reads the queued step before rows join or leave: serve
 arriving and cancelled at scripted steps equal `generate()` (guardrail trips under read-ahead
 in tests/test_continuous_batching.py)."""
 
+import math
 from collections import defaultdict
 from types import SimpleNamespace
 
@@ -22,9 +23,10 @@ from specdec_fast import NGramDrafter, bundled, engine, generate, step
 from specdec_fast.arguments import CACHE_BLOCK
 from specdec_fast.cache import SpecKVCache
 from specdec_fast.drafters.registry import DrafterSpec
+from specdec_fast.guardrails import GuardedDrafter, GuardrailPolicy, RouteGuard
 from specdec_fast.loading import load_model, load_tokenizer
 from specdec_fast.prompts import load_code_prompts
-from specdec_fast.serving import Scheduler, scheduler
+from specdec_fast.serving import Request, Scheduler, scheduler
 from specdec_fast.serving.metrics import ServingMetrics
 from specdec_fast.transfer import HostCopy
 
@@ -304,6 +306,103 @@ def test_served_requests_with_read_ahead_equal_generate(code, monkeypatch):
     assert (most[0], queued) == (1, 0)
     for (_, request), completion in zip(arrivals, completions, strict=True):
         assert completion.tokens == expected_output(target, "none", request)
+
+
+@needs_bundled
+@pytest.mark.parametrize("case", ["good", "trip", "update"])
+def test_a_guarded_drafter_reads_ahead_when_its_inner_drafter_does(code, monkeypatch, case):
+    """`GuardedDrafter` over Medusa reads ahead (two steps unread at once) and records each step
+    on its route at the step's read (`Drafter.read`), with the output of reading every step.
+    Its guard ends in the same state, with the same steps in its window (an error in the inner
+    `update` included; not the queued step's part for the row that the EOS stopped at the step
+    before, which emitted nothing), but for a trip:
+    the step queued behind the one that trips it was proposed before, so it speculates one
+    step more (seven drafted nodes a row) and counts down one plain step less."""
+    target, prompts, eos = code
+    make = DrafterSpec.parse("medusa:tiny-code-medusa:8").factory(target)
+    policy = GuardrailPolicy(
+        min_acceptance_rate=0.99 if case == "trip" else 0.0,
+        max_tpot_p95_regression=math.inf,  # wall-clock latencies differ between the runs
+        max_error_rate=1.0,
+        window_steps=64,  # every step of the run: the windows are compared
+        min_window_steps=2,
+        cooldown_steps=1000,
+    )
+    unread, most = count_unread(monkeypatch)
+    runs = {}
+    for read_ahead in (True, False):
+        inner = make()
+        if case == "update":
+            update, calls = inner.update, []
+
+            def failing(state, outcome, update=update, calls=calls):
+                calls.append(outcome.emitted is None)
+                if len(calls) == 3:
+                    raise RuntimeError("injected failure in update")
+                update(state, outcome)
+
+            inner.update = failing
+        route = RouteGuard("r", policy)
+        drafter = GuardedDrafter(inner, route)
+        unread[0] = most[0] = 0
+        out = generate(
+            target, prompts, drafter=drafter, max_new_tokens=40, eos_token_id=eos,
+            read_ahead=read_ahead,
+        )  # fmt: skip
+        assert (most[0], unread[0]) == (2 if read_ahead else 1, 0), read_ahead
+        if case == "update":
+            assert calls == [read_ahead] * 3, calls
+        snapshot = route.snapshot() | {
+            "steps": [(step.drafted, step.accepted, step.error) for step in route.window]
+        }
+        runs[read_ahead] = ([s.tolist() for s in out.sequences], snapshot, out.stats, drafter)
+    (ahead, guard, stats, drafter), (each, want, each_stats, each_drafter) = runs[True], runs[False]
+    assert ahead == each
+    assert drafter.events == each_drafter.events
+    if case == "trip":
+        assert (guard["fallbacks"], want["fallbacks"]) == (1, 1)
+        assert "tripped" in drafter.events[0]
+        extra = stats.drafted_tokens - each_stats.drafted_tokens
+        assert extra == 7 * len(prompts), (stats.drafted_tokens, each_stats.drafted_tokens)
+        assert guard["cooldown_left"] == want["cooldown_left"] + 1
+    else:
+        assert guard == want
+        assert stats.drafted_tokens == each_stats.drafted_tokens
+        assert (want["errors"], len(drafter.events)) == ((1, 1) if case == "update" else (0, 0))
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["serial", "beside"])
+def test_steps_stay_queued_while_a_newcomers_prompt_is_fed(target, prompts, overlap):
+    """A long prompt fed in chunks beside two decoding rows (on this thread, or the prefill
+    thread's) leaves the batch settled: every decode step while the chunks go in is queued
+    behind the one before; the queued step is read before the newcomer joins. Every request's
+    tokens are `generate()`'s, greedy and sampled."""
+    scheduler = Scheduler(
+        target, prefill_chunk=4, eos_token_id=[], read_ahead=True, overlap_prefill=overlap
+    )
+    long_prompt = [token for prompt in prompts for token in prompt][:37]
+    requests = [
+        {"prompt": prompts[1], "max_new_tokens": 40, "temperature": 0.0, "seed": 0},
+        {"prompt": prompts[2], "max_new_tokens": 40, "temperature": 0.8, "seed": 5},
+        {"prompt": long_prompt, "max_new_tokens": 12, "temperature": 0.8, "seed": 6},
+    ]
+    handles = [scheduler.submit(Request(**request)) for request in requests[:2]]
+    while len(scheduler.rows) < 2 or scheduler.counters.queued < 2:
+        scheduler.step()
+    handles.append(scheduler.submit(Request(**requests[2])))
+    beside = []  # per step while the newcomer's chunks go in: (chunks fed, steps queued)
+    while len(scheduler.rows) < 3:
+        before = (scheduler.counters.prefill_chunks, scheduler.counters.queued)
+        scheduler.step()
+        after = (scheduler.counters.prefill_chunks, scheduler.counters.queued)
+        beside.append((after[0] - before[0], after[1] - before[1]))
+    scheduler.run_until_idle()
+    scheduler.close()
+    # 36 prompt tokens before the root, 4 a chunk: the last chunk joins the newcomer.
+    assert sum(chunks for chunks, _ in beside) == 9, beside
+    assert all(queued == 1 for _, queued in beside[:-1]), beside
+    for handle, request in zip(handles, requests, strict=True):
+        assert handle.completion.tokens == expected_output(target, "none", request)
 
 
 def test_read_ahead_must_be_a_bool(target, prompts):

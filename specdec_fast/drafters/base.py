@@ -51,6 +51,9 @@ once by the engine, and host data goes up with `specdec_fast.transfer.to_device`
   `state.unread` tokens. The engine may then update the drafter as soon as a step is queued,
   before the step is read back, and queue the next step behind it (`generate`'s `read_ahead`):
   the outcome's host fields are None there.
+- `read(state, outcome)` (optional): a drafter updated ahead gets the same outcome again once
+  its step is read, with the host fields filled in (bookkeeping on the host, such as
+  `GuardedDrafter`'s guard; nothing by default).
 
 Proposals of deterministic drafters (n-gram, suffix, Medusa, EAGLE, top-k draft trees) carry no
 draft probabilities; a chain sampled from a draft model carries `draft_probs` so that verification
@@ -221,6 +224,10 @@ class Drafter:
 
     def update(self, state: DraftState, outcome: StepOutcome) -> None:
         """Follow the accepted path (stateless drafters need nothing)."""
+
+    def read(self, state: DraftState, outcome: StepOutcome) -> None:
+        """After an `update` ahead of the read (`reads_ahead`): the step's outcome with its host
+        fields, once read (nothing to do by default)."""
 
     def keep(self, rows: list[int]) -> None:
         """Finished rows left the batch (stateless drafters need nothing)."""

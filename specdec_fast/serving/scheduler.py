@@ -30,12 +30,13 @@ A decode step is `specdec_fast.step`, the step `generate` runs, over the routes'
 scheduler keeps admission, prefill and joins, routes, streaming, the guardrails' decisions and
 the metrics. A step reads the device once (the emitted tokens, `batch.read_back`); prefill
 chunks and joins read nothing back. With `read_ahead` (on by default on CUDA), while the batch
-is settled (no newcomer to admit or being fed, no cancelled row) and every route with running
-rows has plain decoding or a drafter that reads ahead, the next step is queued before the last
-one is read, as `generate` does: the host's work between steps (the step's emission,
-streaming, the guards, the next iteration) then overlaps the device's. A change to the batch (a
-row finished or cancelled, a newcomer) first reads the queued step; a route moved to plain
-decoding needs no read (the queued step's trees were verified as any other's).
+is settled (no group of newcomers to admit or joining, no cancelled row) and every route with
+running rows has plain decoding or a drafter that reads ahead, the next step is queued before
+the last one is read, as `generate` does: the host's work between steps (the step's emission,
+streaming, the guards, the next iteration, a chunk of newcomers' prompts fed past the batch's
+rows) then overlaps the device's. A change to the batch (a row finished or cancelled, a group
+admitted or joining) first reads the queued step; a route moved to plain decoding needs no read
+(the queued step's trees were verified as any other's).
 `step()` runs one iteration on the calling thread; `start()` runs steps on a thread of its own,
 and `submit` and `Handle.cancel` may then be called from any thread.
 
@@ -75,8 +76,8 @@ from specdec_fast.step import (
     StepReport,
     drop,
     finish,
+    first_unread,
     index_lanes,
-    lanes_read_ahead,
     launch,
     queue_behind,
 )
@@ -728,7 +729,9 @@ class Scheduler:
             self._join(group)
 
     def _join(self, group: _Prefill) -> None:
-        """The group's rows join the batch, and those that speculate their routes' drafters."""
+        """The group's rows join the batch, and those that speculate their routes' drafters
+        (after the step queued by read-ahead, if any, is read: the batch changes)."""
+        self._read_queued()
         rows = group.rows
         for row, fed in zip(rows, group.fed, strict=True):
             row.cached = fed
@@ -785,16 +788,14 @@ class Scheduler:
 
     def _decode(self) -> None:
         """One decode step: the one queued by the step before (read-ahead), or a new one; the
-        next is queued behind it when it may be (no group of newcomers being fed,
-        `step.queue_behind`) and stays queued unless rows finish at this step."""
+        next is queued behind it when it may be (`step.queue_behind`) and stays queued unless
+        rows finish at this step. A group of newcomers being fed does not stop it: the chunks
+        go to storage rows past the batch's, and the queued step is read before they join."""
         runner, batch, lanes, vocab = self.runner, self.batch, self._lanes, self.vocab_size
         launched, self._queued = self._queued, None
         if launched is None:
-            unread = 0 if self.read_ahead and lanes_read_ahead(lanes) else None
-            launched = launch(runner, batch, lanes, vocab, unread)
-        queued = None
-        if self._prefill is None:
-            queued = queue_behind(runner, batch, lanes, vocab, launched)
+            launched = launch(runner, batch, lanes, vocab, first_unread(lanes, self.read_ahead))
+        queued = queue_behind(runner, batch, lanes, vocab, launched)
         ahead = 0 if queued is None else queued.proposal.num_nodes
         finished = self._book(finish(runner, batch, launched, vocab, ahead))
         if queued is not None:
@@ -834,22 +835,22 @@ class Scheduler:
         (`RouteGuard.record_step`, as `generate`'s guarded drafters do), the rows at `gone`
         left out; a route whose guard turned speculation off moves its rows to plain
         decoding."""
-        drafts = {
-            id(draft.lane): draft
-            for draft in report.drafted
-            if any(p not in gone for p in draft.positions)
-        }
-        drafted_positions = {p for draft in drafts.values() for p in draft.positions}
+        # Per lane whose proposal was verified: that draft and its rows still there.
+        drafts: dict[int, tuple[Drafted, list[int]]] = {}
+        for draft in report.drafted:
+            where = [p for p in draft.positions if p not in gone]
+            if where:
+                drafts[id(draft.lane)] = draft, where
+        skipped = gone.union(*(where for _, where in drafts.values()))
         plain: dict[str, list[list[int]]] = {}
         for p, (row, tokens) in enumerate(zip(self.rows, report.emitted, strict=True)):
-            if p not in drafted_positions and p not in gone:
+            if p not in skipped:
                 plain.setdefault(row.request.route, []).append(tokens)
         host = report.host
         for lane in self._lanes:
             if lane.guard is None:
                 continue
-            draft = drafts.get(id(lane))
-            where = [] if draft is None else [p for p in draft.positions if p not in gone]
+            draft, where = drafts.get(id(lane), (None, []))
             speculating = lane.guard.record_step(
                 report.seconds,
                 plain.get(lane.name, []),
