@@ -5,7 +5,8 @@ Parts, in order (`--part NAME`, repeatable), issue 44's first (shared GPU.md): a
 the opt-in ones follow by name in a second command.
     e2e             bench/bench_e2e_tiny.py (the bundled pair at N = 16, three rounds)
     overhead        bench/bench_overhead.py on the bundled pair: per drafter (all built-in ones
-                    at batch 1; plain, n-gram and DFlash at 1 and 8), the step split into
+                    and EAGLE-3 with the n-gram lookup grafted on at batch 1, --quick leaving
+                    out the suffix lookup; plain, n-gram and DFlash at 1 and 8), the split into
                     forward, sampler, compaction, drafter and engine, the host's share, tokens/s
                     against plain decoding, eager operators and host reads per step; ours against
                     HF's peers
@@ -252,8 +253,9 @@ def overhead_plan(quick: bool) -> dict[str, float]:
     """bench_overhead.py on the bundled pair: each breakdown's first run compiles and captures
     like a tiny-pair peer; each comparison runs both sides 1 + repeats times."""
     bench = _bench_module("bench_overhead")
-    # Plain, n-gram and DFlash at each batch, every other built-in drafter at the GPU's batches.
-    breakdowns = 3 * len(bench.BATCHES) + len(bench.GPU_SPECS) * len(bench.GPU_BATCHES)
+    # Plain, n-gram and DFlash at each batch, the other drafters at the GPU's batches.
+    specs = len(bench.gpu_specs(quick))
+    breakdowns = 3 * len(bench.BATCHES) + specs * len(bench.GPU_BATCHES)
     # Plain against HF generate at each batch, n-gram against prompt lookup, the draft chain.
     comparisons = len(bench.BATCHES) + len(bench.NGRAM_VS_LOOKUP) + 1
     repeats, tokens = bench.run_size(tiny=False, quick=quick)
