@@ -405,6 +405,39 @@ def test_steps_stay_queued_while_a_newcomers_prompt_is_fed(target, prompts, over
         assert handle.completion.tokens == expected_output(target, "none", request)
 
 
+def test_rows_finishing_at_the_queued_step_leave_before_newcomers_join(target, prompts):
+    """A group of newcomers joins right after the queued step's read, which a row finishes at:
+    the row leaves first, the newcomers take the batch positions after the rows left, and
+    every request's tokens are `generate()`'s. Swept over the finishing row's length, so that
+    some length meets the join (counted)."""
+    met = 0
+    for new_tokens in range(2, 14):
+        scheduler = Scheduler(target, prefill_chunk=4, eos_token_id=[], read_ahead=True)
+        read_queued = scheduler._read_queued
+
+        def spy(scheduler=scheduler, read_queued=read_queued):
+            nonlocal met
+            before = len(scheduler.rows)
+            read_queued()
+            met += len(scheduler.rows) < before
+
+        scheduler._read_queued = spy
+        requests = [
+            {"prompt": prompts[0], "max_new_tokens": new_tokens, "temperature": 0.0, "seed": 0},
+            {"prompt": prompts[1], "max_new_tokens": 30, "temperature": 0.8, "seed": 1},
+            {"prompt": prompts[2] + prompts[4], "max_new_tokens": 8, "temperature": 0.0, "seed": 2},
+        ]
+        handles = [scheduler.submit(Request(**request)) for request in requests[:2]]
+        while len(scheduler.rows) < 2:
+            scheduler.step()
+        handles.append(scheduler.submit(Request(**requests[2])))
+        scheduler.run_until_idle()
+        scheduler.close()
+        for handle, request in zip(handles, requests, strict=True):
+            assert handle.completion.tokens == expected_output(target, "none", request)
+    assert met >= 1
+
+
 def test_read_ahead_must_be_a_bool(target, prompts):
     with pytest.raises(TypeError, match="read_ahead: expected None or a bool"):
         generate(target, prompts, drafter=None, max_new_tokens=2, read_ahead="yes")
