@@ -42,8 +42,9 @@ $OUT/gpu_suite.json (versions, the plan with its estimates, per part: status, se
 lines and the JSON results it wrote): two files, however the run ends.
 
 `--dry-run` plays the same plan on the CPU with tiny shapes (each benchmark at its CPU sizes,
-the GPU tests collected only, every step eager: compiling each tiny shape would cost the CPU
-minutes, and tests/test_compiled_step.py tests the compiled steps) and prints the estimated
+the GPU tests collected only, without the packages the GPU image lacks, `DEVICE_IMAGE_LACKS`;
+every step eager: compiling each tiny shape would cost the CPU minutes, and
+tests/test_compiled_step.py tests the compiled steps) and prints the estimated
 device time per part, from each part's GPU plan and the cost model `COSTS` (seconds per unit of
 work on the H200 machine: leads, set before any GPU run; bench/NOTES.md has the arithmetic).
 CI runs it.
@@ -134,6 +135,11 @@ def _bench_module(name: str):
 
 CUDA = torch.device("cuda")
 PYTHON = sys.executable
+# The serve extra's packages that the GPU machine's image lacks (its package list as the device
+# tool gives it, read on 2026-11-17; it has prometheus-client, httpx, pyyaml and uvloop). The dry
+# run's spawned commands cannot import them either (bench/device_image/sitecustomize.py): a GPU
+# test module that needs one fails its collection here, as it would on the device.
+DEVICE_IMAGE_LACKS = ("fastapi", "starlette", "pydantic", "uvicorn", "httptools", "openai")
 
 
 def kernel_bench_plan(module_name: str, inductor_peer: str | None = None):
@@ -448,6 +454,16 @@ def versions() -> dict:
     }
 
 
+def device_image_env(env: dict) -> dict:
+    """What `env` needs for the dry run's spawned commands to import as on the GPU image
+    (`DEVICE_IMAGE_LACKS`)."""
+    path = [str(BENCH / "device_image"), *filter(None, [env.get("PYTHONPATH")])]
+    return {
+        "PYTHONPATH": os.pathsep.join(path),
+        "SPECDEC_DEVICE_IMAGE_LACKS": ",".join(DEVICE_IMAGE_LACKS),
+    }
+
+
 def run_part(
     part: Part,
     command: list[str],
@@ -639,6 +655,7 @@ def main(argv: list[str] | None = None) -> int:
                 # those of a benchmark that asks for compiled steps too (TORCHDYNAMO_DISABLE:
                 # bench_step.py --compile alone compiled for two of the dry run's five minutes).
                 env = {**os.environ, "SPECDEC_COMPILE": "0", "TORCHDYNAMO_DISABLE": "1"}
+                env |= device_image_env(env)
             command = part.command(work, args.quick, args.dry_run)
             result = run_part(part, command, work, timeout, env, forked=args.dry_run)
             result["results"] = {

@@ -15,8 +15,7 @@ import sys
 
 from specdec_fast.drafters.registry import DrafterSpec, kinds_with, spec_help
 from specdec_fast.loading import DTYPE_CHOICES, MissingExtra
-from specdec_fast.serving.limits import MAX_BODY_BYTES, MAX_MESSAGES, MAX_STOP
-from specdec_fast.serving.shutdown import DRAIN_DEADLINE_S
+from specdec_fast.serving.limits import DRAIN_DEADLINE_S, MAX_BODY_BYTES, MAX_MESSAGES, MAX_STOP
 
 SPEC_EPILOG = (
     "drafter SPECs [default size]; N: tokens verified per step, root included; K: a chain's\n"

@@ -8,6 +8,7 @@ import sys
 
 import pytest
 import torch
+from bench_smoke import BENCH_DIR
 
 import specdec_fast
 import specdec_fast.kernels as kernels
@@ -57,12 +58,18 @@ def test_bad_backend_is_a_clear_error(monkeypatch):
 
 
 def test_the_module_runs_as_the_cli():
-    """`python -m specdec_fast` is the `specdec-fast` command, in a fresh interpreter."""
+    """`python -m specdec_fast` is the `specdec-fast` command, in a fresh interpreter, and needs
+    none of the serve extra's server packages (as on the GPU machine's image, which lacks them:
+    bench/gpu_suite.py's dry run imports the same way)."""
+    sys.path.insert(0, str(BENCH_DIR))
+    from gpu_suite import device_image_env
+
     result = subprocess.run(
         [sys.executable, "-m", "specdec_fast", "demo", "--help"],
         capture_output=True,
         text=True,
         check=False,
+        env=os.environ | device_image_env(dict(os.environ)),
     )
     assert result.returncode == 0, result.stderr
     assert "usage: specdec-fast demo" in result.stdout

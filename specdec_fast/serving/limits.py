@@ -15,6 +15,10 @@ from dataclasses import dataclass
 
 from specdec_fast.serving.errors import RequestError
 
+# How long a draining server lets the requests in flight run on before cancelling them
+# (`specdec_fast.serving.shutdown`). Here, beside the other limits, so that the command line
+# reads it without importing the serve extra's packages (uvicorn).
+DRAIN_DEADLINE_S = 30.0
 MAX_BODY_BYTES = 1 << 20
 MAX_MESSAGES = 256
 MAX_STOP = 16

@@ -22,7 +22,8 @@ import time
 
 import uvicorn
 
-DRAIN_DEADLINE_S = 30.0
+from specdec_fast.serving.limits import DRAIN_DEADLINE_S
+
 # How long the cancelled requests' last responses may take to be written before uvicorn closes
 # their connections.
 CANCEL_GRACE_S = 10.0
