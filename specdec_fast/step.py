@@ -48,6 +48,7 @@ from specdec_fast.drafters.base import (
     Proposal,
     StepOutcome,
     reads_ahead,
+    reads_back,
     with_roots,
 )
 from specdec_fast.drafters.checks import checked, malformed_error, screens_values
@@ -79,7 +80,8 @@ class Drafted:
     """A lane's part in a step: the state its drafter saw (and sees again in `update`), its
     proposal as the drafter made it and as checked, at the batch `positions` its rows held;
     `failed` once the lane's drafter failed after proposing; `outcome` the one it was updated
-    with ahead of the read (read-ahead), which `finish` completes for its `read`."""
+    with ahead of the read (read-ahead) when its drafter takes the host fields later
+    (`reads_back`), which `finish` completes for its `read`."""
 
     lane: Lane
     state: DraftState
@@ -332,6 +334,10 @@ def _verify(
     return VerifyResult(accepted, num_accepted, next_tokens)
 
 
+# StepOutcome's fields read back from the device (None when a drafter is updated ahead).
+HOST_FIELDS = ("emitted", "accepted_paths", "drafted", "malformed")
+
+
 def _host_fields(draft: Drafted, host: HostStep, emitted: list[list[int]]) -> dict:
     """The outcome's host fields for the lane's rows, from the step's read-back."""
     if draft.index is None:  # the lane has every row, in batch order
@@ -363,6 +369,7 @@ def _update(
     proposal, result, out = launched.proposal, launched.result, launched.out
     width = draft.proposal.num_nodes
     where = slice(None) if draft.index is None else draft.index
+    ahead = host is None
     outcome = StepOutcome(
         Proposal(
             proposal.tokens[where, :width],
@@ -373,23 +380,18 @@ def _update(
         result.accepted_nodes[where, :width],
         result.num_accepted[where],
         result.next_tokens[where],
-        None,
-        {layer: h[where, :width] for layer, h in out.hidden_states.items()},
-        None,
-        None,
-        None,
+        hidden={layer: h[where, :width] for layer, h in out.hidden_states.items()},
+        **(dict.fromkeys(HOST_FIELDS) if ahead else _host_fields(draft, host, emitted)),
     )
-    if host is None:
+    if ahead and reads_back(draft.lane.drafter):
         draft.outcome = outcome
-    else:
-        outcome = replace(outcome, **_host_fields(draft, host, emitted))
     _tell(draft, "update", state, outcome)
 
 
 def _read(draft: Drafted, host: HostStep, emitted: list[list[int]]) -> None:
-    """A lane updated ahead of the read gets its outcome again with the host fields
-    (`Drafter.read`, an optional member of the protocol)."""
-    if getattr(draft.lane.drafter, "read", None) is not None:
+    """A lane updated ahead of the read whose drafter takes the host fields (`reads_back`)
+    gets its outcome again with them (`Drafter.read`)."""
+    if draft.outcome is not None:
         outcome = replace(draft.outcome, **_host_fields(draft, host, emitted))
         _tell(draft, "read", draft.state, outcome)
 

@@ -266,6 +266,14 @@ def reads_ahead(drafter) -> bool:
     return bool(getattr(drafter, "reads_ahead", False))
 
 
+def reads_back(drafter) -> bool:
+    """Whether `drafter` takes a read-ahead step's host fields once read: its `read` does
+    something (a `Drafter` that overrides it, or any other object that has one), so the step
+    keeps the outcome for it; the others cost the step nothing more."""
+    read = getattr(type(drafter), "read", None)
+    return read is not None and read is not Drafter.read
+
+
 def root_only(state: DraftState) -> Proposal:
     """The one-node tree of every row: verifying it is one step of plain decoding. Built on the
     device without reading anything: the engine writes each row's root into column 0."""
