@@ -170,13 +170,17 @@ needs_bundled = pytest.mark.skipif(
 )
 
 
-@pytest.fixture(scope="module")
-def code():
+def code_case():
     """The bundled target, four code prompts and an EOS that stops the first row mid-answer
     (from plain greedy output, which every drafter's greedy output equals)."""
     target, prompts = load_model("tiny-code", torch.device("cpu")), code_prompts()
     free = run(target, prompts, False, eos_token_id=[])[0]
     return target, prompts, [rare_token(free, prompts, 0)]
+
+
+@pytest.fixture(scope="module")
+def code():
+    return code_case()
 
 
 @needs_bundled
@@ -451,9 +455,10 @@ def test_a_host_copy_on_the_cpu_is_the_tensor_read():
 
 
 @pytest.mark.gpu
-def test_read_ahead_on_cuda_equals_reading_every_step():
+def test_read_ahead_on_cuda_equals_reading_every_step(monkeypatch):
     """The CUDA path (a pinned buffer, an event; CUDA graphs for the drafters' steps): the same
-    greedy and sampled output, plain and with drafters that read ahead."""
+    greedy and sampled output, plain and with drafters that read ahead, the n-gram lookup
+    among them."""
     target = tiny_llama(vocab_size=VOCAB).cuda()
     values = torch.arange(12, device="cuda").reshape(3, 4)
     assert HostCopy(values * 2).wait() == (values * 2).tolist()
@@ -461,10 +466,16 @@ def test_read_ahead_on_cuda_equals_reading_every_step():
     for kwargs in ({"eos_token_id": [7, 11]}, {"temperature": 0.9, "seed": [1, 2, 3, 4]}):
         assert run(target, rows, True, **kwargs) == run(target, rows, False, **kwargs)
     code, prompts = load_model("tiny-code", torch.device("cuda")), code_prompts()
-    for spec in ("eagle:tiny-code-eagle3:8", "block:tiny-code-dflash:8"):
+    # On CUDA the n-gram lookup runs on the device (its default there) and reads ahead, alone
+    # and grafted.
+    specs = ["eagle:tiny-code-eagle3:8", "block:tiny-code-dflash:8", "ngram:8"]
+    unread, most = count_unread(monkeypatch)
+    for spec in [*specs, "eagle:tiny-code-eagle:8+ngram:8"]:
         make = DrafterSpec.parse(spec).factory(code)
         for kwargs in ({}, {"temperature": 0.8, "seed": [1, 2, 3, 4]}):
+            unread[0] = most[0] = 0
             ahead = run(code, prompts, True, drafter=make(), **kwargs)
+            assert most[0] == 2, (spec, kwargs)
             assert ahead == run(code, prompts, False, drafter=make(), **kwargs), (spec, kwargs)
     # The scheduler reads ahead by default on CUDA: requests joining at steps 0, 0, 3 and 6.
     routes = {spec: DrafterSpec.parse(spec).build(code) for spec in SERVED}

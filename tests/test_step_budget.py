@@ -31,7 +31,7 @@ from built_in_drafters import DRAFTERS, write_untrained_blocks
 from tiny_models import first_layers
 
 import specdec_fast
-from specdec_fast import bundled, generate, transfer
+from specdec_fast import NGramDrafter, bundled, generate, transfer
 from specdec_fast.drafters.registry import DrafterSpec
 from specdec_fast.loading import load_model, load_tokenizer
 from specdec_fast.prompts import load_code_prompts
@@ -157,6 +157,23 @@ def test_sampled_steps_read_once(prompts, factories, spec):
     block drafter's tree), in the compiled steps the greedy test warmed."""
     counts = counted(compiled_run(*factories(spec), prompts, 8, temperature=0.8))
     assert counts.reads_per_step <= MAX_READS, counts.reads.most_common()
+
+
+@pytest.mark.parametrize("batch", BATCHES, ids=[f"B{b}" for b in BATCHES])
+def test_the_device_lookup_reads_once_and_drafts_as_the_host_lookup(target, prompts, batch):
+    """The n-gram drafter's device lookup (its default on CUDA, where the registry's `ngram`
+    specs and grafts use it), compiled: within both limits, and the host lookup's tokens and
+    steps."""
+    run = compiled_run(target, lambda: NGramDrafter(8, device_lookup=True), prompts, batch)
+    counts = counted(run)
+    within = counts.reads_per_step <= MAX_READS and counts.ops_per_step <= MAX_EAGER_OPS
+    assert within, f"device n-gram B={batch}: {counts.row()}"
+    compiled = run(LONG)
+    host = NGramDrafter(8, device_lookup=False)
+    eager = generate(target, prompts[:batch], drafter=host, max_new_tokens=LONG, eos_token_id=[])
+    assert [s.tolist() for s in compiled.sequences] == [s.tolist() for s in eager.sequences]
+    steps = [[s.steps, s.drafted, s.accepted] for s in compiled.stats.sequences]
+    assert steps == [[s.steps, s.drafted, s.accepted] for s in eager.stats.sequences]
 
 
 class StrayLoop(specdec_fast.NGramDrafter):

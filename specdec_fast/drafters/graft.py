@@ -10,9 +10,11 @@ the same root (`graft`): a lookup node whose token is already a child of the nod
 maps to is that child (its own column stays padding), and every other lookup node becomes a new
 node after the tree's. A lookup run that starts along the head's best path thus continues it
 instead of competing with it as a duplicate sibling. The merge is a few device ops per lookup
-node, with no read (one compiled step in compiled mode); the lookup's tree is built on the host
-from the rows' tokens as the lookup drafter alone builds it, so the composite does not read
-ahead.
+node, with no read (one compiled step in compiled mode); the lookup's tree is built as the
+lookup drafter alone builds it. The composite reads ahead when both parts do (an n-gram lookup on
+the device, `NGramDrafter(device_lookup=...)`, under EAGLE or Medusa) and neither needs the read
+(`Drafter.read`); a lookup on the host's tokens (the suffix lookup, an n-gram lookup on the host)
+has it read every step.
 
 Eagerly, the width is the tree's plus the longest lookup tree of the step, known on the host: a
 step without a lookup match verifies the head's tree alone. Compiled, every step has the full
@@ -26,6 +28,7 @@ import torch
 
 from specdec_fast.compiled import CompiledSteps, compile_by_default
 
+from . import base
 from .base import PAD_PARENT, Drafter, DraftState, Proposal, StepOutcome, with_roots
 
 # The merge's compiled steps by compile choice, shared by every grafted drafter of the process
@@ -89,8 +92,6 @@ class GraftedDrafter(Drafter):
     max_nodes is the sum of both budgets less the shared root; max_depth the deeper of the two.
     """
 
-    reads_ahead = False
-
     def __init__(self, drafter: Drafter, lookup: Drafter):
         for name, part in (("drafter", drafter), ("lookup", lookup)):
             if not isinstance(part, Drafter):
@@ -111,6 +112,11 @@ class GraftedDrafter(Drafter):
     @property
     def parts(self) -> tuple[Drafter, Drafter]:
         return self.drafter, self.lookup
+
+    @property
+    def reads_ahead(self) -> bool:
+        """Both parts read ahead and neither takes the read (see the module doc)."""
+        return all(base.reads_ahead(part) and not base.reads_back(part) for part in self.parts)
 
     def attach(self, target, max_cache_len: int) -> None:
         for part in self.parts:

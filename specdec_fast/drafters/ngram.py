@@ -3,9 +3,18 @@
 from __future__ import annotations
 
 import numpy as np
+import torch
 
-from .base import Drafter, DraftState, Proposal, pack_trees
+from specdec_fast.compiled import CompiledSteps, compile_by_default
+from specdec_fast.transfer import to_device
+
+from .base import Drafter, DraftState, Proposal, StepOutcome, pack_trees
+from .ngram_device import LookupShape, append_step, lookup_trees
 from .trie import CountTrie
+
+# The device lookup's compiled steps by compile choice, shared by every n-gram drafter of the
+# process (each `generate` call of a registry spec makes a new one): a shape compiles once.
+_DEVICE_STEPS: dict[bool, CompiledSteps] = {}
 
 
 class NGramDrafter(Drafter):
@@ -22,8 +31,16 @@ class NGramDrafter(Drafter):
     is continued with period p, as applying the same match again would predict: in a loop, every
     recent occurrence proposes the full depth instead of the few tokens left before the end.
 
+    The lookup runs on the host (numpy) or on the device (`specdec_fast.drafters.ngram_device`:
+    the same trees, built from a token history kept on the device and appended from each step's
+    device outcome, so the drafter reads nothing and reads ahead, `Drafter.reads_ahead`).
+
     max_nodes: the tree budget N, tokens verified per step with the root included (>= 2).
     max_depth: longest continuation proposed (default: min(max_nodes - 1, 8)).
+    device_lookup: look up on the device; None (default): on a CUDA target, where a step left
+        unread overlaps the next one, and on the host elsewhere, where the numpy lookup is the
+        faster. Every proposal of a device lookup is `max_nodes` wide (padded); the host's is as
+        wide as the batch's largest tree.
     """
 
     # Valid trees by construction (tests/test_drafter_checks.py): values go unchecked.
@@ -36,6 +53,7 @@ class NGramDrafter(Drafter):
         min_n: int = 1,
         max_n: int = 4,
         max_matches: int = 8,
+        device_lookup: bool | None = None,
     ):
         super().__init__(max_nodes, min(max_nodes - 1, 8) if max_depth is None else max_depth)
         if not 1 <= min_n <= max_n:
@@ -45,27 +63,93 @@ class NGramDrafter(Drafter):
         self.min_n = min_n
         self.max_n = max_n
         self.max_matches = max_matches
+        if device_lookup not in (None, True, False):
+            raise ValueError(f"device_lookup must be None or a bool, got {device_lookup!r}")
+        self.device_lookup = device_lookup
         self._history: list[np.ndarray] = []  # per row, its tokens so far (with spare room)
         self._lengths: list[int] = []
+        # The device lookup, once attached: its steps and history width, the rows' tokens
+        # int64 [B, width] (the last column takes writes past the end) and lengths int64 [B].
+        self._on_device = False
+        self._steps: CompiledSteps | None = None
+        self._width = 0
+        self._tokens: torch.Tensor | None = None
+        self._counts: torch.Tensor | None = None
+
+    @property
+    def reads_ahead(self) -> bool:
+        """A device lookup follows a step from its device outcome (`Drafter.reads_ahead`)."""
+        return self._on_device
+
+    @property
+    def shape(self) -> LookupShape:
+        return LookupShape(self.min_n, self.max_n, self.max_matches, self.max_depth, self.max_nodes)
+
+    def attach(self, target, max_cache_len: int) -> None:
+        on_cuda = target.device.type == "cuda"
+        self._on_device = on_cuda if self.device_lookup is None else self.device_lookup
+        if self._on_device:
+            # Every token a row holds, its root included, and the column for writes past them.
+            self._width = max(max_cache_len + 2, self.max_matches)
+            compile = compile_by_default()
+            self._steps = _DEVICE_STEPS.setdefault(compile, CompiledSteps("ngram", compile))
 
     def follow_paths_to(self, depth: int) -> None:
         """Any depth: the history grows from the rows' tokens, whatever path emitted them."""
 
     def begin(self, state: DraftState) -> None:
-        self._reset_history(state.batch_size)
+        if self._on_device:
+            self._tokens, self._counts = self._uploaded(state)
+        else:
+            self._reset_history(state.batch_size)
 
     def _reset_history(self, batch_size: int) -> None:
         self._history = [np.zeros(0, dtype=np.int64) for _ in range(batch_size)]
         self._lengths = [0] * batch_size
 
+    def _uploaded(self, state: DraftState) -> tuple[torch.Tensor, torch.Tensor]:
+        """The device history of `state`'s rows (their whole tokens: prompts at `begin`/`join`)."""
+        lengths = [len(row) for row in state.tokens]
+        if max(lengths) > self._width - 1:
+            raise ValueError(
+                f"a row of {max(lengths)} tokens is longer than the cache this drafter was "
+                f"attached for ({self._width - 2} tokens and its root)"
+            )
+        tokens = np.zeros((len(lengths), self._width), dtype=np.int64)
+        for row, row_tokens in enumerate(state.tokens):
+            tokens[row, : len(row_tokens)] = row_tokens
+        return to_device(tokens, state.device), to_device(np.array(lengths), state.device)
+
     def keep(self, rows: list[int]) -> None:
+        if self._on_device:
+            index = to_device(rows, self._tokens.device)
+            self._tokens, self._counts = self._tokens[index], self._counts[index]
+            return
         self._history = [self._history[r] for r in rows]
         self._lengths = [self._lengths[r] for r in rows]
 
     def join(self, state: DraftState) -> None:
+        if self._on_device:
+            tokens, counts = self._uploaded(state)
+            self._tokens = torch.cat([self._tokens, tokens])
+            self._counts = torch.cat([self._counts, counts])
+            return
         # Empty histories: the next `_sync` fills them from the rows' tokens.
         self._history += [np.zeros(0, dtype=np.int64) for _ in range(state.batch_size)]
         self._lengths += [0] * state.batch_size
+
+    def update(self, state: DraftState, outcome: StepOutcome) -> None:
+        """A device lookup appends the step's accepted tokens from its device outcome; the host
+        lookup takes them from the rows' tokens at the next `propose`."""
+        if self._on_device:
+            proposal = outcome.proposal
+            args = (self._tokens, self._counts, proposal.tokens, outcome.accepted_nodes)
+            args += (outcome.num_accepted, outcome.next_tokens)
+            label = f"append B={state.batch_size} N={proposal.num_nodes}"
+            self._counts = self._steps.run("append", label, append_step, *args)
+
+    def end(self) -> None:
+        self._tokens = self._counts = None
 
     def _sync(self, tokens: list[list[int]]) -> None:
         """Append to each row's history whatever it gained since the last call."""
@@ -101,6 +185,10 @@ class NGramDrafter(Drafter):
         return best[0], best[1][::-1][: self.max_matches]
 
     def propose(self, state: DraftState) -> Proposal:
+        if self._on_device:
+            label = f"lookup B={state.batch_size}"
+            args = (self.shape, self._tokens, self._counts)
+            return Proposal(*self._steps.run("lookup", label, lookup_trees, *args))
         self._sync(state.tokens)
         trees = []
         for row in range(len(self._lengths)):

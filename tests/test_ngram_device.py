@@ -1,0 +1,227 @@
+"""The n-gram drafter's device lookup (`specdec_fast.drafters.ngram_device`,
+`NGramDrafter(device_lookup=True)`): the same trees as the host lookup, its oracle, ties and
+padding included, over random and looping histories; the device history appended from step
+outcomes; and through `generate` and the server the same tokens and steps as the host lookup,
+reading ahead (two steps unread at once), alone and grafted under EAGLE. Compiled, its steps
+are counted in tests/test_step_budget.py; on CUDA (the default there) in the `gpu` tests."""
+
+import random
+
+import numpy as np
+import pytest
+import torch
+from test_read_ahead import code_case, count_unread, needs_bundled, run, serve
+from tiny_models import tiny_llama
+
+from specdec_fast import NGramDrafter, generate
+from specdec_fast.drafters.base import PAD_PARENT, DraftState, pack_trees, reads_ahead
+from specdec_fast.drafters.graft import GraftedDrafter
+from specdec_fast.drafters.ngram_device import append_step, lookup_trees
+from specdec_fast.drafters.registry import DrafterSpec
+
+
+@pytest.fixture(scope="module")
+def code():
+    return code_case()
+
+
+def host_trees(drafter: NGramDrafter, rows: list[list[int]]):
+    """The host lookup's proposal for `rows`, padded to `max_nodes` as the device's is."""
+    state = DraftState(rows, None, None, None, None, torch.device("cpu"))
+    proposal = drafter.propose(state)
+    width = proposal.num_nodes
+    tokens = proposal.tokens.tolist()
+    parents = proposal.parents.tolist()
+    trees = [
+        (row_tokens[1:], row_parents[1:])
+        for row_tokens, row_parents in zip(tokens, parents, strict=True)
+    ]
+    packed = pack_trees([row[-1] for row in rows], trees, state.device, drafter.max_nodes)
+    assert width <= drafter.max_nodes
+    return packed.tokens, packed.parents
+
+
+def device_trees(drafter: NGramDrafter, rows: list[list[int]], spare: int):
+    history = torch.zeros((len(rows), max(map(len, rows)) + spare), dtype=torch.int64)
+    for index, row in enumerate(rows):
+        history[index, : len(row)] = torch.tensor(row)
+    lengths = torch.tensor([len(row) for row in rows])
+    return lookup_trees(drafter.shape, history, lengths)
+
+
+def random_rows(rng: random.Random, batch: int) -> list[list[int]]:
+    """Ragged rows of 1-70 tokens over 2-20 symbols, a third of them loops of period 1-5 (with
+    a stray token or not), so that many suffixes recur, counts tie and continuations run into
+    the present."""
+    vocab = rng.choice([2, 3, 5, 20])
+    rows = []
+    for _ in range(batch):
+        length = rng.randint(1, 70)
+        if rng.random() < 0.35:
+            motif = [rng.randrange(vocab) for _ in range(rng.randint(1, 5))]
+            row = [motif[i % len(motif)] for i in range(length)]
+            if rng.random() < 0.5:
+                row[rng.randrange(length)] = rng.randrange(vocab)
+        else:
+            row = [rng.randrange(vocab) for _ in range(length)]
+        rows.append(row)
+    return rows
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_device_trees_equal_the_host_lookups(seed):
+    """400 random cases per seed (budgets 2-40 nodes, depths 1-9, n in 1-5, 1-9 matches,
+    batches of 1-5, 0-3 spare columns past the longest row): the device lookup's tokens and
+    parents equal the host lookup's packed to the same width, exactly. The cases reach the
+    trees' difficult parts: several branches, ties of counts, full budgets."""
+    rng = random.Random(seed)
+    branched = full = 0
+    for _ in range(400):
+        max_nodes = rng.choice([2, 3, 5, 8, 16, 33, 40])
+        max_depth = rng.randint(1, min(max_nodes - 1, 9))
+        min_n = rng.randint(1, 3)
+        drafter = NGramDrafter(
+            max_nodes, max_depth, min_n, rng.randint(min_n, 5), rng.randint(1, 9)
+        )
+        rows = random_rows(rng, rng.randint(1, 5))
+        expected = host_trees(drafter, rows)
+        got = device_trees(drafter, rows, spare=rng.randint(0, 3) + drafter.max_matches)
+        assert torch.equal(got[0], expected[0]) and torch.equal(got[1], expected[1]), (
+            drafter.shape,
+            rows,
+        )
+        parents = expected[1]
+        branched += int(((parents[:, 1:, None] == parents[:, None, 1:]).sum(-1) > 1).any())
+        full += int((parents[:, -1] != PAD_PARENT).any())
+    assert branched > 100 and full > 100, (branched, full)
+
+
+def test_a_step_appends_its_accepted_path_and_next_token():
+    """Rows of 3 and 9 tokens (width 12, the last column for writes past the end): the first
+    row takes its two accepted drafts (nodes 2 and 4 of the tree) and the next token; the
+    second, its next token alone after four drafts that would run past its room, to the room
+    left, its length stopping at 11."""
+    history = torch.zeros((2, 12), dtype=torch.int64)
+    history[0, :3] = torch.tensor([5, 6, 7])
+    history[1, :9] = torch.arange(10, 19)
+    tokens = torch.tensor([[7, 20, 21, 22, 23], [18, 30, 31, 32, 33]])
+    accepted = torch.tensor([[0, 2, 4, -1, -1], [0, 1, 2, 3, 4]], dtype=torch.int32)
+    lengths = append_step(
+        history,
+        torch.tensor([3, 9]),
+        tokens,
+        accepted,
+        torch.tensor([2, 4], dtype=torch.int32),
+        torch.tensor([40, 41]),
+    )
+    assert lengths.tolist() == [6, 11]
+    assert history[0, :6].tolist() == [5, 6, 7, 21, 23, 40]
+    assert history[1, :11].tolist() == [*range(10, 19), 30, 31]
+
+
+def test_the_lookup_runs_on_the_device_where_asked_or_on_cuda():
+    """On a CPU target the default is the host lookup (reading every step); asked for, the
+    device lookup, which reads ahead, alone and grafted under a drafter that reads ahead."""
+    target = tiny_llama()
+    chosen = {}
+    for device_lookup in (None, True, False):
+        drafter = NGramDrafter(8, device_lookup=device_lookup)
+        assert not reads_ahead(drafter)  # decided when attached
+        drafter.attach(target, 64)
+        chosen[device_lookup] = reads_ahead(drafter)
+    assert chosen == {None: False, True: True, False: False}
+    with pytest.raises(ValueError, match="device_lookup must be None or a bool"):
+        NGramDrafter(8, device_lookup="cuda")
+
+
+@needs_bundled
+def test_generate_with_the_device_lookup_equals_the_host_lookup(code, monkeypatch):
+    """Four bundled code prompts, greedy with an EOS stopping a row mid-answer and sampled:
+    reading ahead with the device lookup (two steps unread at once), every row's tokens, steps
+    (so the accepted lengths) and streamed tokens equal the host lookup's, read every step; the
+    lookup's drafts are accepted (fewer steps than tokens)."""
+    target, prompts, eos = code
+    unread, most = count_unread(monkeypatch)
+    for kwargs in ({"eos_token_id": eos}, {"temperature": 0.8, "seed": [1, 2, 3, 4]}):
+        runs = {}
+        for device_lookup in (True, False):
+            unread[0] = most[0] = 0
+            drafter = NGramDrafter(8, device_lookup=device_lookup)
+            runs[device_lookup] = run(target, prompts, True, drafter=drafter, **kwargs)
+            assert most[0] == (2 if device_lookup else 1), (device_lookup, kwargs)
+        assert runs[True] == runs[False], kwargs
+        stats = runs[True][1]
+        assert sum(steps for _, steps, _ in stats) < sum(new for new, _, _ in stats), stats
+
+
+@needs_bundled
+def test_grafted_under_eagle_the_device_lookup_reads_ahead(code, monkeypatch):
+    """`eagle:tiny-code-eagle:8+ngram:8` with the n-gram lookup on the device: two steps unread
+    at once, and the tokens and steps of the registry's graft (its lookup on the host)."""
+    target, prompts, eos = code
+    spec = DrafterSpec.parse("eagle:tiny-code-eagle:8")
+    unread, most = count_unread(monkeypatch)
+    grafted = GraftedDrafter(spec.build(target), NGramDrafter(8, device_lookup=True))
+    ahead = run(target, prompts, True, drafter=grafted, eos_token_id=eos)
+    assert most[0] == 2
+    unread[0] = most[0] = 0
+    host = DrafterSpec.parse("eagle:tiny-code-eagle:8+ngram:8").build(target)
+    assert ahead == run(target, prompts, True, drafter=host, eos_token_id=eos)
+    assert most[0] == 1
+
+
+def host_lookup_run(target, request: dict):
+    """A request run alone by `generate()` with the host lookup: its tokens, and its steps with
+    what they drafted and accepted, by depth."""
+    out = generate(
+        target,
+        [request["prompt"]],
+        drafter=NGramDrafter(8, device_lookup=False),
+        max_new_tokens=request["max_new_tokens"],
+        temperature=request["temperature"],
+        seed=request["seed"],
+        eos_token_id=[],
+    )
+    return out.sequences[0][len(request["prompt"]) :].tolist(), drafting(out.stats.sequences[0])
+
+
+def drafting(stats) -> tuple:
+    return stats.steps, stats.drafted, stats.position_offered, stats.position_accepted
+
+
+@needs_bundled
+def test_served_requests_with_the_device_lookup_equal_generate(code, monkeypatch):
+    """Six requests into three slots at scripted steps, one cancelled mid-answer, greedy and
+    sampled, on a device-lookup route: the scheduler queues steps behind unread ones, the
+    drafter's rows leave and join on the device, and each request's tokens, steps and drafts
+    accepted by depth equal those of `generate()` with the host lookup on that request alone
+    (the trees of a row depend on its tokens only)."""
+    target, prompts, _ = code
+    routes = {"ngram": NGramDrafter(8, device_lookup=True)}
+    script = [(0, 30, False), (0, 24, True), (2, 16, False), (4, 20, False), (9, 12, True)]
+    script += [(14, 18, False)]
+    arrivals = [
+        (at, {"prompt": prompts[i % len(prompts)][: 12 + 5 * i], "max_new_tokens": new,
+              "temperature": 0.8 if sampled else 0.0, "seed": i, "route": "ngram"})
+        for i, (at, new, sampled) in enumerate(script)
+    ]  # fmt: skip
+    unread, most = count_unread(monkeypatch)
+    completions, queued = serve(target, routes, arrivals, True, {0: 9})
+    assert most[0] == 2 and queued > 10, (most[0], queued)
+    assert completions[0].finish_reason == "cancelled"
+    for index, (_, request) in enumerate(arrivals[1:], 1):
+        served = completions[index]
+        assert (served.tokens, drafting(served.stats)) == host_lookup_run(target, request), index
+    assert any(c.stats.accepted for c in completions[1:])
+
+
+def test_a_prompt_longer_than_the_attached_cache_is_refused():
+    drafter = NGramDrafter(4, device_lookup=True)
+    drafter.attach(tiny_llama(), 8)
+    seeds = torch.zeros(1, dtype=torch.int64)
+    state = DraftState([list(range(10))], seeds, seeds, seeds, seeds, torch.device("cpu"))
+    with pytest.raises(ValueError, match="a row of 10 tokens is longer than the cache"):
+        drafter.begin(state)
+    fits = DraftState([list(range(9))], seeds, seeds, seeds, seeds, torch.device("cpu"))
+    drafter.begin(fits)
+    assert np.array_equal(drafter.propose(fits).tokens[0, :1].numpy(), [8])
