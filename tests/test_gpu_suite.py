@@ -1,8 +1,8 @@
 """bench/gpu_suite.py fits the device's limits: its dry run plays every part on the CPU with tiny
 shapes (the tuning part's winners written elsewhere) and writes exactly two files (archive and
-summary), the quick plan is predicted under 8 minutes and each part's full plan under 4; a part
-that does not fit what is left of the budget is skipped, and one that overruns its timeout is
-killed with its output kept."""
+summary), the quick plan is predicted under QUICK_LIMIT_S (490 s) and each part's full plan
+under 4 minutes; a part that does not fit what is left of the budget is skipped, and one that
+overruns its timeout is killed with its output kept."""
 
 import json
 import os
