@@ -10,10 +10,12 @@ import random
 import numpy as np
 import pytest
 import torch
+from graph_emulation import emulated_graphs
 from test_read_ahead import code_case, count_unread, needs_bundled, run, serve
 from tiny_models import tiny_llama
 
 from specdec_fast import NGramDrafter, generate
+from specdec_fast.compiled import COMPILE_LOG
 from specdec_fast.drafters.base import PAD_PARENT, DraftState, pack_trees, reads_ahead
 from specdec_fast.drafters.graft import GraftedDrafter
 from specdec_fast.drafters.ngram_device import append_step, lookup_trees
@@ -99,14 +101,16 @@ def test_device_trees_equal_the_host_lookups(seed):
 def test_a_step_appends_its_accepted_path_and_next_token():
     """Rows of 3 and 9 tokens (width 12, the last column for writes past the end): the first
     row takes its two accepted drafts (nodes 2 and 4 of the tree) and the next token; the
-    second, its next token alone after four drafts that would run past its room, to the room
-    left, its length stopping at 11."""
+    second, four accepted drafts and the next token, of which the two columns left take the
+    first two, its length stopping at 11. The history passed in is left as it was (the
+    results are new tensors: a captured step's outputs)."""
     history = torch.zeros((2, 12), dtype=torch.int64)
     history[0, :3] = torch.tensor([5, 6, 7])
     history[1, :9] = torch.arange(10, 19)
+    before = history.clone()
     tokens = torch.tensor([[7, 20, 21, 22, 23], [18, 30, 31, 32, 33]])
     accepted = torch.tensor([[0, 2, 4, -1, -1], [0, 1, 2, 3, 4]], dtype=torch.int32)
-    lengths = append_step(
+    appended, lengths = append_step(
         history,
         torch.tensor([3, 9]),
         tokens,
@@ -115,8 +119,9 @@ def test_a_step_appends_its_accepted_path_and_next_token():
         torch.tensor([40, 41]),
     )
     assert lengths.tolist() == [6, 11]
-    assert history[0, :6].tolist() == [5, 6, 7, 21, 23, 40]
-    assert history[1, :11].tolist() == [*range(10, 19), 30, 31]
+    assert appended[0, :6].tolist() == [5, 6, 7, 21, 23, 40]
+    assert appended[1, :11].tolist() == [*range(10, 19), 30, 31]
+    assert torch.equal(history, before)
 
 
 def test_the_lookup_runs_on_the_device_where_asked_or_on_cuda():
@@ -213,6 +218,37 @@ def test_served_requests_with_the_device_lookup_equal_generate(code, monkeypatch
         served = completions[index]
         assert (served.tokens, drafting(served.stats)) == host_lookup_run(target, request), index
     assert any(c.stats.accepted for c in completions[1:])
+
+
+@needs_bundled
+def test_replayed_lookup_steps_draft_the_same_trees(code, monkeypatch):
+    """Under the CPU emulation of CUDA graphs (tests/graph_emulation.py: Python runs only at
+    capture, a replay rewrites the captured outputs) the lookup and the append replay: greedy
+    and sampled, two calls each through new drafters, every row's tokens, steps and accepted
+    counts (so the trees) equal those of the steps run as they are; the lookup's own graphs
+    were captured."""
+    target, prompts, eos = code
+    monkeypatch.setenv("SPECDEC_BACKEND", "torch")  # as the emulated runs
+
+    def calls():
+        outputs = []
+        for kwargs in ({"eos_token_id": eos}, {"temperature": 0.8, "seed": 7}):
+            for rows in (prompts, prompts[1:]):
+                drafter = NGramDrafter(8, device_lookup=True)
+                out = generate(target, rows, drafter=drafter, max_new_tokens=24, **kwargs)
+                counts = [(row.steps, row.accepted) for row in out.stats.sequences]
+                outputs.append(([s.tolist() for s in out.sequences], counts))
+        return outputs
+
+    want = calls()
+    logged = len(COMPILE_LOG)
+    with emulated_graphs() as counted:
+        got = calls()
+    assert got == want
+    captured = {label.split(" B=")[0] for label, _ in COMPILE_LOG[logged:]}
+    assert {"ngram graph lookup", "ngram graph append"} <= captured, captured
+    assert counted()["replays"] > 40, counted()
+    assert any(accepted for _, counts in want for _, accepted in counts)
 
 
 def test_a_prompt_longer_than_the_attached_cache_is_refused():

@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from specdec_fast import graphs
 from specdec_fast.compiled import CompiledSteps, compile_by_default
 from specdec_fast.transfer import to_device
 
@@ -33,7 +34,9 @@ class NGramDrafter(Drafter):
 
     The lookup runs on the host (numpy) or on the device (`specdec_fast.drafters.ngram_device`:
     the same trees, built from a token history kept on the device and appended from each step's
-    device outcome, so the drafter reads nothing and reads ahead, `Drafter.reads_ahead`).
+    device outcome, so the drafter reads nothing and reads ahead, `Drafter.reads_ahead`). There
+    the lookup and the append are compiled steps when the call compiles, replayed as CUDA
+    graphs of the drafter's own when it captures (`graphs.chosen()`).
 
     max_nodes: the tree budget N, tokens verified per step with the root included (>= 2).
     max_depth: longest continuation proposed (default: min(max_nodes - 1, 8)).
@@ -68,10 +71,12 @@ class NGramDrafter(Drafter):
         self.device_lookup = device_lookup
         self._history: list[np.ndarray] = []  # per row, its tokens so far (with spare room)
         self._lengths: list[int] = []
-        # The device lookup, once attached: its steps and history width, the rows' tokens
-        # int64 [B, width] (the last column takes writes past the end) and lengths int64 [B].
+        # The device lookup, once attached: its compiled steps, their graphs, the history's
+        # width, the rows' tokens int64 [B, width] (the last column takes writes past the end)
+        # and lengths int64 [B].
         self._on_device = False
         self._steps: CompiledSteps | None = None
+        self._graphs: graphs.StepGraphs | None = None
         self._width = 0
         self._tokens: torch.Tensor | None = None
         self._counts: torch.Tensor | None = None
@@ -93,6 +98,9 @@ class NGramDrafter(Drafter):
             self._width = max(max_cache_len + 2, self.max_matches)
             compile = compile_by_default()
             self._steps = _DEVICE_STEPS.setdefault(compile, CompiledSteps("ngram", compile))
+            # The drafter's own graphs (a replay's outputs are this drafter's history).
+            record = self._steps.record
+            self._graphs = graphs.StepGraphs("ngram", graphs.chosen(), on_capture=record)
 
     def follow_paths_to(self, depth: int) -> None:
         """Any depth: the history grows from the rows' tokens, whatever path emitted them."""
@@ -146,7 +154,12 @@ class NGramDrafter(Drafter):
             args = (self._tokens, self._counts, proposal.tokens, outcome.accepted_nodes)
             args += (outcome.num_accepted, outcome.next_tokens)
             label = f"append B={state.batch_size} N={proposal.num_nodes}"
-            self._counts = self._steps.run("append", label, append_step, *args)
+            self._tokens, self._counts = self._run("append", label, append_step, args)
+
+    def _run(self, kind: str, label: str, step, args: tuple):
+        """A device step: compiled when the call compiles, replayed as a CUDA graph when it
+        captures (`graphs.chosen()`)."""
+        return self._graphs.run(kind, label, self._steps.run, kind, label, step, *args)
 
     def end(self) -> None:
         self._tokens = self._counts = None
@@ -188,7 +201,7 @@ class NGramDrafter(Drafter):
         if self._on_device:
             label = f"lookup B={state.batch_size}"
             args = (self.shape, self._tokens, self._counts)
-            return Proposal(*self._steps.run("lookup", label, lookup_trees, *args))
+            return Proposal(*self._run("lookup", label, lookup_trees, args))
         self._sync(state.tokens)
         trees = []
         for row in range(len(self._lengths)):

@@ -22,8 +22,8 @@ and padding included, for every row at once and with no read:
    laid out breadth-first by (depth, rank) as the host lays them out.
 
 Every step is a few dozen tensor ops over `[B, S]`, `[B, M, M, D]` and `[B, MD, MD]` (M =
-`max_matches`, D = `max_depth`), one compiled step each for the lookup and the append when the
-call compiles.
+`max_matches`, D = `max_depth`): one compiled step each for the lookup and the append when the
+call compiles, each replayed as a CUDA graph when the call captures (`NGramDrafter`).
 """
 
 from __future__ import annotations
@@ -166,11 +166,12 @@ def append_step(
     accepted_nodes: torch.Tensor,
     num_accepted: torch.Tensor,
     next_tokens: torch.Tensor,
-) -> torch.Tensor:
-    """Append each row's accepted drafts and next token (a step's device outcome: the
-    proposal's `tokens` `[B, N]`, `accepted_nodes` `[B, N]`, `num_accepted` and `next_tokens`
-    `[B]`) to `history` in place; returns the new lengths. The last column of `history` takes
-    what would run past it, and lengths stop there: a row that long has filled its cache."""
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`(history, lengths)` with each row's accepted drafts and next token appended (a step's
+    device outcome: the proposal's `tokens` `[B, N]`, `accepted_nodes` `[B, N]`, `num_accepted`
+    and `next_tokens` `[B]`), as new tensors (a captured step's outputs). The last column of
+    `history` takes what would run past it, and lengths stop there: a row that long has filled
+    its cache."""
     size = history.shape[1]
     steps = torch.arange(tokens.shape[1], device=tokens.device)[None]
     accepted = num_accepted.long()[:, None]
@@ -179,5 +180,5 @@ def append_step(
     values = torch.where(steps == accepted, following, torch.cat([path, following], dim=1))
     index = lengths[:, None] + steps
     index = torch.where((steps <= accepted) & (index < size - 1), index, size - 1)
-    history.scatter_(1, index, values)
-    return (lengths + accepted[:, 0] + 1).clamp(max=size - 1)
+    lengths = (lengths + accepted[:, 0] + 1).clamp(max=size - 1)
+    return history.scatter(1, index, values), lengths
