@@ -13,6 +13,8 @@ the opt-in ones follow by name in a second command.
     draft_loop      bench/bench_draft_loop.py: the 8B-shaped target with an EAGLE-3 and a DFlash
                     head (random weights), the draft loop against the verify forward, and the
                     speed-up the bundled pair's tokens per step (the overhead part's) would give
+    lookup          opt-in: bench/bench_lookup.py: the n-gram lookup on the host against on the
+                    device (its default on CUDA), alone and grafted under EAGLE-3, side by side
     tune            opt-in: bench/tune_kernels.py: every candidate of kernels/configs.json timed
                     on issue 46's target shapes (tree attention B1/B8 N64, the stochastic
                     chain B1/B32), the table printed, the winners written into
@@ -299,6 +301,27 @@ def draft_loop_plan(quick: bool) -> dict[str, float]:
     }
 
 
+def lookup_plan(quick: bool) -> dict[str, float]:
+    """bench_lookup.py on the bundled pair: its peers at each batch, each peer's first round
+    compiling and capturing like a tiny-pair peer, and the device lookup's compiles per batch
+    class."""
+    bench = _bench_module("bench_lookup")
+    size = bench.SIZES["quick" if quick else "full"]
+    peers = bench.PEERS * len(size.batches)
+    rounds = size.rounds * (size.prompts + 1) * size.new_tokens * COSTS["e2e_token"]
+    classes = len({batch > 1 for batch in size.batches})
+    return {
+        "process": COSTS["process"],
+        f"{peers} peers x {size.rounds} rounds": peers * (COSTS["e2e_run"] + rounds),
+        "the device lookup's compiles": classes * COSTS["lookup_compile"],
+    }
+
+
+def lookup_command(work: Path, quick: bool, dry_run: bool) -> list[str]:
+    size = ["--tiny"] if dry_run else _mode(quick)
+    return [PYTHON, "bench/bench_lookup.py", *size, "--json", str(work / "lookup.json")]
+
+
 def draft_loop_command(work: Path, quick: bool, dry_run: bool) -> list[str]:
     size = ["--tiny"] if dry_run else []
     paths = ["--tau-json", str(work / "overhead.json"), "--json", str(work / "draft_loop.json")]
@@ -404,6 +427,7 @@ PARTS = {
         Part("e2e", e2e_command, e2e_plan, _json_files("e2e.json")),
         Part("overhead", overhead_command, overhead_plan, _json_files("overhead.json")),
         Part("draft_loop", draft_loop_command, draft_loop_plan, _json_files("draft_loop.json")),
+        Part("lookup", lookup_command, lookup_plan, _json_files("lookup.json"), default=False),
         Part("tune", tune_command, tune_plan, _json_files("tune.json"), default=False),
         Part("exact", exact_command, exact_plan, _json_files("exact.json"), default=False),
         Part("tests", tests_command, tests_plan, default=False),
