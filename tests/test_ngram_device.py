@@ -48,7 +48,7 @@ def device_trees(drafter: NGramDrafter, rows: list[list[int]], spare: int):
     for index, row in enumerate(rows):
         history[index, : len(row)] = torch.tensor(row)
     lengths = torch.tensor([len(row) for row in rows])
-    return lookup_trees(drafter.shape, history, lengths)
+    return lookup_trees(drafter.lookup_shape, history, lengths)
 
 
 def random_rows(rng: random.Random, batch: int) -> list[list[int]]:
@@ -89,7 +89,7 @@ def test_device_trees_equal_the_host_lookups(seed):
         expected = host_trees(drafter, rows)
         got = device_trees(drafter, rows, spare=rng.randint(0, 3) + drafter.max_matches)
         assert torch.equal(got[0], expected[0]) and torch.equal(got[1], expected[1]), (
-            drafter.shape,
+            drafter.lookup_shape,
             rows,
         )
         parents = expected[1]

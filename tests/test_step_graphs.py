@@ -135,7 +135,8 @@ needs_bundled = pytest.mark.skipif(
 # drafting code that sampling changes; the trees' drafting is the same, sampled or not). The
 # target's verify graphs serve all of them; each drafter's own steps (draft loops, updates, tree
 # steps, the draft model's forwards) replay as graphs of their own. EAGLE-1's head runs
-# EAGLE-3's drafter class: the test of later drafters covers it.
+# EAGLE-3's drafter class: the test of later drafters covers it. The lookups run on the host on
+# the CPU (the n-gram lookup's device steps replay in tests/test_ngram_device.py).
 SKIPPED = ("ngram", "suffix", "eagle:tiny-code-eagle:")
 CASES = [
     *((spec, 0.0) for spec in DRAFTERS if not spec.startswith(SKIPPED)),

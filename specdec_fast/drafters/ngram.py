@@ -78,8 +78,8 @@ class NGramDrafter(Drafter):
         self._steps: CompiledSteps | None = None
         self._graphs: graphs.StepGraphs | None = None
         self._width = 0
-        self._tokens: torch.Tensor | None = None
-        self._counts: torch.Tensor | None = None
+        self._device_tokens: torch.Tensor | None = None
+        self._device_lengths: torch.Tensor | None = None
 
     @property
     def reads_ahead(self) -> bool:
@@ -87,7 +87,8 @@ class NGramDrafter(Drafter):
         return self._on_device
 
     @property
-    def shape(self) -> LookupShape:
+    def lookup_shape(self) -> LookupShape:
+        """The device lookup's parameters."""
         return LookupShape(self.min_n, self.max_n, self.max_matches, self.max_depth, self.max_nodes)
 
     def attach(self, target, max_cache_len: int) -> None:
@@ -107,7 +108,7 @@ class NGramDrafter(Drafter):
 
     def begin(self, state: DraftState) -> None:
         if self._on_device:
-            self._tokens, self._counts = self._uploaded(state)
+            self._device_tokens, self._device_lengths = self._uploaded(state)
         else:
             self._reset_history(state.batch_size)
 
@@ -130,17 +131,18 @@ class NGramDrafter(Drafter):
 
     def keep(self, rows: list[int]) -> None:
         if self._on_device:
-            index = to_device(rows, self._tokens.device)
-            self._tokens, self._counts = self._tokens[index], self._counts[index]
+            index = to_device(rows, self._device_tokens.device)
+            self._device_tokens = self._device_tokens[index]
+            self._device_lengths = self._device_lengths[index]
             return
         self._history = [self._history[r] for r in rows]
         self._lengths = [self._lengths[r] for r in rows]
 
     def join(self, state: DraftState) -> None:
         if self._on_device:
-            tokens, counts = self._uploaded(state)
-            self._tokens = torch.cat([self._tokens, tokens])
-            self._counts = torch.cat([self._counts, counts])
+            tokens, lengths = self._uploaded(state)
+            self._device_tokens = torch.cat([self._device_tokens, tokens])
+            self._device_lengths = torch.cat([self._device_lengths, lengths])
             return
         # Empty histories: the next `_sync` fills them from the rows' tokens.
         self._history += [np.zeros(0, dtype=np.int64) for _ in range(state.batch_size)]
@@ -151,10 +153,11 @@ class NGramDrafter(Drafter):
         lookup takes them from the rows' tokens at the next `propose`."""
         if self._on_device:
             proposal = outcome.proposal
-            args = (self._tokens, self._counts, proposal.tokens, outcome.accepted_nodes)
-            args += (outcome.num_accepted, outcome.next_tokens)
+            args = (self._device_tokens, self._device_lengths, proposal.tokens)
+            args += (outcome.accepted_nodes, outcome.num_accepted, outcome.next_tokens)
             label = f"append B={state.batch_size} N={proposal.num_nodes}"
-            self._tokens, self._counts = self._run("append", label, append_step, args)
+            appended = self._run("append", label, append_step, args)
+            self._device_tokens, self._device_lengths = appended
 
     def _run(self, kind: str, label: str, step, args: tuple):
         """A device step: compiled when the call compiles, replayed as a CUDA graph when it
@@ -162,7 +165,7 @@ class NGramDrafter(Drafter):
         return self._graphs.run(kind, label, self._steps.run, kind, label, step, *args)
 
     def end(self) -> None:
-        self._tokens = self._counts = None
+        self._device_tokens = self._device_lengths = None
 
     def _sync(self, tokens: list[list[int]]) -> None:
         """Append to each row's history whatever it gained since the last call."""
@@ -200,7 +203,7 @@ class NGramDrafter(Drafter):
     def propose(self, state: DraftState) -> Proposal:
         if self._on_device:
             label = f"lookup B={state.batch_size}"
-            args = (self.shape, self._tokens, self._counts)
+            args = (self.lookup_shape, self._device_tokens, self._device_lengths)
             return Proposal(*self._run("lookup", label, lookup_trees, args))
         self._sync(state.tokens)
         trees = []
