@@ -6,6 +6,7 @@ reading ahead (two steps unread at once), alone and grafted under EAGLE. Compile
 are counted in tests/test_step_budget.py; on CUDA (the default there) in the `gpu` tests."""
 
 import random
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -14,8 +15,8 @@ from graph_emulation import emulated_graphs
 from test_read_ahead import code_case, count_unread, needs_bundled, run, serve
 from tiny_models import tiny_llama
 
-from specdec_fast import NGramDrafter, generate
-from specdec_fast.compiled import COMPILE_LOG
+from specdec_fast import NGramDrafter, generate, graphs
+from specdec_fast.compiled import COMPILE_LOG, compile_choice
 from specdec_fast.drafters.base import PAD_PARENT, DraftState, pack_trees, reads_ahead
 from specdec_fast.drafters.graft import GraftedDrafter
 from specdec_fast.drafters.ngram_device import append_step, lookup_trees
@@ -124,17 +125,25 @@ def test_a_step_appends_its_accepted_path_and_next_token():
     assert torch.equal(history, before)
 
 
-def test_the_lookup_runs_on_the_device_where_asked_or_on_cuda():
-    """On a CPU target the default is the host lookup (reading every step); asked for, the
-    device lookup, which reads ahead, alone and grafted under a drafter that reads ahead."""
-    target = tiny_llama()
-    chosen = {}
-    for device_lookup in (None, True, False):
-        drafter = NGramDrafter(8, device_lookup=device_lookup)
-        assert not reads_ahead(drafter)  # decided when attached
-        drafter.attach(target, 64)
-        chosen[device_lookup] = reads_ahead(drafter)
-    assert chosen == {None: False, True: True, False: False}
+def test_where_the_lookup_runs():
+    """Asked for, on the device (reading ahead) or on the host; by default on the device only
+    for a CUDA target whose call compiles or captures graphs, on the host for a CPU target
+    whatever the call does. (An object that says it is on CUDA stands in for the CUDA target:
+    attaching touches no device.)"""
+    targets = {"cpu": tiny_llama(), "cuda": SimpleNamespace(device=torch.device("cuda"))}
+    chosen, expected = {}, {}
+    for where, target in targets.items():
+        for compile, captures in ((False, False), (True, False), (False, True)):
+            with compile_choice(compile), graphs.choice(captures):
+                for device_lookup in (None, True, False):
+                    drafter = NGramDrafter(8, device_lookup=device_lookup)
+                    assert not reads_ahead(drafter)  # decided when attached
+                    drafter.attach(target, 64)
+                    key = (where, compile, captures, device_lookup)
+                    chosen[key] = reads_ahead(drafter)
+                    default = where == "cuda" and (compile or captures)
+                    expected[key] = default if device_lookup is None else device_lookup
+    assert chosen == expected
     with pytest.raises(ValueError, match="device_lookup must be None or a bool"):
         NGramDrafter(8, device_lookup="cuda")
 

@@ -40,10 +40,12 @@ class NGramDrafter(Drafter):
 
     max_nodes: the tree budget N, tokens verified per step with the root included (>= 2).
     max_depth: longest continuation proposed (default: min(max_nodes - 1, 8)).
-    device_lookup: look up on the device; None (default): on a CUDA target, where a step left
-        unread overlaps the next one, and on the host elsewhere, where the numpy lookup is the
-        faster. Every proposal of a device lookup is `max_nodes` wide (padded); the host's is as
-        wide as the batch's largest tree.
+    device_lookup: look up on the device; None (default): on a CUDA target whose call compiles
+        or captures graphs (`generate`'s defaults there), where a step left unread overlaps the
+        next one, and on the host elsewhere: on the CPU the numpy lookup is the faster
+        (bench/NOTES.md), and eagerly on CUDA (exact mode) the device lookup's ~300 small
+        kernels a step would cost more than it. Every proposal of a device lookup is
+        `max_nodes` wide (padded); the host's is as wide as the batch's largest tree.
     """
 
     # Valid trees by construction (tests/test_drafter_checks.py): values go unchecked.
@@ -92,12 +94,15 @@ class NGramDrafter(Drafter):
         return LookupShape(self.min_n, self.max_n, self.max_matches, self.max_depth, self.max_nodes)
 
     def attach(self, target, max_cache_len: int) -> None:
-        on_cuda = target.device.type == "cuda"
-        self._on_device = on_cuda if self.device_lookup is None else self.device_lookup
+        compile = compile_by_default()
+        if self.device_lookup is None:
+            on_cuda = target.device.type == "cuda"
+            self._on_device = on_cuda and (compile or graphs.chosen())
+        else:
+            self._on_device = self.device_lookup
         if self._on_device:
             # Every token a row holds, its root included, and the column for writes past them.
             self._width = max(max_cache_len + 2, self.max_matches)
-            compile = compile_by_default()
             self._steps = _DEVICE_STEPS.setdefault(compile, CompiledSteps("ngram", compile))
             # The drafter's own graphs (a replay's outputs are this drafter's history).
             record = self._steps.record
