@@ -2,7 +2,8 @@
 
 The n-gram drafter looks up on the host (numpy; its default on the CPU, reading every step) or
 on the device (`NGramDrafter(device_lookup=True)`: the same trees from a token history kept on
-the device, compiled steps replayed as CUDA graphs, reading ahead; its default on CUDA). Peers,
+the device, compiled steps replayed as CUDA graphs, reading ahead; its default on CUDA when
+compiling). Peers,
 greedy on the same held-out code prompts, in rounds taken in turns (`e2e.interleave`: medians,
 per-round ratios): our plain decoding, the n-gram drafter with each lookup, and EAGLE-3 with each
 lookup grafted on (`eagle:tiny-code-eagle3:8+ngram:8`). Both lookups draft the same trees, so

@@ -14,7 +14,7 @@ the opt-in ones follow by name in a second command.
                     head (random weights), the draft loop against the verify forward, and the
                     speed-up the bundled pair's tokens per step (the overhead part's) would give
     lookup          opt-in: bench/bench_lookup.py: the n-gram lookup on the host against on the
-                    device (its default on CUDA), alone and grafted under EAGLE-3, side by side
+                    device (its default there), alone and grafted under EAGLE-3, side by side
     tune            opt-in: bench/tune_kernels.py: every candidate of kernels/configs.json timed
                     on issue 46's target shapes (tree attention B1/B8 N64, the stochastic
                     chain B1/B32), the table printed, the winners written into
@@ -110,7 +110,7 @@ COSTS = {
     "e2e_run": 12.0,  # one drafter (or HF mode) on the tiny pair: compiles, graphs, first round
     "e2e_token": 0.004,  # each generated token of the tiny pair in a later round
     # inductor compiling the n-gram drafter's device lookup and append for one batch class (1,
-    # 2+): two small graphs, its default on CUDA since 2026-12-06 (lead)
+    # 2+): two small graphs, its default on CUDA when compiling since 2026-12-06 (lead)
     "lookup_compile": 5.0,
     "step_8b": 0.02,  # one speculative step of the 8B-shaped target with its host work (lead)
     "eager_token": 0.03,  # one eager step (lead: exact mode, 30 layers, host-bound)

@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 import torch
 from graph_emulation import emulated_graphs
-from test_read_ahead import code_case, count_unread, needs_bundled, run, serve
+from test_read_ahead import code_case, code_prompts, count_unread, needs_bundled, run, serve
+from test_step_budget import arm_after_read_backs
 from tiny_models import tiny_llama
 
 from specdec_fast import NGramDrafter, generate, graphs
@@ -21,6 +22,7 @@ from specdec_fast.drafters.base import PAD_PARENT, DraftState, pack_trees, reads
 from specdec_fast.drafters.graft import GraftedDrafter
 from specdec_fast.drafters.ngram_device import append_step, lookup_trees
 from specdec_fast.drafters.registry import DrafterSpec
+from specdec_fast.loading import load_model
 
 
 @pytest.fixture(scope="module")
@@ -127,7 +129,7 @@ def test_a_step_appends_its_accepted_path_and_next_token():
 
 def test_where_the_lookup_runs():
     """Asked for, on the device (reading ahead) or on the host; by default on the device only
-    for a CUDA target whose call compiles or captures graphs, on the host for a CPU target
+    for a CUDA target whose call compiles (captured graphs or not), on the host for a CPU target
     whatever the call does. (An object that says it is on CUDA stands in for the CUDA target:
     attaching touches no device.)"""
     targets = {"cpu": tiny_llama(), "cuda": SimpleNamespace(device=torch.device("cuda"))}
@@ -141,7 +143,7 @@ def test_where_the_lookup_runs():
                     drafter.attach(target, 64)
                     key = (where, compile, captures, device_lookup)
                     chosen[key] = reads_ahead(drafter)
-                    default = where == "cuda" and (compile or captures)
+                    default = where == "cuda" and compile
                     expected[key] = default if device_lookup is None else device_lookup
     assert chosen == expected
     with pytest.raises(ValueError, match="device_lookup must be None or a bool"):
@@ -270,3 +272,39 @@ def test_a_prompt_longer_than_the_attached_cache_is_refused():
     fits = DraftState([list(range(9))], seeds, seeds, seeds, seeds, torch.device("cpu"))
     drafter.begin(fits)
     assert np.array_equal(drafter.propose(fits).tokens[0, :1].numpy(), [8])
+
+
+@pytest.mark.gpu
+def test_on_cuda_the_device_lookup_never_syncs_and_drafts_as_the_host():
+    """On CUDA, once warm (its steps captured as graphs: these tests run uncompiled), the device
+    lookup's steps never sync but for each step's read-back (`set_sync_debug_mode("error")`,
+    `arm_after_read_backs`), alone and grafted under EAGLE, at batch 1 and 4; its tokens, steps
+    and accepted counts are the host lookup's."""
+    model = load_model("tiny-code", torch.device("cuda"))
+    prompts = code_prompts()
+    eagle = DrafterSpec.parse("eagle:tiny-code-eagle:8").factory(model)
+    makers = {
+        "ngram": lambda on: NGramDrafter(8, device_lookup=on),
+        "graft": lambda on: GraftedDrafter(eagle(), NGramDrafter(8, device_lookup=on)),
+    }
+    with pytest.MonkeyPatch.context() as patch:
+        armed = []
+        arm_after_read_backs(patch, armed)
+        for name, make in makers.items():
+            for rows in (prompts[:1], prompts):
+                host = drafted(model, rows, make(False))
+                drafted(model, rows, make(True))  # warm-up: the lookup's graphs captured
+                armed.append(True)
+                try:
+                    on_device = drafted(model, rows, make(True))
+                finally:
+                    armed.clear()
+                    torch.cuda.set_sync_debug_mode(0)
+                assert on_device == host, (name, len(rows))
+
+
+def drafted(model, rows, drafter):
+    """A greedy call's tokens, and each row's steps and accepted counts."""
+    out = generate(model, rows, drafter=drafter, max_new_tokens=24, eos_token_id=[])
+    counts = [(row.steps, row.accepted) for row in out.stats.sequences]
+    return [s.tolist() for s in out.sequences], counts

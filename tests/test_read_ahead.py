@@ -22,6 +22,7 @@ from tiny_models import repetitive_prompts, tiny_llama
 from specdec_fast import NGramDrafter, bundled, engine, generate, step
 from specdec_fast.arguments import CACHE_BLOCK
 from specdec_fast.cache import SpecKVCache
+from specdec_fast.drafters.graft import GraftedDrafter
 from specdec_fast.drafters.registry import DrafterSpec
 from specdec_fast.guardrails import GuardedDrafter, GuardrailPolicy, RouteGuard
 from specdec_fast.loading import load_model, load_tokenizer
@@ -466,12 +467,17 @@ def test_read_ahead_on_cuda_equals_reading_every_step(monkeypatch):
     for kwargs in ({"eos_token_id": [7, 11]}, {"temperature": 0.9, "seed": [1, 2, 3, 4]}):
         assert run(target, rows, True, **kwargs) == run(target, rows, False, **kwargs)
     code, prompts = load_model("tiny-code", torch.device("cuda")), code_prompts()
-    # On CUDA the n-gram lookup runs on the device (its default there) and reads ahead, alone
-    # and grafted.
-    specs = ["eagle:tiny-code-eagle3:8", "block:tiny-code-dflash:8", "ngram:8"]
+    # The n-gram lookup on the device (its default on CUDA when compiling; these tests run
+    # uncompiled) reads ahead, alone and grafted.
+    specs = ["eagle:tiny-code-eagle3:8", "block:tiny-code-dflash:8"]
+    makers = {spec: DrafterSpec.parse(spec).factory(code) for spec in specs}
+    eagle = DrafterSpec.parse("eagle:tiny-code-eagle:8").factory(code)
+    makers["ngram:8 on the device"] = lambda: NGramDrafter(8, device_lookup=True)
+    makers["eagle+ngram on the device"] = lambda: GraftedDrafter(
+        eagle(), NGramDrafter(8, device_lookup=True)
+    )
     unread, most = count_unread(monkeypatch)
-    for spec in [*specs, "eagle:tiny-code-eagle:8+ngram:8"]:
-        make = DrafterSpec.parse(spec).factory(code)
+    for spec, make in makers.items():
         for kwargs in ({}, {"temperature": 0.8, "seed": [1, 2, 3, 4]}):
             unread[0] = most[0] = 0
             ahead = run(code, prompts, True, drafter=make(), **kwargs)

@@ -161,9 +161,9 @@ def test_sampled_steps_read_once(prompts, factories, spec):
 
 @pytest.mark.parametrize("batch", BATCHES, ids=[f"B{b}" for b in BATCHES])
 def test_the_device_lookup_reads_once_and_drafts_as_the_host_lookup(target, prompts, batch):
-    """The n-gram drafter's device lookup (its default on CUDA, where the registry's `ngram`
-    specs and grafts use it), compiled: within both limits, and the host lookup's tokens and
-    steps."""
+    """The n-gram drafter's device lookup (its default on CUDA when compiling, where the
+    registry's `ngram` specs and grafts use it), compiled: within both limits, and the host
+    lookup's tokens and steps."""
     run = compiled_run(target, lambda: NGramDrafter(8, device_lookup=True), prompts, batch)
     counts = counted(run)
     within = counts.reads_per_step <= MAX_READS and counts.ops_per_step <= MAX_EAGER_OPS

@@ -41,10 +41,11 @@ class NGramDrafter(Drafter):
     max_nodes: the tree budget N, tokens verified per step with the root included (>= 2).
     max_depth: longest continuation proposed (default: min(max_nodes - 1, 8)).
     device_lookup: look up on the device; None (default): on a CUDA target whose call compiles
-        or captures graphs (`generate`'s defaults there), where a step left unread overlaps the
-        next one, and on the host elsewhere: on the CPU the numpy lookup is the faster
-        (bench/NOTES.md), and eagerly on CUDA (exact mode) the device lookup's ~300 small
-        kernels a step would cost more than it. Every proposal of a device lookup is
+        (`generate`'s default there), where a step left unread overlaps the next one, and on the
+        host elsewhere: on the CPU the numpy lookup is the faster (bench/NOTES.md), and
+        uncompiled on CUDA (exact mode, `compile=False`) the device lookup is about 300 small
+        kernels a step (one graph replay when the call captures, but as many kernels on the
+        device), where the compiled one fuses them. Every proposal of a device lookup is
         `max_nodes` wide (padded); the host's is as wide as the batch's largest tree.
     """
 
@@ -96,8 +97,7 @@ class NGramDrafter(Drafter):
     def attach(self, target, max_cache_len: int) -> None:
         compile = compile_by_default()
         if self.device_lookup is None:
-            on_cuda = target.device.type == "cuda"
-            self._on_device = on_cuda and (compile or graphs.chosen())
+            self._on_device = target.device.type == "cuda" and compile
         else:
             self._on_device = self.device_lookup
         if self._on_device:
