@@ -235,20 +235,20 @@ def test_served_requests_with_the_device_lookup_equal_generate(code, monkeypatch
 def test_replayed_lookup_steps_draft_the_same_trees(code, monkeypatch):
     """Under the CPU emulation of CUDA graphs (tests/graph_emulation.py: Python runs only at
     capture, a replay rewrites the captured outputs) the lookup and the append replay: greedy
-    and sampled, two calls each through new drafters, every row's tokens, steps and accepted
-    counts (so the trees) equal those of the steps run as they are; the lookup's own graphs
-    were captured."""
+    and sampled calls through new drafters give every row's tokens, steps and accepted counts
+    (so the trees) of the steps run as they are; the lookup's own graphs were captured."""
     target, prompts, eos = code
     monkeypatch.setenv("SPECDEC_BACKEND", "torch")  # as the emulated runs
 
     def calls():
         outputs = []
-        for kwargs in ({"eos_token_id": eos}, {"temperature": 0.8, "seed": 7}):
-            for rows in (prompts, prompts[1:]):
-                drafter = NGramDrafter(8, device_lookup=True)
-                out = generate(target, rows, drafter=drafter, max_new_tokens=24, **kwargs)
-                counts = [(row.steps, row.accepted) for row in out.stats.sequences]
-                outputs.append(([s.tolist() for s in out.sequences], counts))
+        # Greedy over four rows, then sampled over three (its graphs captured anew).
+        sampled = {"temperature": 0.8, "seed": 7}
+        for rows, kwargs in ((prompts, {"eos_token_id": eos}), (prompts[1:], sampled)):
+            drafter = NGramDrafter(8, device_lookup=True)
+            out = generate(target, rows, drafter=drafter, max_new_tokens=24, **kwargs)
+            counts = [(row.steps, row.accepted) for row in out.stats.sequences]
+            outputs.append(([s.tolist() for s in out.sequences], counts))
         return outputs
 
     want = calls()
@@ -258,7 +258,7 @@ def test_replayed_lookup_steps_draft_the_same_trees(code, monkeypatch):
     assert got == want
     captured = {label.split(" B=")[0] for label, _ in COMPILE_LOG[logged:]}
     assert {"ngram graph lookup", "ngram graph append"} <= captured, captured
-    assert counted()["replays"] > 40, counted()
+    assert counted()["replays"] > 20, counted()
     assert any(accepted for _, counts in want for _, accepted in counts)
 
 
