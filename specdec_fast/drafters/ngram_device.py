@@ -21,9 +21,10 @@ and padding included, for every row at once and with no read:
    nodes by (count descending, depth, rank) are the tree (a child never comes before its parent),
    laid out breadth-first by (depth, rank) as the host lays them out.
 
-Every step is a few dozen tensor ops over `[B, S]`, `[B, M, M, D]` and `[B, MD, MD]` (M =
-`max_matches`, D = `max_depth`): one compiled step each for the lookup and the append when the
-call compiles, each replayed as a CUDA graph when the call captures (`NGramDrafter`).
+The tensors are `[B, S]`, `[B, M, M, D]` and `[B, MD, MD]` (M = `max_matches`, D =
+`max_depth`), small but many: uncompiled, the lookup is about 280 operators (the loops over n
+and depth unrolled) and the append 17. So the drafter runs them on the device only as compiled
+steps by default, each replayed as a CUDA graph when the call captures (`NGramDrafter`).
 """
 
 from __future__ import annotations
