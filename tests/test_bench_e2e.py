@@ -1,14 +1,11 @@
 """The end-to-end benchmarks run on the CPU at small sizes (random models), so CI keeps them
 working (the GPU suite: test_gpu_suite.py)."""
 
-import json
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
-from bench_smoke import ROOT, import_bench
+from bench_smoke import import_bench
 from tiny_models import first_layers, repetitive_prompts, tiny_llama
 
 from specdec_fast import NGramDrafter, bundled
@@ -219,25 +216,3 @@ def test_served_runs_give_our_outputs_and_statistics(monkeypatch):
         assert served == outputs
         assert (record.new_tokens, record.tokens_per_step) == (24, ours.tokens_per_step)
         assert record.batch == 1 and record.tokens_per_s > 0
-
-
-@pytest.mark.skipif("tiny-code" not in bundled.available(), reason="needs the bundled pair")
-def test_bench_lookup_times_both_lookups_drafting_alike(tmp_path):
-    """`bench/bench_lookup.py --tiny`: plain decoding, then the n-gram drafter and EAGLE-3 with
-    it grafted on, each with its lookup on the host and on the device. The two lookups draft
-    alike (the script fails otherwise), every output is plain decoding's, and each drafter's
-    host time per step is recorded (none for plain decoding)."""
-    path = tmp_path / "lookup.json"
-    command = [sys.executable, "bench/bench_lookup.py", "--tiny", "--json", str(path)]
-    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
-    results = {r["peer"]: r for r in json.loads(path.read_text())["results"]}
-    lookups = [peer for peer in results if peer.endswith(" lookup")]
-    assert len(lookups) == 4 and "ours plain" in results
-    assert all(r["identical_to_plain"] for r in results.values())
-    for host in (peer for peer in lookups if "host" in peer):
-        device = results[host.replace("host lookup", "device lookup")]
-        assert device["tokens_per_step"] == results[host]["tokens_per_step"]
-    assert results["ours plain"]["drafter_host_us_per_step"] is None
-    assert all(results[peer]["drafter_host_us_per_step"] > 0 for peer in lookups)
-    assert "| ours ngram N=16 device lookup | 1 |" in done.stdout

@@ -49,6 +49,8 @@ def test_dry_run_plays_every_part_and_predicts_the_quick_budget(tmp_path, suite,
     results = {name for part in summary["parts"] for name in part.get("results", {})}
     assert {"tree_attention.json", "verify.json", "kv_compact.json", "e2e.json"} <= results
     assert {"overhead.json", "draft_loop.json"} <= results
+    parts = {part["name"]: part for part in summary["parts"]}
+    check_lookup_play(parts["lookup"]["results"]["lookup.json"]["results"])
     with tarfile.open(out / suite.ARCHIVE) as archive:
         members = {member.name.rsplit("/", 1)[-1]: member for member in archive.getmembers()}
         assert {f"{name}.log" for name in suite.PARTS} <= members.keys()
@@ -58,6 +60,22 @@ def test_dry_run_plays_every_part_and_predicts_the_quick_budget(tmp_path, suite,
     assert "| shape | peer | us median (min-max) | floor us |" in result.stdout
     (tune,) = [part["results"]["tune.json"] for part in summary["parts"] if part["name"] == "tune"]
     check_tuning_play(tune, configs, import_bench(monkeypatch, "tune_kernels"), committed)
+
+
+def check_lookup_play(results: list[dict]) -> None:
+    """The lookup part's CPU play (`bench_lookup.py --tiny`): plain decoding, then the n-gram
+    drafter and EAGLE-3 with it grafted on, each with its lookup on the host and on the device.
+    The two lookups draft alike (the script fails otherwise; here: the same tokens per step),
+    every output is plain decoding's, and each drafter's host time per step is recorded."""
+    by_peer = {r["peer"]: r for r in results}
+    lookups = [peer for peer in by_peer if peer.endswith(" lookup")]
+    assert len(lookups) == 4 and "ours plain" in by_peer
+    assert all(r["identical_to_plain"] for r in results)
+    for host in (peer for peer in lookups if "host" in peer):
+        device = by_peer[host.replace("host lookup", "device lookup")]
+        assert device["tokens_per_step"] == by_peer[host]["tokens_per_step"]
+    assert by_peer["ours plain"]["drafter_host_us_per_step"] is None
+    assert all(by_peer[peer]["drafter_host_us_per_step"] > 0 for peer in lookups)
 
 
 def check_tuning_play(result: dict, written: dict, tune, committed: str) -> None:
