@@ -23,17 +23,27 @@ and padding included, for every row at once and with no read:
 
 The tensors are `[B, S]`, `[B, M, M, D]` and `[B, MD, MD]` (M = `max_matches`, D =
 `max_depth`), small but many: uncompiled, the lookup is about 280 operators (the loops over n
-and depth unrolled) and the append 17. So the drafter runs them on the device only as compiled
-steps by default, each replayed as a CUDA graph when the call captures (`NGramDrafter`).
+and depth unrolled) and the append 17. So `NGramDrafter` looks up on the device by default only
+where the call compiles; `DeviceLookup` holds the history and runs both steps, each replayed as
+a CUDA graph when the call captures.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
-from .base import PAD_PARENT
+from specdec_fast.compiled import CompiledSteps
+from specdec_fast.graphs import StepGraphs
+from specdec_fast.transfer import to_device
+
+from .base import PAD_PARENT, DraftState, Proposal, StepOutcome
+
+# The lookup's compiled steps by compile choice, shared by every device lookup of the process
+# (each `generate` call of a registry spec makes a new drafter): a shape compiles once.
+_STEPS: dict[bool, CompiledSteps] = {}
 
 
 @dataclass(frozen=True)
@@ -45,6 +55,70 @@ class LookupShape:
     max_matches: int
     max_depth: int
     max_nodes: int
+
+
+class DeviceLookup:
+    """`NGramDrafter`'s lookup on the device: the rows' tokens int64 `[B, width]` and lengths
+    int64 `[B]` (the last column takes writes past the end), appended by `append_step` from each
+    step's device outcome and looked up by `lookup_trees`, each a compiled step when `compile`,
+    replayed as CUDA graphs of this lookup's own when `capture` (a replay's outputs are this
+    lookup's history)."""
+
+    reads_ahead = True
+
+    def __init__(self, shape: LookupShape, max_cache_len: int, compile: bool, capture: bool):
+        self.shape = shape
+        # Every token a row holds, its root included, and the column for writes past them.
+        self.width = max(max_cache_len + 2, shape.max_matches)
+        self._steps = _STEPS.setdefault(compile, CompiledSteps("ngram", compile))
+        self._graphs = StepGraphs("ngram", capture, on_capture=self._steps.record)
+        self._tokens: torch.Tensor | None = None
+        self._lengths: torch.Tensor | None = None
+
+    def begin(self, state: DraftState) -> None:
+        self._tokens, self._lengths = self._uploaded(state)
+
+    def _uploaded(self, state: DraftState) -> tuple[torch.Tensor, torch.Tensor]:
+        """The history of `state`'s rows (their whole tokens: prompts at `begin`/`join`)."""
+        lengths = [len(row) for row in state.tokens]
+        if max(lengths) > self.width - 1:
+            raise ValueError(
+                f"a row of {max(lengths)} tokens is longer than the cache this drafter was "
+                f"attached for ({self.width - 2} tokens and its root)"
+            )
+        tokens = np.zeros((len(lengths), self.width), dtype=np.int64)
+        for row, row_tokens in enumerate(state.tokens):
+            tokens[row, : len(row_tokens)] = row_tokens
+        return to_device(tokens, state.device), to_device(np.array(lengths), state.device)
+
+    def keep(self, rows: list[int]) -> None:
+        index = to_device(rows, self._tokens.device)
+        self._tokens, self._lengths = self._tokens[index], self._lengths[index]
+
+    def join(self, state: DraftState) -> None:
+        tokens, lengths = self._uploaded(state)
+        self._tokens = torch.cat([self._tokens, tokens])
+        self._lengths = torch.cat([self._lengths, lengths])
+
+    def propose(self, state: DraftState) -> Proposal:
+        label = f"lookup B={state.batch_size}"
+        args = (self.shape, self._tokens, self._lengths)
+        return Proposal(*self._run("lookup", label, lookup_trees, args))
+
+    def update(self, state: DraftState, outcome: StepOutcome) -> None:
+        proposal = outcome.proposal
+        label = f"append B={state.batch_size} N={proposal.num_nodes}"
+        args = (self._tokens, self._lengths, proposal.tokens, outcome.accepted_nodes)
+        args += (outcome.num_accepted, outcome.next_tokens)
+        self._tokens, self._lengths = self._run("append", label, append_step, args)
+
+    def end(self) -> None:
+        self._tokens = self._lengths = None
+
+    def _run(self, kind: str, label: str, step, args: tuple):
+        """`step(*args)`: compiled when the call compiles, replayed as a CUDA graph when it
+        captures."""
+        return self._graphs.run(kind, label, self._steps.run, kind, label, step, *args)
 
 
 def lookup_trees(
