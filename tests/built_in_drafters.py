@@ -5,6 +5,7 @@ run over untrained checkpoints in the bundled layouts, written by `write_untrain
 from pathlib import Path
 
 import torch
+from tiny_models import first_layers
 
 from specdec_fast import PardDraft
 from specdec_fast.drafters.registry import REGISTRY, DrafterSpec
@@ -26,13 +27,16 @@ DRAFTERS = [
 ]
 
 
-def write_untrained_blocks(target, folder: Path) -> dict[str, str]:
+def write_untrained_blocks(target, folder: Path, draft_layers: int | None = None) -> dict[str, str]:
     """A DFlash head for `target` (seeded) and the bundled draft model as a PARD model (its pad
-    token as the mask), saved under `folder`; returns the `{dflash}`/`{pard}` spec fields."""
+    token as the mask; cut to its first `draft_layers` layers when given), saved under `folder`;
+    returns the `{dflash}`/`{pard}` spec fields."""
     torch.manual_seed(0)
     dflash, pard = folder / "dflash", folder / "pard"
     DFlashHead.for_target(target, num_layers=1, block_size=8).save_pretrained(dflash)
     draft = load_model("tiny-code-draft", target.device)
+    if draft_layers is not None:
+        draft = first_layers(draft, draft_layers)
     PardDraft(draft, draft.config.pad_token_id).save_pretrained(pard)
     return {"dflash": str(dflash), "pard": str(pard)}
 

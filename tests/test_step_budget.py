@@ -16,7 +16,9 @@ graphs as `generate(compile=True)` does, and its `eager` backend runs them as ca
 with inductor 49 minutes, the same counts). The target is the bundled one cut to its first two
 layers (what runs outside the graphs does not depend on the depth inside them; dynamo's capture
 costs each layer), but for the drafters that read deeper layers (EAGLE-3's head: 1, 3 and 5).
-The counted runs are short (6 and 20 new tokens, 48-token prompts).
+So are the draft models (the bundled draft and PARD's), to their first layer: their loops
+compile as one region at any depth. The counted runs are short (6 and 20 new tokens, 48-token
+prompts).
 """
 
 import functools
@@ -71,6 +73,7 @@ def graphs_without_codegen():
 # Drafters reading hidden states of layers past the cut target's two: they run on the full one.
 DEEP = {"eagle:tiny-code-eagle3:8"}
 SHALLOW_LAYERS = 2
+DRAFT_LAYERS = 1
 
 
 @pytest.fixture(scope="module")
@@ -96,7 +99,14 @@ def prompts():
 
 @pytest.fixture(scope="module")
 def blocks(target, tmp_path_factory):
-    return write_untrained_blocks(target, tmp_path_factory.mktemp("blocks"))
+    """The `{dflash}`/`{pard}` spec fields, and the bundled draft model cut to its first layer
+    standing in for `tiny-code-draft`."""
+    folder = tmp_path_factory.mktemp("blocks")
+    draft = folder / "draft"
+    first_layers(load_model("tiny-code-draft", torch.device("cpu")), DRAFT_LAYERS).save_pretrained(
+        draft
+    )
+    return {**write_untrained_blocks(target, folder, DRAFT_LAYERS), "draft": str(draft)}
 
 
 @pytest.fixture(scope="module")
@@ -108,7 +118,8 @@ def factories(target, deep_target, blocks):
     def factory(spec):
         if spec not in cache:
             model = deep_target if spec in DEEP else target
-            cache[spec] = model, DrafterSpec.parse(spec.format(**blocks)).factory(model)
+            parsed = spec.replace("tiny-code-draft", "{draft}").format(**blocks)
+            cache[spec] = model, DrafterSpec.parse(parsed).factory(model)
         return cache[spec]
 
     return factory

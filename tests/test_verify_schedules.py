@@ -39,7 +39,7 @@ SPLIT_CASES = [
     (1, 6, 61, torch.float32, False, 8, 1),  # one walk tile per slice
     (5, 6, 61, torch.float32, False, 3, 1),
     (7, 5, 50, torch.bfloat16, False, 2, 4),  # blocks of sequences, a partial last block
-    (6, 6, 37, torch.float16, True, 5, 2),  # filters: the kernel stays exact (unused on a GPU)
+    (3, 6, 37, torch.float16, True, 5, 2),  # filters: the kernel stays exact (unused on a GPU)
     (4, 4, 29, torch.float32, False, 16, 1),  # more slices asked than walk tiles: one each
 ]
 
@@ -71,7 +71,7 @@ def test_split_residual_race_agrees_with_reference(
 def test_residual_without_positive_weight_falls_back_to_the_node_sample():
     """q(x) = 2 > p(x) = 1 at the only token p allows: half the drafts are rejected, and the
     residual max(0, p - q) is zero everywhere, so the emitted token is the node's own sample."""
-    batch, num_nodes, vocab = 6, 3, 40
+    batch, num_nodes, vocab = 5, 3, 24
     generator = torch.Generator().manual_seed(3)
     allowed = torch.randint(0, vocab, (batch, num_nodes), generator=generator)
     logits = torch.full((batch, num_nodes, vocab), float("-inf"))
@@ -125,7 +125,7 @@ def test_chain_accepted_prefix_decided_at_once_agrees_with_reference(num_nodes):
     close to the target so that deep prefixes are accepted (the case checks it)."""
     generator = torch.Generator().manual_seed(num_nodes)
     logits, tokens, parents, draft_probs, params = sampling_case(
-        "chain+probs", 6, num_nodes, 45, torch.float32, generator
+        "chain+probs", 5, num_nodes, 29, torch.float32, generator
     )
     params.pop("top_k")
     params.pop("top_p")
