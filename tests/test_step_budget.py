@@ -15,10 +15,11 @@ graphs as `generate(compile=True)` does, and its `eager` backend runs them as ca
 (`graphs_without_codegen`): the module costs about 200 CPU seconds (with `aot_eager` 1.8x that,
 with inductor 49 minutes, the same counts). The target is the bundled one cut to its first two
 layers (what runs outside the graphs does not depend on the depth inside them; dynamo's capture
-costs each layer), but for the drafters that read deeper layers (EAGLE-3's head: 1, 3 and 5).
-So are the draft models (the bundled draft and PARD's), to their first layer: their loops
-compile as one region at any depth. The counted runs are short (6 and 20 new tokens, 48-token
-prompts).
+costs each layer), the draft models (the bundled draft and PARD's) to their first layer (their
+loops compile as one region at any depth). EAGLE-3's bundled head reads the full target's
+layers 1, 3 and 5: an untrained EAGLE-3 head for the cut target (its layers 0, 1 and 1, a
+reduced draft vocabulary as the bundled one's) stands in for it. The counted runs are short (6
+and 20 new tokens, 48-token prompts).
 """
 
 import functools
@@ -35,6 +36,7 @@ from tiny_models import first_layers
 import specdec_fast
 from specdec_fast import NGramDrafter, bundled, generate, transfer
 from specdec_fast.drafters.registry import DrafterSpec
+from specdec_fast.heads.eagle import Eagle3Head
 from specdec_fast.loading import load_model, load_tokenizer
 from specdec_fast.prompts import load_code_prompts
 from specdec_fast.serving import Request, Scheduler
@@ -70,15 +72,8 @@ def graphs_without_codegen():
         yield
 
 
-# Drafters reading hidden states of layers past the cut target's two: they run on the full one.
-DEEP = {"eagle:tiny-code-eagle3:8"}
 SHALLOW_LAYERS = 2
 DRAFT_LAYERS = 1
-
-
-@pytest.fixture(scope="module")
-def deep_target():
-    return load_model("tiny-code", torch.device("cpu"))
 
 
 @pytest.fixture(scope="module")
@@ -99,27 +94,31 @@ def prompts():
 
 @pytest.fixture(scope="module")
 def blocks(target, tmp_path_factory):
-    """The `{dflash}`/`{pard}` spec fields, and the bundled draft model cut to its first layer
-    standing in for `tiny-code-draft`."""
+    """The `{dflash}`/`{pard}` spec fields, and what stands in for the bundled draft model (cut
+    to its first layer) and EAGLE-3 head (untrained, for the cut target)."""
     folder = tmp_path_factory.mktemp("blocks")
-    draft = folder / "draft"
+    draft, eagle3 = folder / "draft", folder / "eagle3"
     first_layers(load_model("tiny-code-draft", torch.device("cpu")), DRAFT_LAYERS).save_pretrained(
         draft
     )
-    return {**write_untrained_blocks(target, folder, DRAFT_LAYERS), "draft": str(draft)}
+    blocks = write_untrained_blocks(target, folder, DRAFT_LAYERS)  # seeds torch
+    vocab = target.config.vocab_size
+    draft_ids = torch.randperm(vocab)[: 2 * vocab // 3].tolist()
+    Eagle3Head.for_target(target, draft_ids, target_layers=(0, 1, 1)).save_pretrained(eagle3)
+    return {**blocks, "draft": str(draft), "eagle3": str(eagle3)}
 
 
 @pytest.fixture(scope="module")
-def factories(target, deep_target, blocks):
+def factories(target, blocks):
     """One factory per drafter for the module: its models load once, and their compiled steps
     serve both batch sizes. Returns the drafter's target and its factory."""
     cache = {}
 
     def factory(spec):
         if spec not in cache:
-            model = deep_target if spec in DEEP else target
-            parsed = spec.replace("tiny-code-draft", "{draft}").format(**blocks)
-            cache[spec] = model, DrafterSpec.parse(parsed).factory(model)
+            stand_ins = spec.replace("tiny-code-draft", "{draft}")
+            parsed = stand_ins.replace("tiny-code-eagle3", "{eagle3}").format(**blocks)
+            cache[spec] = target, DrafterSpec.parse(parsed).factory(target)
         return cache[spec]
 
     return factory
