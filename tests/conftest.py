@@ -36,36 +36,44 @@ HAS_CUDA = torch.cuda.is_available()
 DEVICE = torch.device("cuda" if HAS_CUDA else "cpu")
 
 
-# The modules that take longest on the CPU (their summed test times in a suite run), longest
-# first. `run.sh test` hands whole modules to its two workers in collection order (`--dist
-# loadfile --no-loadscope-reorder`): these first, the many short ones last, so that the two
-# workers finish together rather than one running a long module on alone.
+# The modules that take longest on the CPU (their summed test times in a cold suite run, as on
+# CI's machine: an empty inductor cache), longest first. `run.sh test` hands whole modules to its
+# two workers in collection order (`--dist loadfile --no-loadscope-reorder`): these first, the
+# many short ones last, so that the two workers finish together rather than one running a long
+# module on alone.
 SLOWEST_MODULES = (
     "test_step_budget.py",
     "test_compiled_step.py",
+    "test_compiled_drafters.py",
     "test_continuous_batching.py",
     "test_eagle.py",
-    "test_bench_e2e.py",
     "test_block.py",
     "test_gpu_suite.py",
-    "test_compiled_drafters.py",
-    "test_parallel_serving.py",
-    "test_parallel.py",
-    "test_engine_process.py",
-    "test_harness.py",
-    "test_bench_tree_attention.py",
-    "test_bench_verify.py",
-    "test_chat_target.py",
     "test_verify_schedules.py",
-    "test_server_soak.py",
-    "test_server_shutdown.py",
-    "test_exact.py",
-    "test_tree_attention_tiles.py",
-    "test_tree_attention_window.py",
-    "test_bench_kv_compact.py",
+    "test_step_graphs.py",
+    "test_bench_e2e.py",
     "test_verify.py",
-    "test_serving.py",
+    "test_parallel.py",
     "test_verify_lossless.py",
+    "test_read_ahead.py",
+    "test_tree_attention_window.py",
+    "test_tree_attention_tiles.py",
+    "test_harness.py",
+    "test_parallel_serving.py",
+    "test_bench_tree_attention.py",
+    "test_chat_target.py",
+    "test_engine_process.py",
+    "test_serving.py",
+    "test_server_soak.py",
+    "test_bench_verify.py",
+    "test_server_shutdown.py",
+    "test_ngram_device.py",
+    "test_bundled.py",
+    "test_exact.py",
+    "test_sm90_compile.py",
+    "test_generate_sampling.py",
+    "test_bench_kv_compact.py",
+    "test_generate.py",
 )
 
 
