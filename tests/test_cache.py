@@ -154,12 +154,18 @@ def test_unsupported_layers_are_refused():
 
 
 def write_every_layer(cache, keys, values):
-    """Each layer's `update` with its own values; a sum of what the layers return."""
+    """Each layer's `update` with its own values; a sum of what the layers return. Compiled,
+    the float32 sum is reduced in inductor's order: within `SUM_ATOL` of the eager one (at most
+    1.5e-5 apart over 200 seeds; a write to a wrong slot moves it by about 1), while the written
+    storage is compared exactly."""
     total = 0
     for index, layer in enumerate(cache.layers):
         layer_keys, layer_values = layer.update(keys + index, values - index)
         total = total + layer_keys[:, :, 0].sum() + layer_values[:, :, 1].sum()
     return total
+
+
+SUM_ATOL = 1e-4
 
 
 def test_compiled_writes_go_in_place_without_copying_the_storage():
@@ -170,6 +176,7 @@ def test_compiled_writes_go_in_place_without_copying_the_storage():
     in the generated code. The written values equal an eager cache's."""
     from torch._inductor.utils import run_and_get_code
 
+    torch.manual_seed(4)  # the data, whichever tests ran before on this worker
     eager, compiled = make_cache([3, 0, 5, 2]), make_cache([3, 0, 5, 2])
     compiled.kv.copy_(eager.kv)
     for cache in (eager, compiled):
@@ -180,7 +187,7 @@ def test_compiled_writes_go_in_place_without_copying_the_storage():
     want = write_every_layer(eager, keys, values)
     compiled_write = torch.compile(write_every_layer, fullgraph=True)
     got, code = run_and_get_code(compiled_write, compiled, keys, values)
-    assert torch.allclose(got, want)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=SUM_ATOL)
     assert torch.equal(compiled.kv, eager.kv)
     assert "copy_" not in "\n".join(code)
 
@@ -190,6 +197,7 @@ def test_compiled_writes_through_a_rows_view_go_in_place():
     its storage is a slice of the parent's, written in place, the batch's rows untouched."""
     from torch._inductor.utils import run_and_get_code
 
+    torch.manual_seed(5)
     eager, compiled = make_cache([3, 0, 5, 2]), make_cache([3, 0, 5, 2])
     compiled.kv.copy_(eager.kv)
     views = []
@@ -205,7 +213,7 @@ def test_compiled_writes_through_a_rows_view_go_in_place():
     want = write_every_layer(views[0], keys, values)
     compiled_write = torch.compile(write_every_layer, fullgraph=True)
     got, code = run_and_get_code(compiled_write, views[1], keys, values)
-    assert torch.allclose(got, want)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=SUM_ATOL)
     assert torch.equal(compiled._kv_storage, eager._kv_storage)
     assert torch.equal(compiled._kv_storage[:, :, :2], batch_rows)
     assert "copy_" not in "\n".join(code)
