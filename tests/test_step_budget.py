@@ -93,10 +93,11 @@ def prompts():
 
 
 @pytest.fixture(scope="module")
-def blocks(target, tmp_path_factory):
-    """The `{dflash}`/`{pard}` spec fields, and what stands in for the bundled draft model (cut
-    to its first layer) and EAGLE-3 head (untrained, for the cut target)."""
-    folder = tmp_path_factory.mktemp("blocks")
+def checkpoints(target, tmp_path_factory):
+    """The `{dflash}`/`{pard}` spec fields, and `{draft}`/`{eagle3}`: what stands in for the
+    bundled draft model (cut to its first layer) and EAGLE-3 head (untrained, for the cut
+    target)."""
+    folder = tmp_path_factory.mktemp("checkpoints")
     draft, eagle3 = folder / "draft", folder / "eagle3"
     first_layers(load_model("tiny-code-draft", torch.device("cpu")), DRAFT_LAYERS).save_pretrained(
         draft
@@ -109,16 +110,16 @@ def blocks(target, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def factories(target, blocks):
+def factories(target, checkpoints):
     """One factory per drafter for the module: its models load once, and their compiled steps
-    serve both batch sizes. Returns the drafter's target and its factory."""
+    serve both batch sizes."""
     cache = {}
 
     def factory(spec):
         if spec not in cache:
             stand_ins = spec.replace("tiny-code-draft", "{draft}")
-            parsed = stand_ins.replace("tiny-code-eagle3", "{eagle3}").format(**blocks)
-            cache[spec] = target, DrafterSpec.parse(parsed).factory(target)
+            parsed = stand_ins.replace("tiny-code-eagle3", "{eagle3}").format(**checkpoints)
+            cache[spec] = DrafterSpec.parse(parsed).factory(target)
         return cache[spec]
 
     return factory
@@ -150,8 +151,8 @@ def counted(run):
 
 @pytest.mark.parametrize("batch", BATCHES, ids=[f"B{b}" for b in BATCHES])
 @pytest.mark.parametrize("spec", DRAFTERS)
-def test_one_read_and_few_eager_ops_per_step(prompts, factories, spec, batch):
-    counts = counted(compiled_run(*factories(spec), prompts, batch))
+def test_one_read_and_few_eager_ops_per_step(target, prompts, factories, spec, batch):
+    counts = counted(compiled_run(target, factories(spec), prompts, batch))
     assert counts.compiled == {}, "a counted run compiled: the warm-up missed a shape"
     # The read-back itself happens every step (the read count can fail: it is not zero).
     read_backs = sum(n for site, n in counts.reads.items() if site.startswith("to_host "))
@@ -162,10 +163,10 @@ def test_one_read_and_few_eager_ops_per_step(prompts, factories, spec, batch):
 
 
 @pytest.mark.parametrize("spec", ["draft:tiny-code-draft:4", "block:{dflash}:8"])
-def test_sampled_steps_read_once(prompts, factories, spec):
+def test_sampled_steps_read_once(target, prompts, factories, spec):
     """Sampled chains draw their drafts on the device too (the draft model's chain, the
     block drafter's tree), in the compiled steps the greedy test warmed."""
-    counts = counted(compiled_run(*factories(spec), prompts, 8, temperature=0.8))
+    counts = counted(compiled_run(target, factories(spec), prompts, 8, temperature=0.8))
     assert counts.reads_per_step <= MAX_READS, counts.reads.most_common()
 
 
