@@ -3,14 +3,13 @@
 The n-gram drafter looks up on the host (numpy; its default on the CPU, reading every step) or
 on the device (`NGramDrafter(device_lookup=True)`: the same trees from a token history kept on
 the device, compiled steps replayed as CUDA graphs, reading ahead; its default on CUDA when
-compiling). Peers,
-greedy on the same held-out code prompts, in rounds taken in turns (`e2e.interleave`: medians,
-per-round ratios): our plain decoding, the n-gram drafter with each lookup, and EAGLE-3 with each
-lookup grafted on (`eagle:tiny-code-eagle3:8+ngram:8`). Both lookups draft the same trees, so
-their steps, acceptance and outputs must be the same (checked: a difference fails the run);
-only the time differs. Each peer also gets the drafter's host time per step: the wall time of
-its `propose` and `update` (on a GPU, launching the drafter's device work, plus the lookup
-itself where it runs on the host).
+compiling). Peers, greedy on the same held-out code prompts, in rounds taken in turns
+(`e2e.interleave`: medians, per-round ratios): our plain decoding, the n-gram drafter with each
+lookup, and EAGLE-3 with each lookup grafted on (`eagle:tiny-code-eagle3:8+ngram:8`). Both
+lookups draft the same trees, so their steps, acceptance and outputs must be the same (checked:
+a difference fails the run); only the time differs. Each peer also gets the drafter's host time
+per step: the wall time of its `propose` and `update` (on a GPU, launching the drafter's device
+work, plus the lookup itself where it runs on the host).
 
     python bench/bench_lookup.py            # batch 1 and 4, 4 prompts x 64 tokens, 3 rounds
     python bench/bench_lookup.py --quick    # batch 1, 2 prompts x 32 tokens, 3 rounds (GPU suite)
