@@ -133,9 +133,9 @@ def generate(
         read_ahead: queue each step before reading the step before, so the device never waits
             on the host between steps (default: on for CUDA models; a CPU has nothing to
             overlap): plain decoding, and drafters that read ahead (`Drafter.reads_ahead`:
-            Medusa, EAGLE-1/2/3, DFlash and PARD trees), which follow each step from its device
-            outcome; the others read every step. A row that stops then has made one step too
-            many, which is dropped: the output is the same either way.
+            draft models, Medusa, EAGLE-1/2/3, DFlash and PARD trees), which follow each step
+            from its device outcome; the others read every step. A row that stops then has
+            made one step too many, which is dropped: the output is the same either way.
 
     Raises:
         TypeError, ValueError: naming the argument, the expected form and the value given, before

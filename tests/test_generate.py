@@ -128,13 +128,21 @@ def test_oracle_drafter_gets_every_node_accepted(target):
     assert out.stats.steps == 5  # 30 tokens, 6 per step (5 drafts + the bonus token)
 
 
-def test_self_drafting_accepts_everything(target):
-    prompts = repetitive_prompts([9], VOCAB, seed=7)
-    out = generate(
-        target, prompts, drafter=DraftModelDrafter(target, num_tokens=4), max_new_tokens=25
-    )
+@pytest.mark.parametrize("read_ahead", [False, True], ids=["read", "read-ahead"])
+@pytest.mark.parametrize("tree", [None, default_tree(8)], ids=["chain", "tree"])
+def test_self_drafting_accepts_every_path_to_its_full_depth(target, tree, read_ahead):
+    """The target as its own draft model: every step accepts a path to the draft's full depth,
+    whose last token the draft never fed, so each next loop must feed it beside the root (on the
+    device, also when the step was not read yet): any token missed or fed twice shifts the
+    draft's cache and costs acceptance."""
+    prompts = repetitive_prompts([9, 14], VOCAB, seed=7)
+    drafter = DraftModelDrafter(target, num_tokens=4, tree=tree)
+    out = generate(target, prompts, drafter=drafter, max_new_tokens=25, read_ahead=read_ahead)
     assert [s.tolist() for s in out.sequences] == hf_greedy(target, prompts, 25)
-    assert out.stats.acceptance_rate == 1.0
+    per_step = (4 if tree is None else tree.max_depth) + 1
+    assert [row.steps for row in out.stats.sequences] == [-(-25 // per_step)] * 2
+    if tree is None:
+        assert out.stats.acceptance_rate == 1.0
 
 
 WINDOWED_DRAFTERS = {

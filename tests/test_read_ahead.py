@@ -1,12 +1,12 @@
-"""`generate`'s read-ahead: plain decoding, and drafters that read ahead (Medusa, EAGLE, block
-trees), queue each step before they read the step before (`step.launch` / `step.finish`).
-Outputs, statistics and streamed tokens equal those of reading every step at once, whatever
-stops the rows (EOS, stop sequences, length, a full cache, sampled or greedy; unusable logits in
-tests/test_generate_edges.py); the queued step really is queued (two steps unread at once);
-other drafters' steps are read at once. The server's scheduler reads ahead the same way while
-its batch is settled, and reads the queued step before rows join or leave: served requests
-arriving and cancelled at scripted steps equal `generate()` (guardrail trips under read-ahead
-in tests/test_continuous_batching.py)."""
+"""`generate`'s read-ahead: plain decoding, and drafters that read ahead (draft models, Medusa,
+EAGLE, block trees), queue each step before they read the step before (`step.launch` /
+`step.finish`). Outputs, statistics and streamed tokens equal those of reading every step at
+once, whatever stops the rows (EOS, stop sequences, length, a full cache, sampled or greedy;
+unusable logits in tests/test_generate_edges.py); the queued step really is queued (two steps
+unread at once); other drafters' steps are read at once. The server's scheduler reads ahead the
+same way while its batch is settled, and reads the queued step before rows join or leave:
+served requests arriving and cancelled at scripted steps equal `generate()` (guardrail trips
+under read-ahead in tests/test_continuous_batching.py)."""
 
 import math
 from collections import defaultdict
@@ -188,6 +188,8 @@ def code():
 @pytest.mark.parametrize(
     "spec, sampled",
     [
+        ("draft:tiny-code-draft:4", True),
+        ("draft-tree:tiny-code-draft:8", False),
         ("medusa:tiny-code-medusa:8", False),
         ("eagle:tiny-code-eagle:8", False),
         ("eagle:tiny-code-eagle3:8", True),
@@ -469,7 +471,7 @@ def test_read_ahead_on_cuda_equals_reading_every_step(monkeypatch):
     code, prompts = load_model("tiny-code", torch.device("cuda")), code_prompts()
     # The n-gram lookup on the device (its default on CUDA when compiling; these tests run
     # uncompiled) reads ahead, alone and grafted.
-    specs = ["eagle:tiny-code-eagle3:8", "block:tiny-code-dflash:8"]
+    specs = ["draft:tiny-code-draft:4", "eagle:tiny-code-eagle3:8", "block:tiny-code-dflash:8"]
     makers = {spec: DrafterSpec.parse(spec).factory(code) for spec in specs}
     eagle = DrafterSpec.parse("eagle:tiny-code-eagle:8").factory(code)
     makers["ngram:8 on the device"] = lambda: NGramDrafter(8, device_lookup=True)

@@ -127,7 +127,9 @@ class DraftModelDrafter(DraftRunnerRows, Drafter):
 
     The draft's cache holds every token but the current root, like the target's; after
     verification it is compacted to the accepted path, and a token the draft never saw (the last
-    node of a path accepted to its full depth) is fed at the next step.
+    node of a path accepted to its full depth) is fed at the next step, beside the root in the
+    loop's first forward. Both are device work on the outcome's tensors, so the drafter reads
+    ahead (`Drafter.reads_ahead`): `update` runs before the step is read back.
 
     Args:
         draft_model: an HF causal LM with the target's vocabulary and special tokens.
@@ -138,6 +140,7 @@ class DraftModelDrafter(DraftRunnerRows, Drafter):
 
     # Valid trees by construction (tests/test_drafter_checks.py): values go unchecked.
     proposals_valid = True
+    reads_ahead = True
 
     def __init__(
         self,
@@ -166,8 +169,9 @@ class DraftModelDrafter(DraftRunnerRows, Drafter):
         self.draft_tokenizer = draft_tokenizer
         self.target_tokenizer = target_tokenizer
         self.runner: ModelRunner | None = None
-        self._cached: list[int] = []  # draft-cached tokens per row (host mirror)
-        self._root_lens: torch.Tensor | None = None  # int32 [B]: the draft cache at the root
+        # Per row, int64 `[B]` on the device: the token before the root that the draft's cache
+        # lacks, and whether it lacks one (1) or not (0); fed by the next draft loop.
+        self._behind: tuple[torch.Tensor, torch.Tensor] | None = None
         self._tree_index: _TreeIndex | None = None
 
     def __repr__(self) -> str:
@@ -181,119 +185,136 @@ class DraftModelDrafter(DraftRunnerRows, Drafter):
 
     def end(self) -> None:
         super().end()
+        self._behind = None
         self._tree_index = None
 
     def begin(self, state: DraftState) -> None:
         super().begin(state)
-        self._cached = [len(row) - 1 for row in state.tokens]
+        self._behind = self._none_behind(state)
+
+    def _none_behind(self, state: DraftState) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rows whose draft cache lacks nothing before the root (a prefilled row's)."""
+        zeros = torch.zeros(state.batch_size, dtype=torch.int64, device=state.device)
+        return zeros, zeros
 
     def keep(self, rows: list[int]) -> None:
         super().keep(rows)
-        self._cached = [self._cached[r] for r in rows]
+        index = to_device(rows, self._behind[0].device)
+        self._behind = tuple(tensor[index] for tensor in self._behind)
 
     def join(self, state: DraftState) -> None:
         super().join(state)
-        self._cached += [len(row) - 1 for row in state.tokens]
-
-    def _commit(self, lengths: torch.Tensor, host_lengths: list[int]) -> None:
-        """Set the draft cache's lengths (int `[B]` on the device) and their host mirror."""
-        self._cached = host_lengths
-        self.runner.cache.commit_lengths(lengths, max(host_lengths))
-
-    def _catch_up(self, state: DraftState) -> None:
-        """Feed the tokens before the root that the draft has not seen (ragged, as one chain)."""
-        pending = [row[cached:-1] for row, cached in zip(state.tokens, self._cached, strict=True)]
-        width = max(len(p) for p in pending)
-        if width > 0:
-            tokens = np.zeros((state.batch_size, width), dtype=np.int64)
-            for row, chunk in enumerate(pending):
-                tokens[row, : len(chunk)] = chunk
-            parents = np.tile(np.arange(-1, width - 1), (state.batch_size, 1))
-            q_lens = [len(p) for p in pending]
-            self.runner.verify(
-                to_device(tokens, state.device),
-                to_device(parents, state.device),
-                to_device(q_lens, state.device, torch.int32),
-            )
-            lengths = [len(row) - 1 for row in state.tokens]
-            self._commit(to_device(lengths, state.device, torch.int32), lengths)
-        self._root_lens = self.runner.cache.cache_lens.clone()
+        pairs = zip(self._behind, self._none_behind(state), strict=True)
+        self._behind = tuple(torch.cat(pair) for pair in pairs)
 
     def propose(self, state: DraftState) -> Proposal:
         """The chain or tree from one run of the draft loop (`_chain_loop`, `_tree_loop`): one
-        compiled call when the runner compiles, no read."""
-        self._catch_up(state)
+        compiled call when the runner compiles, no read. The cache's room is checked on the
+        host's bound of its lengths: every row's tokens but the root, unread ones included."""
+        cache = self.runner.cache
+        cache.bound_lengths(state.longest - 1)
         if self.tree is None:
-            # The chain commits each fed node but the last: k - 1 more entries, k written.
-            self.runner.cache.ensure_room(self.num_tokens)
-            self._cached = [c + self.num_tokens - 1 for c in self._cached]
+            # The token behind the root and the chain's k fed nodes.
+            cache.ensure_room(self.num_tokens + 1)
             sampling = () if state.greedy else (state.temperature, state.seed)
-            return Proposal(*self._loop(_chain_loop, state.roots, *sampling))
+            return Proposal(*self._run("loop", _chain_loop, state.roots, *self._behind, *sampling))
         if self._tree_index is None:
             self._tree_index = _TreeIndex.build(self.tree, state.device)
-        self.runner.cache.ensure_room(self._tree_index.fed[-1])
-        return Proposal(*self._loop(_tree_loop, state.roots))
+        cache.ensure_room(self._tree_index.fed[-1] + 1)
+        return Proposal(*self._run("loop", _tree_loop, state.roots, *self._behind))
 
-    def _loop(self, loop, *args: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """`loop(self, *args)` under no grad: the chain's or tree's whole draft loop as one step
-        of the draft model's runner, compiled (and its weights frozen) as the runner's own, and
-        replayed as a CUDA graph kept with the runner's when it captures (`run_step`; the tree's
-        index tensors are made once per tree, `_TreeIndex.build`)."""
+    def _run(self, kind: str, step, *args: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """`step(self, *args)` under no grad: the chain's or tree's whole draft loop, or its
+        update, as one step of the draft model's runner, compiled (and its weights frozen) as
+        the runner's own, and replayed as a CUDA graph kept with the runner's when it captures
+        (`run_step`; the tree's index tensors are made once per tree, `_TreeIndex.build`)."""
         mode = "tree" if self.tree is not None else "chain"
         what = f"tree N={self.tree.num_nodes}" if self.tree else f"chain k={self.num_tokens}"
-        label = f"draft loop {what} B={args[0].shape[0]}"
-        key = (f"{mode} loop", self.tree, self.num_tokens)
-        return self.runner.run_step(key, label, loop, self, *args)
+        label = f"draft {kind} {what} B={args[0].shape[0]}"
+        key = (f"{mode} {kind}", self.tree, self.num_tokens)
+        return self.runner.run_step(key, label, step, self, *args)
 
     def update(self, state: DraftState, outcome: StepOutcome) -> None:
-        # `state.tokens` already holds the emitted tokens; the root was at len - emitted - 1.
-        roots = [
-            len(row) - len(e) - 1 for row, e in zip(state.tokens, outcome.emitted, strict=True)
-        ]
-        if self.tree is None:
-            # The chain's nodes are in place: keep the root and the accepted drafts it fed.
-            last_fed = self.num_tokens - 1
-            kept = [
-                root + 1 + min(len(path), last_fed)
-                for root, path in zip(roots, outcome.accepted_paths, strict=True)
-            ]
-            lengths = self._root_lens + 1 + outcome.num_accepted.clamp(max=last_fed)
-            self._commit(lengths.to(torch.int32), kept)
-            return
-        fed = self._tree_index.fed[-1]
-        path = outcome.accepted_nodes
-        # Nodes beyond the last fed level have no K/V in the draft cache: cut the path there.
-        in_cache = (path >= 0) & (path < fed)
-        num_in_cache = (in_cache.sum(dim=1) - 1).to(torch.int32)
-        self.runner.cache.compact(torch.where(in_cache, path, -1), num_in_cache, validate=False)
-        self._cached = [
-            root + 1 + sum(1 for node in nodes if node < fed)
-            for root, nodes in zip(roots, outcome.accepted_paths, strict=True)
-        ]
-        # The host knows the lengths: without this, each step's room check would grow the
-        # cache's bound by the tree's width until it read the device to tighten it.
-        self.runner.cache.bound_lengths(max(self._cached))
+        """Keep the accepted path's fed nodes in the draft's cache and note its last node where
+        it was not fed (`_update`: a step of the runner's own over the outcome's tensors; a
+        tree's path is then compacted, as the engine compacts the target's)."""
+        tensors = (outcome.proposal.tokens, outcome.accepted_nodes, outcome.num_accepted)
+        token, behind, path, num_in_cache = self._run("update", _update, *tensors)
+        self._behind = (token, behind)
+        if self.tree is not None:
+            self.runner.cache.compact(path, num_in_cache, validate=False)
+        # The host's bound: every row's tokens but the new root (no device read).
+        self.runner.cache.bound_lengths(state.longest - 1)
+
+
+def _update(
+    drafter: DraftModelDrafter,
+    tokens: torch.Tensor,
+    accepted_nodes: torch.Tensor,
+    num_accepted: torch.Tensor,
+) -> tuple[torch.Tensor | None, ...]:
+    """The draft cache after a verified step (`tokens` int64 `[B, N]`, `accepted_nodes` int32
+    `[B, N]`, `num_accepted` int32 `[B]`), device ops only. Returns each row's last accepted
+    token and whether the cache lacks it (int64 `[B]` both: a path accepted past the last fed
+    node), then a chain's None, None (its accepted nodes kept in place here) or what a tree
+    keeps, for `cache.compact`: the accepted path cut at the last fed node (int32 `[B, N]`)
+    and the count of its nodes after the root (int32 `[B]`)."""
+    accepted = num_accepted.long()
+    last = accepted_nodes.gather(1, accepted[:, None]).long()
+    token = tokens.gather(1, last)[:, 0]
+    if drafter.tree is None:
+        # The chain committed the root and its first k - 1 drafts: keep the accepted ones.
+        cache, last_fed = drafter.runner.cache, drafter.num_tokens - 1
+        kept = accepted.clamp(max=last_fed) + (1 - last_fed)
+        cache.cache_lens += kept.to(cache.cache_lens.dtype)
+        return token, (accepted > last_fed).long(), None, None
+    fed = drafter._tree_index.fed[-1]
+    # Nodes beyond the last fed level have no K/V in the draft cache: cut the path there.
+    in_cache = (accepted_nodes >= 0) & (accepted_nodes < fed)
+    num_in_cache = (in_cache.sum(dim=1) - 1).to(torch.int32)
+    path = torch.where(in_cache, accepted_nodes, -1)
+    return token, (last[:, 0] >= fed).long(), path, num_in_cache
+
+
+def _root_logits(
+    runner: ModelRunner, roots: torch.Tensor, token: torch.Tensor, behind: torch.Tensor
+) -> torch.Tensor:
+    """The draft loop's first forward: per row, the token before the root that the cache lacks
+    (`token`, where `behind` int64 `[B]` is 1) and the root, as a two-node chain (a row lacking
+    none feeds its root twice, the second one written past the cache and dropped). Commits the
+    token behind; returns the root's fp32 logits `[B, 1, V]`."""
+    tokens = torch.stack([torch.where(behind.bool(), token, roots), roots], dim=1)
+    parents = torch.arange(-1, 1, device=roots.device).expand(roots.shape[0], -1)
+    logits = runner.tree_logits(tokens, parents.contiguous())
+    runner.cache.cache_lens += behind.to(runner.cache.cache_lens.dtype)
+    return logits.gather(1, behind[:, None, None].expand(-1, 1, logits.shape[-1]))
 
 
 def _chain_loop(
     drafter: DraftModelDrafter,
     roots: torch.Tensor,
+    token: torch.Tensor,
+    behind: torch.Tensor,
     temperature: torch.Tensor | None = None,
     seed: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, ...]:
-    """The chain's k draft forwards, one token each: int64 `(tokens, parents)` `[B, k + 1]` and,
-    when sampling (`temperature`, `seed` `[B]`), the draft probabilities `[B, k + 1, V]` (row 0
-    zeros), else None. Each fed node but the last is committed to the draft cache so that the
-    next one attends to it (device ops only)."""
+    """The chain's k draft forwards (the first one with the token behind the root,
+    `_root_logits`), one token each: int64 `(tokens, parents)` `[B, k + 1]` and, when sampling
+    (`temperature`, `seed` `[B]`), the draft probabilities `[B, k + 1, V]` (row 0 zeros), else
+    None. Each fed node but the last is committed to the draft cache so that the next one
+    attends to it (device ops only)."""
     runner, k = drafter.runner, drafter.num_tokens
     cache = runner.cache
     current = roots.long()
     root_parent = torch.full_like(current[:, None], -1)
     tokens, probs = [current], []
     for depth in range(1, k + 1):
+        if depth == 1:
+            logits = _root_logits(runner, current, token, behind)
+        else:
+            logits = runner.tree_logits(current[:, None], root_parent)
         # The draft token drawn here sits at the fed token's position + 1.
         position = cache.cache_lens.long() + 1
-        logits = runner.tree_logits(current[:, None], root_parent)[:, :1]
         if temperature is None:
             current = logits[:, 0].argmax(dim=-1)
         else:
@@ -312,16 +333,22 @@ def _chain_loop(
     return torch.stack(tokens, dim=1), parents.contiguous(), draft_probs
 
 
-def _tree_loop(drafter: DraftModelDrafter, roots: torch.Tensor) -> tuple[torch.Tensor, ...]:
+def _tree_loop(
+    drafter: DraftModelDrafter, roots: torch.Tensor, token: torch.Tensor, behind: torch.Tensor
+) -> tuple[torch.Tensor, ...]:
     """The static tree's level-by-level expansion: per depth, one draft forward over the tree
-    so far (written past the cache, not committed), its top-R, then the level's tokens.
-    Returns int64 `(tokens, parents)` `[B, N]` and None (no draft probabilities)."""
+    so far (written past the cache, not committed; the root's with the token behind it,
+    `_root_logits`), its top-R, then the level's tokens. Returns int64 `(tokens, parents)`
+    `[B, N]` and None (no draft probabilities)."""
     tree, index, runner = drafter.tree, drafter._tree_index, drafter.runner
     batch = roots.shape[0]
     parents = index.parents.expand(batch, -1)
     tokens = roots.long()[:, None].expand(batch, tree.num_nodes)
     for fed, level in zip(index.fed, index.levels, strict=True):
-        logits = runner.tree_logits(tokens[:, :fed], parents[:, :fed].contiguous())
+        if fed == 1:
+            logits = _root_logits(runner, roots.long(), token, behind)
+        else:
+            logits = runner.tree_logits(tokens[:, :fed], parents[:, :fed].contiguous())
         top = logits.topk(tree.max_rank, dim=-1).indices  # [B, fed, R]
         drawn = top[:, index.parents[level], index.ranks[level]]  # [B, level's nodes]
         tokens = tokens.index_copy(1, level, drawn)
