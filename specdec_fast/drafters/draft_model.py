@@ -193,9 +193,11 @@ class DraftModelDrafter(DraftRunnerRows, Drafter):
         self._behind = self._none_behind(state)
 
     def _none_behind(self, state: DraftState) -> tuple[torch.Tensor, torch.Tensor]:
-        """Rows whose draft cache lacks nothing before the root (a prefilled row's)."""
-        zeros = torch.zeros(state.batch_size, dtype=torch.int64, device=state.device)
-        return zeros, zeros
+        """Rows whose draft cache lacks nothing before the root (a prefilled row's): two
+        tensors, not one twice (the compiled loop guards on its arguments' aliasing)."""
+        return tuple(
+            torch.zeros(state.batch_size, dtype=torch.int64, device=state.device) for _ in "tb"
+        )
 
     def keep(self, rows: list[int]) -> None:
         super().keep(rows)
@@ -238,7 +240,10 @@ class DraftModelDrafter(DraftRunnerRows, Drafter):
         """Keep the accepted path's fed nodes in the draft's cache and note its last node where
         it was not fed (`_update`: a step of the runner's own over the outcome's tensors; a
         tree's path is then compacted, as the engine compacts the target's)."""
-        tensors = (outcome.proposal.tokens, outcome.accepted_nodes, outcome.num_accepted)
+        # The tree's tensors may be views of a wider step's: copies, or the compiled update,
+        # which guards on views' strides and bases, would compile again when they are not.
+        tokens, nodes = outcome.proposal.tokens.clone(), outcome.accepted_nodes.clone()
+        tensors = (tokens, nodes, outcome.num_accepted)
         token, behind, path, num_in_cache = self._run("update", _update, *tensors)
         self._behind = (token, behind)
         if self.tree is not None:
@@ -256,9 +261,9 @@ def _update(
     """The draft cache after a verified step (`tokens` int64 `[B, N]`, `accepted_nodes` int32
     `[B, N]`, `num_accepted` int32 `[B]`), device ops only. Returns each row's last accepted
     token and whether the cache lacks it (int64 `[B]` both: a path accepted past the last fed
-    node), then a chain's None, None (its accepted nodes kept in place here) or what a tree
-    keeps, for `cache.compact`: the accepted path cut at the last fed node (int32 `[B, N]`)
-    and the count of its nodes after the root (int32 `[B]`)."""
+    node), then a chain's None, None (its accepted nodes kept in place here, the cache's
+    lengths advanced) or what a tree keeps, for `cache.compact`: the accepted path cut at the
+    last fed node (int32 `[B, N]`) and the count of its nodes after the root (int32 `[B]`)."""
     accepted = num_accepted.long()
     last = accepted_nodes.gather(1, accepted[:, None]).long()
     token = tokens.gather(1, last)[:, 0]
@@ -266,6 +271,8 @@ def _update(
         # The chain committed the root and its first k - 1 drafts: keep the accepted ones.
         cache, last_fed = drafter.runner.cache, drafter.num_tokens - 1
         kept = accepted.clamp(max=last_fed) + (1 - last_fed)
+        # The cache's own tensor, not an argument: a captured graph's replay copies its
+        # arguments into buffers of its own, and would advance those.
         cache.cache_lens += kept.to(cache.cache_lens.dtype)
         return token, (accepted > last_fed).long(), None, None
     fed = drafter._tree_index.fed[-1]
