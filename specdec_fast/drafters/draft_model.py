@@ -195,9 +195,8 @@ class DraftModelDrafter(DraftRunnerRows, Drafter):
     def _none_behind(self, state: DraftState) -> tuple[torch.Tensor, torch.Tensor]:
         """Rows whose draft cache lacks nothing before the root (a prefilled row's): two
         tensors, not one twice (the compiled loop guards on its arguments' aliasing)."""
-        return tuple(
-            torch.zeros(state.batch_size, dtype=torch.int64, device=state.device) for _ in "tb"
-        )
+        zeros = torch.zeros(state.batch_size, dtype=torch.int64, device=state.device)
+        return zeros, zeros.clone()
 
     def keep(self, rows: list[int]) -> None:
         super().keep(rows)
