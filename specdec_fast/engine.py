@@ -133,7 +133,7 @@ def generate(
         read_ahead: queue each step before reading the step before, so the device never waits
             on the host between steps (default: on for CUDA models; a CPU has nothing to
             overlap): plain decoding, and drafters that read ahead (`Drafter.reads_ahead`:
-            draft models, Medusa, EAGLE-1/2/3, DFlash and PARD trees), which follow each step
+            draft models, Medusa, EAGLE-1/2/3, DFlash and PARD), which follow each step
             from its device outcome; the others read every step. A row that stops then has
             made one step too many, which is dropped: the output is the same either way.
 

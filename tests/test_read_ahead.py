@@ -1,5 +1,5 @@
 """`generate`'s read-ahead: plain decoding, and drafters that read ahead (draft models, Medusa,
-EAGLE, block trees), queue each step before they read the step before (`step.launch` /
+EAGLE, block drafters), queue each step before they read the step before (`step.launch` /
 `step.finish`). Outputs, statistics and streamed tokens equal those of reading every step at
 once, whatever stops the rows (EOS, stop sequences, length, a full cache, sampled or greedy;
 unusable logits in tests/test_generate_edges.py); the queued step really is queued (two steps
@@ -22,6 +22,7 @@ from tiny_models import repetitive_prompts, tiny_llama
 from specdec_fast import NGramDrafter, bundled, engine, generate, step
 from specdec_fast.arguments import CACHE_BLOCK
 from specdec_fast.cache import SpecKVCache
+from specdec_fast.drafters.block import BlockDrafter, load_block_model
 from specdec_fast.drafters.graft import GraftedDrafter
 from specdec_fast.drafters.registry import DrafterSpec
 from specdec_fast.guardrails import GuardedDrafter, GuardrailPolicy, RouteGuard
@@ -184,6 +185,16 @@ def code():
     return code_case()
 
 
+def drafter_factory(spec: str, target):
+    """What makes the drafters of a registry spec, or of "block chain:NAME:K", a block drafter
+    of the bundled checkpoint NAME drafting chains of K tokens (no registry kind drafts one)."""
+    if not spec.startswith("block chain:"):
+        return DrafterSpec.parse(spec).factory(target)
+    _, name, tokens = spec.split(":")
+    model = load_block_model(name, target)
+    return lambda: BlockDrafter(model, max_nodes=int(tokens) + 1, tree="chain")
+
+
 @needs_bundled
 @pytest.mark.parametrize(
     "spec, sampled",
@@ -195,16 +206,19 @@ def code():
         ("eagle:tiny-code-eagle3:8", True),
         ("block:tiny-code-dflash:8", False),
         ("block:tiny-code-pard:8", True),
+        ("block chain:tiny-code-dflash:4", True),
+        ("block chain:tiny-code-pard:4", True),
     ],
 )
 def test_drafters_that_read_ahead_equal_reading_every_step(code, spec, sampled, monkeypatch):
     """The drafter follows each step from its device outcome before the step is read, and the
     next step is queued behind it: the same tokens, per-row steps (so the same trees), finish
     reasons and streamed tokens as reading every step, with rows stopping for EOS and for
-    length at different steps; sampled too for one head and one block drafter (their trees
-    are drafted alike either way, the verify draws by position)."""
+    length at different steps; sampled too for a draft chain, one head, one block tree (trees
+    are drafted alike either way, the verify draws by position) and the block chains, whose
+    draws take the roots' positions from their flavour's cache on the device."""
     target, prompts, eos = code
-    make = DrafterSpec.parse(spec).factory(target)
+    make = drafter_factory(spec, target)
     unread, most = count_unread(monkeypatch)
     options = [{}, {"temperature": 0.8, "seed": list(range(len(prompts)))}][: 1 + sampled]
     for kwargs in options:

@@ -274,6 +274,21 @@ def reads_back(drafter) -> bool:
     return read is not None and read is not Drafter.read
 
 
+def kept_rows(tensors: Sequence[torch.Tensor], rows: list[int]) -> tuple[torch.Tensor, ...]:
+    """A drafter's per-row device tensors (`[B, ...]` each) of the rows `rows`, in that order:
+    what its `keep` keeps."""
+    index = to_device(rows, tensors[0].device)
+    return tuple(tensor[index] for tensor in tensors)
+
+
+def joined_rows(
+    tensors: Sequence[torch.Tensor], newcomers: Sequence[torch.Tensor]
+) -> tuple[torch.Tensor, ...]:
+    """A drafter's per-row device tensors with the newcomers' rows after the batch's: what its
+    `join` holds."""
+    return tuple(torch.cat(pair) for pair in zip(tensors, newcomers, strict=True))
+
+
 def root_only(state: DraftState) -> Proposal:
     """The one-node tree of every row: verifying it is one step of plain decoding. Built on the
     device without reading anything: the engine writes each row's root into column 0."""

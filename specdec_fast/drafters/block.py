@@ -12,9 +12,10 @@ Either way the per-position distributions become a proposal through `specdec_fas
 lossless through verification's one-hot path when sampling too) or a chain (`tree="chain"`: the
 top-1 tokens when greedy, tokens sampled from the draft distributions with their probabilities
 otherwise, lossless through verification's draft-probability path). Nothing is read back from
-the device, and a tree's step needs nothing of the host but bounds of the rows' lengths (their
-token counts, `DraftState.unread` more): both flavours follow a step from its device outcome,
-so trees read ahead (`Drafter.reads_ahead`).
+the device, and a step needs nothing of the host but bounds of the rows' lengths (their token
+counts, `DraftState.unread` more; a sampled chain's draws take the roots' positions from the
+flavour's cache lengths): both flavours follow a step from its device outcome, so trees and
+chains read ahead (`Drafter.reads_ahead`).
 
 Either layout may carry our own `ddtree_depth_scale` (top level of `config.json`): the
 best-first tree's calibration fitted for that checkpoint (`specdec_fast.trees.best_first_tree`,
@@ -70,6 +71,7 @@ class BlockDrafter(Drafter):
 
     # Valid trees by construction (tests/test_drafter_checks.py): values go unchecked.
     proposals_valid = True
+    reads_ahead = True
 
     def __init__(
         self,
@@ -114,12 +116,6 @@ class BlockDrafter(Drafter):
         `dtype` (None: `load_block_model`'s default); `kwargs` are `max_nodes`, `tree` and
         `depth_scale`."""
         return cls(load_block_model(name_or_path, target, dtype), **kwargs)
-
-    @property
-    def reads_ahead(self) -> bool:
-        """Trees follow a step from its device outcome (`Drafter.reads_ahead`); a sampled chain
-        takes its roots' positions from the host's tokens."""
-        return self.tree == "ddtree"
 
     @property
     def flavour_name(self) -> str:

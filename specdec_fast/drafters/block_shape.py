@@ -8,7 +8,6 @@ from dataclasses import dataclass
 
 import torch
 
-from specdec_fast.transfer import to_device
 from specdec_fast.trees import best_first_tree, block_chain, sampled_block_chain
 
 from .base import DraftState
@@ -41,14 +40,15 @@ class BlockShape:
         self,
         logits: torch.Tensor,
         roots: torch.Tensor,
+        root_positions: torch.Tensor,
         temperature: torch.Tensor | None = None,
         seed: torch.Tensor | None = None,
-        root_positions: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """int64 `(tokens, parents)` `[B, n]` and the chain's draft probabilities `[B, n, V]`
-        when sampled (else None) from fp32 block logits `[B, >= depth, V]` and the roots
-        `[B]`; a sampled chain takes the rows' temperature `[B]`, seed `[B]` and the roots'
-        positions `[B]` (`sampled_block_chain`), a greedy one none of them."""
+        when sampled (else None) from fp32 block logits `[B, >= depth, V]`, the roots `[B]` and
+        their positions (int `[B]`, the flavour's cache lengths: only a sampled chain's draws
+        read them, `sampled_block_chain`); a sampled chain takes the rows' temperature `[B]`
+        and seed `[B]`, a greedy one or a tree neither."""
         logits = logits[:, : self.depth]
         if self.tree == "ddtree":
             log_probs = torch.log_softmax(logits, dim=-1)
@@ -61,10 +61,9 @@ class BlockShape:
 
 
 def block_sampling(state: DraftState, shape: BlockShape) -> tuple[torch.Tensor, ...]:
-    """What a sampled chain's draws take beyond the logits (`BlockShape.propose`): the rows'
-    temperatures and seeds and their roots' positions (uploaded); nothing for a greedy chain
-    or a tree."""
+    """What a sampled chain's draws take from the state (`BlockShape.propose`): the rows'
+    temperatures and seeds (the flavour's step adds the roots' positions, which it knows on the
+    device); nothing for a greedy chain or a tree."""
     if shape.tree == "ddtree" or state.greedy:
         return ()
-    root_positions = to_device([len(row) - 1 for row in state.tokens], state.device)
-    return state.temperature, state.seed, root_positions
+    return state.temperature, state.seed

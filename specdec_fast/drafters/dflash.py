@@ -258,11 +258,12 @@ class DFlashBlock:
         self, roots: torch.Tensor, slots: torch.Tensor | None, *args: torch.Tensor
     ) -> tuple[torch.Tensor, ...]:
         """`_block_step`'s logits made a proposal (`BlockShape.propose`); `args` are a sampled
-        chain's `(temperature, seed, root_positions)` if any, then `_block_step`'s context."""
+        chain's `(temperature, seed)` if any, then `_block_step`'s context. The roots' positions
+        are the cache's lengths after the step: an entry per token before the root."""
         taken = 2 + len(self.hidden_layers)  # `_take` appends its context's tensors
         sampling, (last, index, *features) = args[:-taken], args[-taken:]
         logits = self._block_step(roots, slots, last, index, *features)
-        return self.shape.propose(logits, roots, *sampling)
+        return self.shape.propose(logits, roots, self._cache.cache_lens, *sampling)
 
     def _block_step(
         self,

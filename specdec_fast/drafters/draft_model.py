@@ -17,7 +17,7 @@ from specdec_fast.runner import ModelRunner
 from specdec_fast.transfer import to_device
 from specdec_fast.trees import StaticTree, parse_tree, sample_draft_tokens
 
-from .base import Drafter, DraftState, Proposal, StepOutcome
+from .base import Drafter, DraftState, Proposal, StepOutcome, joined_rows, kept_rows
 
 SPECIAL_TOKEN_FIELDS = ("bos_token_id", "eos_token_id", "pad_token_id")
 # Random stream of the draft's own samples (verify uses 0 and 1, block drafters 3).
@@ -200,13 +200,11 @@ class DraftModelDrafter(DraftRunnerRows, Drafter):
 
     def keep(self, rows: list[int]) -> None:
         super().keep(rows)
-        index = to_device(rows, self._behind[0].device)
-        self._behind = tuple(tensor[index] for tensor in self._behind)
+        self._behind = kept_rows(self._behind, rows)
 
     def join(self, state: DraftState) -> None:
         super().join(state)
-        pairs = zip(self._behind, self._none_behind(state), strict=True)
-        self._behind = tuple(torch.cat(pair) for pair in pairs)
+        self._behind = joined_rows(self._behind, self._none_behind(state))
 
     def propose(self, state: DraftState) -> Proposal:
         """The chain or tree from one run of the draft loop (`_chain_loop`, `_tree_loop`): one

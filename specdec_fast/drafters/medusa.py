@@ -13,7 +13,7 @@ from specdec_fast.onednn import follow_target
 from specdec_fast.transfer import to_device
 from specdec_fast.trees import TreeSpec, default_tree, parse_tree
 
-from .base import Drafter, DraftState, Proposal, StepOutcome
+from .base import Drafter, DraftState, Proposal, StepOutcome, kept_rows
 from .features import gather_rows, last_cached_hidden
 
 FINAL_NORM = -1
@@ -110,8 +110,7 @@ class MedusaDrafter(Drafter):
         self._source = (outcome.hidden[FINAL_NORM], outcome.accepted_nodes, outcome.num_accepted)
 
     def keep(self, rows: list[int]) -> None:
-        index = to_device(rows, self._source[0].device)
-        self._source = tuple(tensor[index] for tensor in self._source)
+        self._source = kept_rows(self._source, rows)
 
     def join(self, state: DraftState) -> None:
         hidden = torch.cat([_picked(*self._source), _cached_source(state)[0][:, 0]])

@@ -39,7 +39,7 @@ from specdec_fast.compiled import CompiledSteps
 from specdec_fast.graphs import StepGraphs
 from specdec_fast.transfer import to_device
 
-from .base import PAD_PARENT, DraftState, Proposal, StepOutcome
+from .base import PAD_PARENT, DraftState, Proposal, StepOutcome, joined_rows, kept_rows
 
 # The lookup's compiled steps by compile choice, shared by every device lookup of the process
 # (each `generate` call of a registry spec makes a new drafter): a shape compiles once.
@@ -92,13 +92,11 @@ class DeviceLookup:
         return to_device(tokens, state.device), to_device(np.array(lengths), state.device)
 
     def keep(self, rows: list[int]) -> None:
-        index = to_device(rows, self._tokens.device)
-        self._tokens, self._lengths = self._tokens[index], self._lengths[index]
+        self._tokens, self._lengths = kept_rows((self._tokens, self._lengths), rows)
 
     def join(self, state: DraftState) -> None:
-        tokens, lengths = self._uploaded(state)
-        self._tokens = torch.cat([self._tokens, tokens])
-        self._lengths = torch.cat([self._lengths, lengths])
+        joined = joined_rows((self._tokens, self._lengths), self._uploaded(state))
+        self._tokens, self._lengths = joined
 
     def propose(self, state: DraftState) -> Proposal:
         label = f"lookup B={state.batch_size}"

@@ -31,10 +31,9 @@ from specdec_fast.heads.checkpoint import (
 )
 from specdec_fast.loading import quiet_transformers
 from specdec_fast.runner import ModelRunner
-from specdec_fast.transfer import to_device
 from specdec_fast.trees import check_depth_scale
 
-from .base import DraftState, StepOutcome
+from .base import DraftState, StepOutcome, joined_rows, kept_rows
 from .block_shape import BlockShape, block_sampling
 from .draft_model import DraftRunnerRows, check_compatible
 
@@ -166,13 +165,12 @@ class PardBlock(DraftRunnerRows):
 
     def keep(self, rows: list[int]) -> None:
         super().keep(rows)
-        index = to_device(rows, self._source[0].device)
-        self._source = tuple(tensor[index] for tensor in self._source)
+        self._source = kept_rows(self._source, rows)
 
     def join(self, state: DraftState) -> None:
         super().join(state)
         newcomers = self._no_drafts(state, self._source[0].shape[1])
-        self._source = tuple(torch.cat(pair) for pair in zip(self._source, newcomers, strict=True))
+        self._source = joined_rows(self._source, newcomers)
 
     def end(self) -> None:
         super().end()
@@ -233,11 +231,13 @@ class PardBlock(DraftRunnerRows):
     ) -> tuple[torch.Tensor, ...]:
         """`BlockShape.propose` of the block of each row: fp32 `logits` `[B, W, V]` at rows
         `starts[b]` (int64 `[B]`, the root's node) to `starts[b] + b - 1`. Commits the fed
-        tokens up to each root; the masks' K/V are dropped."""
+        tokens up to each root (the root's position is then the cache's length less one); the
+        masks' K/V are dropped."""
         index = starts[:, None] + torch.arange(self.draft.block_size, device=logits.device)
         block = logits.gather(1, index[..., None].expand(-1, -1, logits.shape[-1]))
-        self.runner.cache.cache_lens.add_((starts + 1).to(torch.int32))
-        return self.shape.propose(block, roots, *sampling)
+        cache_lens = self.runner.cache.cache_lens
+        cache_lens.add_((starts + 1).to(torch.int32))
+        return self.shape.propose(block, roots, cache_lens - 1, *sampling)
 
     def update(self, state: DraftState, outcome: StepOutcome) -> None:
         """Keep the verified tree's tensors: the next step's feed picks the accepted drafts."""
