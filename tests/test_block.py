@@ -106,7 +106,7 @@ class RecordingDrafter(BlockDrafter):
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        self.steps = []
+        self.steps, self.root_positions = [], []
         self.flavour.shape = RecordingShape(self.flavour.shape, self)
 
     def propose(self, state):
@@ -115,7 +115,8 @@ class RecordingDrafter(BlockDrafter):
 
 
 class RecordingShape:
-    """A `BlockShape` that hands its drafter each step's block logits, per row."""
+    """A `BlockShape` that hands its drafter each step's block logits, per row, and the roots'
+    positions that the flavour's step gave, per step."""
 
     def __init__(self, shape, drafter):
         self.shape, self.drafter = shape, drafter
@@ -123,10 +124,12 @@ class RecordingShape:
     def __getattr__(self, name):
         return getattr(self.shape, name)
 
-    def propose(self, logits, roots, *sampling):
+    def propose(self, logits, roots, root_positions, *sampling):
         rows = zip(self.drafter.tokens, logits, strict=True)
         self.drafter.steps.extend((list(tokens), row.clone()) for tokens, row in rows)
-        return self.shape.propose(logits, roots, *sampling)
+        lengths = [len(tokens) - 1 for tokens in self.drafter.tokens]
+        self.drafter.root_positions.append((root_positions.tolist(), lengths))
+        return self.shape.propose(logits, roots, root_positions, *sampling)
 
 
 def from_scratch(model, target, tokens):
@@ -187,6 +190,21 @@ def test_dflash_context_follows_steps_that_draft_no_block(target):
         torch.testing.assert_close(
             logits, from_scratch(drafter.model, target, tokens), rtol=1e-4, atol=1e-4
         )
+
+
+@pytest.mark.parametrize("flavour", list(MODELS))
+def test_sampled_chains_draw_at_the_roots_positions(target, ragged, flavour):
+    """A sampled chain's draws are keyed by its roots' positions, which the flavours' steps take
+    from their caches' lengths on the device (so chains read ahead): at every step, each row's
+    count of tokens before its root, on ragged rows."""
+    drafter = RecordingDrafter(MODELS[flavour](target), max_nodes=5, tree="chain")
+    prompts = ragged[:4]
+    generate(
+        target, prompts, drafter=drafter, max_new_tokens=24, temperature=0.9, seed=[1, 2, 3, 4]
+    )
+    assert len(drafter.root_positions) >= 4
+    for step, (positions, lengths) in enumerate(drafter.root_positions):
+        assert positions == lengths, step
 
 
 @pytest.fixture(scope="module")
