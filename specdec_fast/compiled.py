@@ -143,6 +143,27 @@ def record_compile(label: str, seconds: float) -> None:
     gc.freeze()
 
 
+def _plain(arg: Any) -> Any:
+    """`arg` as a graph's input should be: a tensor with the strides of a new one of its shape
+    (else a copy), not a view (else a detached alias). A graph guards on its inputs' strides,
+    size-1 dimensions' included, and on views' bases: a step's outcome cut to a drafter's tree,
+    or the cached part of a padded prompt, would compile graphs of their own beside the one for
+    whole tensors."""
+    if not isinstance(arg, torch.Tensor) or (arg._base is None and arg.is_contiguous()):
+        return arg
+    if arg.stride() != _dense_strides(arg.shape):
+        return arg.clone(memory_format=torch.contiguous_format)
+    return arg.detach()
+
+
+def _dense_strides(shape: torch.Size) -> tuple[int, ...]:
+    strides, step = [], 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= max(size, 1)
+    return tuple(reversed(strides))
+
+
 def _tensor_shapes(args: tuple) -> tuple:
     return tuple(tuple(arg.shape) if isinstance(arg, torch.Tensor) else None for arg in args)
 
@@ -150,15 +171,17 @@ def _tensor_shapes(args: tuple) -> tuple:
 class CompiledStep:
     """`step` through `torch.compile` on its own code (`compile_own_copy`), compiled on first use.
 
-    Every dimension of the tensor arguments is dynamic, except that the compiler keeps sizes 0
-    and 1 apart: a step has a graph per pattern of such sizes (batch 1 or 2+, a decode step or a
-    tree). The dimensions are marked at every call (about 6 us a step): a graph recompiled for
-    another reason (a guard on the runner's hooks or a drafter's attributes) must come out
-    dynamic too, or the next new size would compile once more. A call that compiled a graph
-    returns the seconds it took. A step holds up to `recompile_limit` graphs
-    (`STEP_RECOMPILE_LIMIT`; once it holds nearly as many as dynamo's global limit allows, its
-    calls run under its own); past that limit a shape runs eagerly from then on, with a warning
-    naming `what`.
+    A step reads its tensor arguments and never writes them (a captured graph's replay copies them
+    into buffers of its own): a view is passed as a detached alias, and a tensor strided otherwise
+    than a new one of its shape as a copy (`_plain`), so that neither compiles a graph of its own.
+    Every dimension of the tensor arguments is dynamic, except that the compiler keeps sizes 0 and 1
+    apart: a step has a graph per pattern of such sizes (batch 1 or 2+, a decode step or a tree).
+    The dimensions are marked at every call (about 6 us a step): a graph recompiled for another
+    reason (a guard on the runner's hooks or a drafter's attributes) must come out dynamic too, or
+    the next new size would compile once more. A call that compiled a graph returns the seconds it
+    took. A step holds up to `recompile_limit` graphs (`STEP_RECOMPILE_LIMIT`; once it holds nearly
+    as many as dynamo's global limit allows, its calls run under its own); past that limit a shape
+    runs eagerly from then on, with a warning naming `what`.
 
     `weights`, when given, lists the module weights the step reads: the step then compiles with
     inductor's freezing (the weights become constants of the graph, prepacked for the CPU's
@@ -202,6 +225,7 @@ class CompiledStep:
         if self._compiled is None:
             self._compiled = compile_own_copy(self.step)
             self._graphs = 0  # graphs of this code copy
+        args = tuple(_plain(arg) for arg in args)
         for tensor in args:
             if isinstance(tensor, torch.Tensor):
                 for dim in range(tensor.dim()):

@@ -170,6 +170,30 @@ def test_a_step_holds_more_graphs_than_dynamos_limit():
         assert graphs_compiled() == before
 
 
+def test_views_and_strided_arguments_compile_no_graph_of_their_own():
+    """A step's arguments as callers hand them: a view of a whole tensor, the left part of a
+    wider one (a step's outcome cut to a drafter's tree), a row of a wider padded row (stride
+    of a size-1 dimension), an expanded row. After one graph per pattern of sizes 1 (batch 1,
+    batch 2+), none compiles another, and each gives what the eager step gives."""
+    step = CompiledStep(scaled, "the test step")
+    factor = torch.tensor(3.0)
+    wide = torch.arange(48.0).view(4, 12)
+    calls = [
+        torch.ones(4, 7),
+        torch.ones(1, 7),
+        wide[:3],
+        wide[:, :5],
+        wide[:1, :9],
+        torch.arange(6.0).expand(3, -1),
+        torch.arange(6.0).expand(1, -1),
+        wide.t(),
+    ]
+    compiled = [step(x, factor)[1] is not None for x in calls]
+    assert compiled == [True, True] + [False] * (len(calls) - 2)
+    for x in calls:
+        assert torch.equal(step(x, factor)[0], scaled(x, factor))
+
+
 def test_recompile_limits_below_one_are_refused():
     with pytest.raises(ValueError, match="recompile_limit must be >= 1"):
         CompiledStep(scaled, "the test step", recompile_limit=0)

@@ -237,10 +237,7 @@ class DraftModelDrafter(DraftRunnerRows, Drafter):
         """Keep the accepted path's fed nodes in the draft's cache and note its last node where
         it was not fed (`_update`: a step of the runner's own over the outcome's tensors; a
         tree's path is then compacted, as the engine compacts the target's)."""
-        # The tree's tensors may be views of a wider step's: copies, or the compiled update,
-        # which guards on views' strides and bases, would compile again when they are not.
-        tokens, nodes = outcome.proposal.tokens.clone(), outcome.accepted_nodes.clone()
-        tensors = (tokens, nodes, outcome.num_accepted)
+        tensors = (outcome.proposal.tokens, outcome.accepted_nodes, outcome.num_accepted)
         token, behind, path, num_in_cache = self._run("update", _update, *tensors)
         self._behind = (token, behind)
         if self.tree is not None:
