@@ -474,8 +474,8 @@ def test_a_host_copy_on_the_cpu_is_the_tensor_read():
 @pytest.mark.gpu
 def test_read_ahead_on_cuda_equals_reading_every_step(monkeypatch):
     """The CUDA path (a pinned buffer, an event; CUDA graphs for the drafters' steps): the same
-    greedy and sampled output, plain and with drafters that read ahead, the n-gram lookup
-    among them."""
+    greedy and sampled output, plain and with drafters that read ahead, the n-gram lookup and
+    a block chain among them."""
     target = tiny_llama(vocab_size=VOCAB).cuda()
     values = torch.arange(12, device="cuda").reshape(3, 4)
     assert HostCopy(values * 2).wait() == (values * 2).tolist()
@@ -485,8 +485,13 @@ def test_read_ahead_on_cuda_equals_reading_every_step(monkeypatch):
     code, prompts = load_model("tiny-code", torch.device("cuda")), code_prompts()
     # The n-gram lookup on the device (its default on CUDA when compiling; these tests run
     # uncompiled) reads ahead, alone and grafted.
-    specs = ["draft:tiny-code-draft:4", "eagle:tiny-code-eagle3:8", "block:tiny-code-dflash:8"]
-    makers = {spec: DrafterSpec.parse(spec).factory(code) for spec in specs}
+    specs = [
+        "draft:tiny-code-draft:4",
+        "eagle:tiny-code-eagle3:8",
+        "block:tiny-code-dflash:8",
+        "block chain:tiny-code-pard:4",
+    ]
+    makers = {spec: drafter_factory(spec, code) for spec in specs}
     eagle = DrafterSpec.parse("eagle:tiny-code-eagle:8").factory(code)
     makers["ngram:8 on the device"] = lambda: NGramDrafter(8, device_lookup=True)
     makers["eagle+ngram on the device"] = lambda: GraftedDrafter(
