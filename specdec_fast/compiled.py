@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 from torch._dynamo.callback import callback_handler
+from torch._prims_common import make_contiguous_strides_for
 
 from specdec_fast.notices import notice
 
@@ -151,17 +152,9 @@ def _plain(arg: Any) -> Any:
     whole tensors."""
     if not isinstance(arg, torch.Tensor) or (arg._base is None and arg.is_contiguous()):
         return arg
-    if arg.stride() != _dense_strides(arg.shape):
+    if arg.stride() != make_contiguous_strides_for(arg.shape):
         return arg.clone(memory_format=torch.contiguous_format)
     return arg.detach()
-
-
-def _dense_strides(shape: torch.Size) -> tuple[int, ...]:
-    strides, step = [], 1
-    for size in reversed(shape):
-        strides.append(step)
-        step *= max(size, 1)
-    return tuple(reversed(strides))
 
 
 def _tensor_shapes(args: tuple) -> tuple:
