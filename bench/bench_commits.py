@@ -8,6 +8,10 @@ falls on both alike. Reported per drafter: the median tokens/s of each tree, the
 per-round ratios new/old with its min-max, and whether the greedy outputs are equal across the
 trees (and to the new tree's plain decoding).
 
+`--temperature T` samples instead (top-k, top-p off) with seed `--seed`: a sampled chain (a draft
+model's, a block drafter's) takes its own path through the step. Outputs then equal plain
+decoding's only for drafters whose proposals are deterministic (`DrafterKind.deterministic`).
+
     python bench/bench_commits.py --old /path/to/old/tree --new . --drafter none \
         --drafter eagle:tiny-code-eagle:16 --rounds 5
 
@@ -38,7 +42,9 @@ DEFAULT_DRAFTERS = (
 )
 
 
-def worker(compile: bool, prompts: int, tokens: int, threads: int) -> None:
+def worker(
+    compile: bool, prompts: int, tokens: int, threads: int, temperature: float, seed: int
+) -> None:
     """Answer JSON requests on stdin, one per line: {"spec": S} times one `generate` with that
     drafter (warming it up first the first time) and prints {"tokens_per_s", "outputs"}."""
     import torch
@@ -69,6 +75,8 @@ def worker(compile: bool, prompts: int, tokens: int, threads: int) -> None:
             max_new_tokens=tokens,
             eos_token_id=[],
             compile=compile,
+            temperature=temperature,
+            seed=seed,
         )
         return out
 
@@ -115,6 +123,9 @@ class Worker:
         ]
         if args.eager:
             command.append("--eager")
+        if args.temperature:
+            # Only then: a tree from before the option runs greedy steps with the same command.
+            command += ["--temperature", str(args.temperature), "--seed", str(args.seed)]
         self.process = subprocess.Popen(
             command, cwd=tree, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
         )
@@ -173,7 +184,8 @@ def compare(args) -> list[dict]:
     return records
 
 
-def main(argv: list[str] | None = None) -> None:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line's options, the drafters defaulted; `--old` is required of a comparison."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--old", type=Path, help="the tree before the change")
     parser.add_argument("--new", type=Path, default=Path("."), help="the tree after it")
@@ -183,15 +195,22 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--eager", action="store_true", help="eager steps (default: compiled)")
+    parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy (default)")
+    parser.add_argument("--seed", type=int, default=0, help="the sampled runs' seed")
     parser.add_argument("--json", type=Path)
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    if args.worker:
-        worker(not args.eager, args.prompts, args.tokens, args.threads)
-        return
-    if args.old is None:
+    if args.old is None and not args.worker:
         parser.error("--old is required")
     args.drafter = args.drafter or list(DEFAULT_DRAFTERS)
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    if args.worker:
+        worker(not args.eager, args.prompts, args.tokens, args.threads, args.temperature, args.seed)
+        return
     records = compare(args)
     if args.json:
         settings = {key: str(value) for key, value in vars(args).items()}

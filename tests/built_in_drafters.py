@@ -24,6 +24,7 @@ DRAFTERS = [
     "eagle:tiny-code-eagle:8+ngram:8",
     "block:{dflash}:8",
     "block:{pard}:8",
+    "block-chain:{dflash}:4",
 ]
 
 

@@ -21,3 +21,21 @@ def test_a_tree_against_itself_gives_equal_outputs(monkeypatch, tmp_path, capsys
         assert record["ratio_min"] <= record["ratio"] <= record["ratio_max"]
     assert records[1]["equals_plain"] is True
     assert "new/old" in capsys.readouterr().out
+
+
+def test_sampled_runs_reach_the_workers(monkeypatch):
+    """`--temperature` reaches a worker: plain decoding's outputs at temperature 1.5 differ from
+    a greedy worker's, and the n-gram drafter's (deterministic proposals, the same seed) equal
+    them."""
+    bench = import_bench(monkeypatch, "bench_commits")
+    tree = bench.Path(bench.__file__).resolve().parents[1]
+    outputs = {}
+    for temperature in (0.0, 1.5):
+        args = ["--old", str(tree), "--tokens", "8", "--eager", "--temperature", str(temperature)]
+        worker = bench.Worker(tree, bench.parse_args(args))
+        try:
+            outputs[temperature] = [worker.time(spec)["outputs"] for spec in ("none", "ngram:8")]
+        finally:
+            worker.close()
+    assert outputs[0.0][0] != outputs[1.5][0]
+    assert outputs[1.5][1] == outputs[1.5][0]

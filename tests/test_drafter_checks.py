@@ -169,9 +169,10 @@ BUILT_IN = [
     "medusa:tiny-code-medusa:6",
     "eagle:tiny-code-eagle3:6",
 ]
-# Block drafters run over an untrained DFlash head (`_makers`), as a tree and as a chain.
-BLOCK_TREES = ("ddtree", "chain")
-CHECKED = [*BUILT_IN, *(f"block:{{dflash}}:6 {tree}" for tree in BLOCK_TREES)]
+# Block drafters run over an untrained DFlash head (`_makers`), by their tree mode: a best-first
+# tree and a chain, each of 6 verified nodes.
+BLOCK_TREES = {"block:{dflash}:6": "ddtree", "block-chain:{dflash}:5": "chain"}
+CHECKED = [*BUILT_IN, *BLOCK_TREES]
 
 
 def _makers(target) -> dict:
@@ -183,7 +184,7 @@ def _makers(target) -> dict:
     makers = {spec: DrafterSpec.parse(spec).factory(target) for spec in BUILT_IN}
     torch.manual_seed(0)
     head = DFlashHead.for_target(target, num_layers=1, block_size=6)
-    for name, tree in zip(CHECKED[len(BUILT_IN) :], BLOCK_TREES, strict=True):
+    for name, tree in BLOCK_TREES.items():
         makers[name] = lambda tree=tree: BlockDrafter(head, max_nodes=6, tree=tree)
     return makers
 

@@ -56,6 +56,7 @@ CHECKPOINTS = {
     "medusa": _medusa_folder,
     "eagle": _eagle_folder,
     "block": _block_folder,
+    "block-chain": _block_folder,
 }
 
 
@@ -206,9 +207,10 @@ def test_benchmark_lists_are_the_registry_kinds_and_take_a_new_one(monkeypatch):
 
 def test_every_trained_kind_has_a_training_command():
     """Training's head commands load as registered kinds, and every kind whose checkpoint is
-    trained for the target has a command (`train block` for the block drafters)."""
+    trained for the target has a command (`train block` for the block drafters' trees and
+    chains)."""
     from specdec_fast.train.heads import DRAFTER_KINDS
 
     assert set(DRAFTER_KINDS.values()) <= set(REGISTRY)
-    assert set(kinds_with("trained")) == {*DRAFTER_KINDS.values(), "block"}
+    assert set(kinds_with("trained")) == {*DRAFTER_KINDS.values(), "block", "block-chain"}
     assert kinds_with("none", "draft model") == ("ngram", "suffix", "draft", "draft-tree")

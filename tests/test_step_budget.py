@@ -162,10 +162,13 @@ def test_one_read_and_few_eager_ops_per_step(target, prompts, factories, spec, b
     assert within, f"{spec} B={batch}: ops | reads | top ops | read sites: {counts.row()}"
 
 
-@pytest.mark.parametrize("spec", ["draft:tiny-code-draft:4", "block:{dflash}:8"])
+@pytest.mark.parametrize(
+    "spec", ["draft:tiny-code-draft:4", "block:{dflash}:8", "block-chain:{dflash}:4"]
+)
 def test_sampled_steps_read_once(target, prompts, factories, spec):
-    """Sampled chains draw their drafts on the device too (the draft model's chain, the
-    block drafter's tree), in the compiled steps the greedy test warmed."""
+    """Sampled steps draw on the device too (the draft model's and the block drafter's chains
+    their drafts at the roots' positions, the block drafter's tree its verify), in the compiled
+    steps the greedy test warmed."""
     counts = counted(compiled_run(target, factories(spec), prompts, 8, temperature=0.8))
     assert counts.reads_per_step <= MAX_READS, counts.reads.most_common()
 

@@ -138,6 +138,10 @@ def _block(model, size: int) -> Drafter:
     return BlockDrafter(model, max_nodes=size)
 
 
+def _block_chain(model, size: int) -> Drafter:
+    return BlockDrafter(model, max_nodes=size + 1, tree="chain")
+
+
 KINDS = (
     DrafterKind(
         "ngram",
@@ -202,6 +206,18 @@ KINDS = (
         checkpoint="trained",
         quick=True,
     ),
+    DrafterKind(
+        "block-chain",
+        "a block drafter's chain of K tokens from one forward (sampled when sampling)",
+        4,
+        _block_chain,
+        load=load_block_model,
+        chain=True,
+        tree_kind="block",
+        deterministic=False,
+        bundled=("tiny-code-dflash", "tiny-code-pard"),
+        checkpoint="trained",
+    ),
 )
 REGISTRY: dict[str, DrafterKind] = {kind.name: kind for kind in KINDS}
 
@@ -214,8 +230,9 @@ def kinds_with(*checkpoints: str) -> tuple[str, ...]:
 
 def kinds_for_benchmarks(quick: bool = False) -> tuple[str, ...]:
     """The registered kinds a benchmark of trees runs, in registry order: every kind but the
-    chains (a draft model's chain is benchmarked against HF's assisted generation on the same
-    pair instead), only the `quick` ones when `quick`."""
+    chains (whose size is a chain length, swept by the benchmarks that take one: a draft
+    model's chain against HF's assisted generation on the same pair), only the `quick` ones
+    when `quick`."""
     return tuple(kind.name for kind in KINDS if not kind.chain and (kind.quick or not quick))
 
 
