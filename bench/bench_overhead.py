@@ -69,13 +69,15 @@ BLOCK_SPEC = DrafterSpec.parse("block:tiny-code-dflash:8")
 # model drafters ran 6.6-10.4x slower than plain decoding (bench/NOTES.md, 2026-12-04), and the
 # breakdown is what says where each one's step goes (issue 44's targets: >= 1.3x plain at batch 1).
 # And the best drafter of the chat pair's demo: EAGLE-3 with the n-gram lookup grafted onto its
-# trees, whose lookup reads the host's tokens every step (no read-ahead).
+# trees, whose lookup reads the host's tokens every step (no read-ahead). Block drafters' chains
+# are left out: a chain's step is its tree's forward, broken down beside the others, and a part
+# has four minutes.
 GRAFT_SPEC = DrafterSpec.parse(f"eagle:tiny-code-eagle3:{NGRAM_NODES}+ngram:{NGRAM_NODES}")
 GPU_SPECS = (
     *(
         DrafterSpec(spec.kind, spec.path, DRAFT_CHAIN if spec.info.chain else NGRAM_NODES)
         for spec in bundled_specs()
-        if spec.kind != "ngram" and spec.path != BLOCK_SPEC.path
+        if spec.kind not in ("ngram", "block-chain") and spec.path != BLOCK_SPEC.path
     ),
     GRAFT_SPEC,
 )
