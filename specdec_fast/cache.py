@@ -139,6 +139,9 @@ class SpecKVLayer(CacheLayerMixin):
             slots[:, None, :],
         )
         storage.index_put_(index, torch.stack((key_states, value_states)))
+        # The storage's rows are unbacked (`SpecKVCache._bind`): told that the batch fits, the
+        # compiler sizes the slices B rather than min(B, rows).
+        torch._check(batch <= storage.shape[2])
         return storage[self.layer_idx, 0, :batch], storage[self.layer_idx, 1, :batch]
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
@@ -251,10 +254,15 @@ class SpecKVCache(Cache):
         for tensor, dims in (
             (self.cache_lens, (0,)),
             (self.batch_index, (0,)),
-            (self._kv_storage, (2, 4)),
+            (self._kv_storage, (4,)),
         ):
             for dim in dims:
                 torch._dynamo.maybe_mark_dynamic(tensor, dim)
+        # The storage's rows too, but unbacked: a backed size is specialised when it is 1, so a
+        # batch-1 step compiled over a one-row storage compiled again over the rows that a wider
+        # call left (tens of seconds on a CPU, per step kind). Steps slice the live rows after
+        # `torch._check`ing that they fit (`SpecKVLayer.update`).
+        torch._dynamo.decorators.mark_unbacked(self._kv_storage, 2)
 
     def fits(self, batch_size: int, max_cache_len: int, dtype: torch.dtype) -> bool:
         """Whether `resize(batch_size)` can serve sequences of `max_cache_len` slots in `dtype`."""

@@ -7,6 +7,7 @@ The other engine tests run eagerly (conftest sets SPECDEC_COMPILE=0); these comp
 with inductor, a few seconds per graph.
 """
 
+import functools
 import gc
 import warnings
 
@@ -137,6 +138,34 @@ def test_compiled_rows_that_finish_early_shrink_the_batch(models):
         cut(sequence, prompt) for sequence, prompt in zip(expected, prompts, strict=True)
     ]
     assert len({len(s) for s in out.sequences}) > 1  # the rows did finish at different steps
+
+
+def test_a_batch_of_one_after_a_wider_one_compiles_nothing(monkeypatch):
+    """The cache keeps the storage rows of the widest call so far. Batches of 1, 3, then 1:
+    the last reuses the batch-1 graphs that the first compiled over a one-row storage (whose
+    row count is unbacked, `SpecKVCache._bind`; dynamo specialised it at 1, and the last call
+    compiled every batch-1 step again), for the target's steps and a DFlash drafter's (whose
+    SDPA over its own cache checks the rows). Dynamo's capture alone (its `eager` backend):
+    the guards are what decide. Outputs equal HF's greedy decoding."""
+    from test_block import dflash_head
+
+    from specdec_fast import BlockDrafter
+
+    monkeypatch.setattr(torch, "compile", functools.partial(torch.compile, backend="eager"))
+    target = tiny_llama(VOCAB, layers=4, seed=13)
+    head = dflash_head(target)
+    calls = [
+        repetitive_prompts([9], VOCAB, seed=5),
+        repetitive_prompts([6, 13, 4], VOCAB, seed=6),
+        repetitive_prompts([11], VOCAB, seed=7),
+    ]
+    for make in (lambda: None, lambda: BlockDrafter(head, max_nodes=4)):
+        compiled = []
+        for prompts in calls:
+            out = generate(target, prompts, drafter=make(), max_new_tokens=12, compile=True)
+            assert [s.tolist() for s in out.sequences] == hf_greedy(target, prompts, 12)
+            compiled.append(sorted(out.stats.compiled))
+        assert compiled[0] and compiled[1] and not compiled[2], compiled
 
 
 def scaled(x: torch.Tensor, factor: torch.Tensor) -> torch.Tensor:
