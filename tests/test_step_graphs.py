@@ -131,8 +131,8 @@ needs_bundled = pytest.mark.skipif(
     "tiny-code" not in bundled.available(), reason="the bundled checkpoints are not installed"
 )
 
-# Every drafter with device steps, greedy, and the draft chain sampled (its draws are the
-# drafting code that sampling changes; the trees' drafting is the same, sampled or not). The
+# Every drafter with device steps, greedy, and the chains sampled (their draws are the drafting
+# code that sampling changes; the trees' drafting is the same, sampled or not). The
 # target's verify graphs serve all of them; each drafter's own steps (draft loops, updates, tree
 # steps, the draft model's forwards) replay as graphs of their own. EAGLE-1's head runs
 # EAGLE-3's drafter class: the test of later drafters covers it. The lookups run on the host on
@@ -141,6 +141,7 @@ SKIPPED = ("ngram", "suffix", "eagle:tiny-code-eagle:")
 CASES = [
     *((spec, 0.0) for spec in DRAFTERS if not spec.startswith(SKIPPED)),
     ("draft:tiny-code-draft:4", 0.8),
+    ("block-chain:{dflash}:4", 0.8),
 ]
 
 
