@@ -168,6 +168,42 @@ def test_a_batch_of_one_after_a_wider_one_compiles_nothing(monkeypatch):
         assert compiled[0] and compiled[1] and not compiled[2], compiled
 
 
+def test_a_calls_first_steps_meet_the_drafters_graphs_of_its_later_ones(monkeypatch):
+    """A drafter's first step of a call starts from the prompt, the later ones from a verify
+    step's outcome; given other dtypes or sizes there, the first step compiled a graph of its
+    own, in every process: DFlash's prompt context picked by int64 columns (an outcome's nodes
+    are int32), Medusa's source one column wide (an outcome's N; the compiler specialises size
+    1), PARD's feed cut to its accepted drafts' depth (a graph for feeds up to it, another past
+    it). Batch-1 calls with other prompt lengths: no step of the target's or the drafters'
+    fails a guard (dynamo's capture only, its `eager` backend). A target each (its steps
+    compile per pattern of the drafter's hooks)."""
+    from test_block import dflash_head, pard_draft
+    from test_medusa import random_heads
+
+    from specdec_fast import BlockDrafter, MedusaDrafter
+
+    monkeypatch.setattr(torch, "compile", functools.partial(torch.compile, backend="eager"))
+    drafters = {
+        "dflash": lambda target: BlockDrafter(dflash_head(target), max_nodes=8),
+        "pard": lambda target: BlockDrafter(pard_draft(VOCAB), max_nodes=8),
+        "medusa": lambda target: MedusaDrafter(random_heads(48, VOCAB, num_heads=3)),
+    }
+    failures = torch._dynamo.utils.guard_failures
+    for name, make in drafters.items():
+        target = tiny_llama(VOCAB, layers=4, seed=13)
+        before = {code: len(reasons) for code, reasons in failures.items()}
+        for length in (9, 14):
+            prompts = repetitive_prompts([length], VOCAB, seed=length)
+            out = generate(target, prompts, drafter=make(target), max_new_tokens=16, compile=True)
+            assert [s.tolist() for s in out.sequences] == hf_greedy(target, prompts, 16)
+        failed = {
+            code.co_name: reasons[before.get(code, 0) :]
+            for code, reasons in failures.items()
+            if len(reasons) > before.get(code, 0)
+        }
+        assert failed == {}, (name, failed)
+
+
 def scaled(x: torch.Tensor, factor: torch.Tensor) -> torch.Tensor:
     return x * factor + 1
 

@@ -67,7 +67,7 @@ def cast_copy(weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 class _Context:
     """Context entries not yet in the head's cache, picked on the device inside the step that
     takes them: per target layer the features `[B, M, H]` they come from, at columns `index`
-    (int `[B, n]`; -1 picks column 0, a pad entry), of which row r's first `last[r] + 1` are
+    (int32 `[B, n]`; -1 picks column 0, a pad entry), of which row r's first `last[r] + 1` are
     real (the rest pads a ragged batch; `last` int32 `[B]` on the device). A step's accepted
     path is such a pick of its verified nodes (no op outside the step, no host value)."""
 
@@ -85,7 +85,8 @@ class _Context:
                 torch.cat([f, f.new_zeros(f.shape[0], pad, f.shape[2])], 1) for f in features
             ]
         batch, width, device = features[0].shape[0], features[0].shape[1], features[0].device
-        index = torch.arange(width, device=device).expand(batch, -1)
+        # int32, as a step's accepted nodes are: a graph guards on its inputs' dtypes.
+        index = torch.arange(width, dtype=torch.int32, device=device).expand(batch, -1)
         last = to_device([count - 1 for count in counts], device, torch.int32)
         return cls(features, index, last)
 

@@ -217,8 +217,9 @@ class PardBlock(DraftRunnerRows):
         int32 `q_lens` `[B]` and each row's root node, int64 `[B]`."""
         width, mask = columns.shape[1], self.draft.mask_token_id
         picked = nodes[:, 1 : self._depth + 1].long().clamp(min=0)
-        drafts = tokens.gather(1, picked)[:, :width]
-        drafts = F.pad(drafts, (0, width - drafts.shape[1]), value=mask)
+        # Padded by the whole width, then cut: a cut at min(width, depth) would compile a graph
+        # for widths up to the depth and another for wider ones.
+        drafts = F.pad(tokens.gather(1, picked), (0, width), value=mask)[:, :width]
         starts = accepted.long()
         place = torch.arange(width, device=roots.device)
         fed = torch.where(place == starts[:, None], roots[:, None], drafts)
