@@ -22,7 +22,6 @@ from tiny_models import repetitive_prompts, tiny_llama
 from specdec_fast import NGramDrafter, bundled, engine, generate, step
 from specdec_fast.arguments import CACHE_BLOCK
 from specdec_fast.cache import SpecKVCache
-from specdec_fast.drafters.block import BlockDrafter, load_block_model
 from specdec_fast.drafters.graft import GraftedDrafter
 from specdec_fast.drafters.registry import DrafterSpec
 from specdec_fast.guardrails import GuardedDrafter, GuardrailPolicy, RouteGuard
@@ -185,16 +184,6 @@ def code():
     return code_case()
 
 
-def drafter_factory(spec: str, target):
-    """What makes the drafters of a registry spec, or of "block chain:NAME:K", a block drafter
-    of the bundled checkpoint NAME drafting chains of K tokens (no registry kind drafts one)."""
-    if not spec.startswith("block chain:"):
-        return DrafterSpec.parse(spec).factory(target)
-    _, name, tokens = spec.split(":")
-    model = load_block_model(name, target)
-    return lambda: BlockDrafter(model, max_nodes=int(tokens) + 1, tree="chain")
-
-
 @needs_bundled
 @pytest.mark.parametrize(
     "spec, sampled",
@@ -206,8 +195,8 @@ def drafter_factory(spec: str, target):
         ("eagle:tiny-code-eagle3:8", True),
         ("block:tiny-code-dflash:8", False),
         ("block:tiny-code-pard:8", True),
-        ("block chain:tiny-code-dflash:4", True),
-        ("block chain:tiny-code-pard:4", True),
+        ("block-chain:tiny-code-dflash:4", True),
+        ("block-chain:tiny-code-pard:4", True),
     ],
 )
 def test_drafters_that_read_ahead_equal_reading_every_step(code, spec, sampled, monkeypatch):
@@ -218,7 +207,7 @@ def test_drafters_that_read_ahead_equal_reading_every_step(code, spec, sampled, 
     are drafted alike either way, the verify draws by position) and the block chains, whose
     draws take the roots' positions from their flavour's cache on the device."""
     target, prompts, eos = code
-    make = drafter_factory(spec, target)
+    make = DrafterSpec.parse(spec).factory(target)
     unread, most = count_unread(monkeypatch)
     options = [{}, {"temperature": 0.8, "seed": list(range(len(prompts)))}][: 1 + sampled]
     for kwargs in options:
@@ -489,9 +478,9 @@ def test_read_ahead_on_cuda_equals_reading_every_step(monkeypatch):
         "draft:tiny-code-draft:4",
         "eagle:tiny-code-eagle3:8",
         "block:tiny-code-dflash:8",
-        "block chain:tiny-code-pard:4",
+        "block-chain:tiny-code-pard:4",
     ]
-    makers = {spec: drafter_factory(spec, code) for spec in specs}
+    makers = {spec: DrafterSpec.parse(spec).factory(code) for spec in specs}
     eagle = DrafterSpec.parse("eagle:tiny-code-eagle:8").factory(code)
     makers["ngram:8 on the device"] = lambda: NGramDrafter(8, device_lookup=True)
     makers["eagle+ngram on the device"] = lambda: GraftedDrafter(

@@ -133,8 +133,8 @@ def _single_source(hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, to
     """The source (`MedusaDrafter._source`) that picks the states `[B, H]` themselves, as two
     columns of them: a source one column wide would compile the heads' step apart from a tree's
     N columns (the compiler specialises size 1)."""
-    zeros = torch.zeros(hidden.shape[0], 2, dtype=torch.int32, device=hidden.device)
-    return hidden[:, None].expand(-1, 2, -1), zeros, zeros[:, 0]
+    nodes = torch.zeros(hidden.shape[0], 2, dtype=torch.int32, device=hidden.device)
+    return hidden[:, None].expand(-1, 2, -1), nodes, nodes.new_zeros(hidden.shape[0])
 
 
 def _cached_source(state: DraftState) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
