@@ -335,6 +335,34 @@ def test_a_request_failing_in_the_warm_up_is_a_failed_request():
     assert report["cells"][0]["metrics"]["error_rate"] == 0.0  # the measured requests passed
 
 
+def test_a_size_a_drafter_refuses_fails_the_sweep_before_anything_runs(tmp_path, monkeypatch):
+    """A block chain's k past the block's positions (b - 1 for DFlash) is refused by the
+    drafter: the sweep fails at its start, naming every refused cell, not after the baseline
+    and the cells before it have run."""
+    import specdec_fast.harness.sweep as sweep
+    from specdec_fast.heads.block import DFlashHead
+
+    model = tiny_llama(vocab_size=VOCAB)
+    torch.manual_seed(0)
+    head = DFlashHead.for_target(model, num_layers=1, block_size=4, mask_token_id=VOCAB - 1)
+    head.save_pretrained(tmp_path / "head")
+    records = [PromptRecord("abcabc", "qa", 4)]
+    config = BenchConfig(
+        drafters=[f"block-chain:{tmp_path / 'head'}"], sizes=[2, 3, 4, 5], batches=[1]
+    )
+    monkeypatch.setattr(sweep, "decode_paired", lambda *args, **kwargs: pytest.fail("ran"))
+    with pytest.raises(ValueError) as refused:
+        run_sweep(model, CharTokenizer(), records, config, progress=False)
+    message = str(refused.value)
+    assert "cannot be built" in message
+    spec = f"block-chain:{tmp_path / 'head'}"
+    for k in (4, 5):
+        refusal = f"a chain of {k} tokens is longer than the block's 3 positions"
+        assert f"{spec}:{k}: max_nodes={k + 1}: {refusal}" in message
+    assert f"adaptive({spec}:5): max_nodes=6" in message
+    assert f"{spec}:3:" not in message  # k = 3 fills the block's 3 positions: it is built
+
+
 def test_bench_help_and_bad_grid(capsys):
     with pytest.raises(SystemExit) as done:
         main(["bench", "--help"])

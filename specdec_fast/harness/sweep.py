@@ -483,10 +483,12 @@ def run_sweep(
     """Run the whole sweep and return the report as a JSON-ready dict (see `harness.report`).
 
     make_drafter(spec, size): builds a drafter for the target (default: the spec's factory,
-    which loads each spec's checkpoint once). Cells run batch size by batch size, each drafter's
-    sizes together, so that a compiled step shape (batch 1 or more, each drafter's trees) is
-    compiled by the first cell that meets it and reused by the others; each cell's shapes are
-    warmed once, outside the timed runs, and compilation is reported apart from measured time.
+    which loads each spec's checkpoint once), called once per cell before anything runs
+    (`build_drafters`); the cell's drafter serves each of its batch sizes. Cells run batch size
+    by batch size, each drafter's sizes together, so that a compiled step shape (batch 1 or
+    more, each drafter's trees) is compiled by the first cell that meets it and reused by the
+    others; each cell's shapes are warmed once, outside the timed runs, and compilation is
+    reported apart from measured time.
     A failed request is recorded with its error (`failed_requests`); the sweep goes on."""
     if make_drafter is None:
         factories: dict[DrafterSpec, Callable] = {}
@@ -503,6 +505,7 @@ def run_sweep(
     prompts = encode_prompts(records, tokenizer, config.max_new_tokens, config.chat)
     stop = stop_token_ids(model, tokenizer)
     cells = config.cells()
+    drafters = build_drafters(cells, make_drafter)
     # Batch size by batch size, each one's baseline (None) first.
     schedule = [(batch, cell) for batch in config.batches for cell in [None, *cells]]
     runs = 2 * config.repeats  # every cell is paired with plain decoding
@@ -523,7 +526,7 @@ def run_sweep(
             config,
             cells,
             schedule,
-            make_drafter,
+            drafters,
             eta,
             stop,
             say,
@@ -540,6 +543,27 @@ def run_sweep(
         f"{report['timing']['compile_s']:.0f} s compiling), {len(failed)} failed requests"
     )
     return report
+
+
+def build_drafters(
+    cells: list, make_drafter: Callable[[DrafterSpec, int], Drafter | None]
+) -> dict[str, Drafter]:
+    """Every cell's drafter by cell name (an adaptive cell's wrapped in its `AdaptiveDrafter`
+    later), built before anything is timed: a size that a drafter refuses (a block chain longer
+    than the block's positions) fails the sweep at its start, every such cell named, rather than
+    after the cells before it have run."""
+    built, refused = {}, []
+    for name, spec, size, _ in cells:
+        try:
+            built[name] = make_drafter(spec, size)
+        except ValueError as error:
+            refused.append(f"{name}: {error}")
+    if refused:
+        raise ValueError(
+            "these cells' drafters cannot be built (leave their sizes out of the grid, or give "
+            "the drafter spec its own size): " + "; ".join(refused)
+        )
+    return built
 
 
 # Tokens of the eager probe that decides whether a CPU sweep compiles.
@@ -573,10 +597,10 @@ def decide_compile(
 
 
 def _run_cells(
-    model, tokenizer, prompts, config, cells, schedule, make_drafter, eta, stop, say, compiled
+    model, tokenizer, prompts, config, cells, schedule, drafters, eta, stop, say, compiled
 ):
     """The baseline and cells of `schedule` in order (`run_sweep`), under the compile choice
-    (`compiled`)."""
+    (`compiled`), with each cell's drafter from `drafters` (`build_drafters`)."""
     repeats = config.repeats
     compiled_at_start = len(COMPILE_LOG)
     cost_model = None
@@ -667,10 +691,10 @@ def _run_cells(
             # One adaptive drafter serves the whole concurrency sweep, as one would serve a
             # service's traffic: what it learned at one batch size carries over.
             if name not in adaptive_drafters:
-                adaptive_drafters[name] = AdaptiveDrafter(make_drafter(spec, size), cost_model)
+                adaptive_drafters[name] = AdaptiveDrafter(drafters[name], cost_model)
             drafter = adaptive_drafters[name]
         else:
-            drafter = make_drafter(spec, size)
+            drafter = drafters[name]
         warm_s = warm(warm_key(batch, cell), drafter, batch)
         log = (compiled, len(COMPILE_LOG))
         warm_steps = len(drafter.chosen) if adaptive else 0
