@@ -39,7 +39,7 @@ import argparse
 import statistics
 import time
 from collections.abc import Callable
-from contextlib import ExitStack, contextmanager
+from contextlib import AbstractContextManager, ExitStack, contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -278,19 +278,13 @@ class Breakdown:
 
 
 @contextmanager
-def timed(owner, name: str, bucket: dict[str, float], device: torch.device):
-    """Wrap `owner.name` so that its wall time accumulates into `bucket[name]` (on CUDA with the
-    device synchronized before and after, so the call's own GPU work counts to it)."""
+def wrapped(owner, name: str, around: Callable[[], AbstractContextManager]):
+    """Run every call of `owner.name` inside `around()` while the block runs."""
     original = getattr(owner, name)
 
     def wrapper(*args, **kwargs):
-        sync(device)
-        start = time.perf_counter()
-        try:
+        with around():
             return original(*args, **kwargs)
-        finally:
-            sync(device)
-            bucket[name] = bucket.get(name, 0.0) + time.perf_counter() - start
 
     own = name in vars(owner)  # a module's or class's own function, not an instance's method
     setattr(owner, name, wrapper)
@@ -301,6 +295,25 @@ def timed(owner, name: str, bucket: dict[str, float], device: torch.device):
             setattr(owner, name, original)
         else:
             delattr(owner, name)
+
+
+@contextmanager
+def timed(owner, name: str, bucket: dict[str, float], device: torch.device):
+    """Wrap `owner.name` so that its wall time accumulates into `bucket[name]` (on CUDA with the
+    device synchronized before and after, so the call's own GPU work counts to it)."""
+
+    @contextmanager
+    def clock():
+        sync(device)
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            sync(device)
+            bucket[name] = bucket.get(name, 0.0) + time.perf_counter() - start
+
+    with wrapped(owner, name, clock):
+        yield
 
 
 def breakdown(setup: Model, config: str, make, batch: int, threads: int, tokens: int) -> Breakdown:

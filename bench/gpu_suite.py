@@ -292,12 +292,14 @@ def draft_loop_plan(quick: bool) -> dict[str, float]:
     bench = _bench_module("bench_draft_loop")
     configs = 1 + len(bench.TAU_CONFIGS)
     steps = configs * (1 + BREAKDOWN_RUNS) * bench.NEW_TOKENS[False]
+    counted = len(bench.TAU_CONFIGS) * (bench.WEIGHT_TOKENS + 1)
     return {
         "process": COSTS["process"],
         "model and heads": COSTS["model_build"],
         f"{configs} compiles": configs * COSTS["runner_compile"],
         "the DFlash head's one-layer step": COSTS["runner_graph"],
         f"{steps} steps": steps * COSTS["step_8b"],
+        f"{counted} eager steps counting weight reads": counted * COSTS["step_8b"],
     }
 
 
