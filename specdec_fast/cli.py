@@ -503,6 +503,14 @@ def _add_serve(sub) -> None:
         "model; off for a tensor-parallel one)",
     )
     serve.add_argument(
+        "--warm-up",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="before taking requests, serve synthetic ones on every route (alone and in pairs, "
+        "greedy and sampled), so that no request waits for a step's first compilation "
+        "(default: on when the steps compile)",
+    )
+    serve.add_argument(
         "--chat-template",
         default=None,
         help="a Jinja chat template (file or text) for tokenizers without one",

@@ -56,6 +56,7 @@ SLOWEST_MODULES = (
     "test_parallel.py",
     "test_verify_lossless.py",
     "test_read_ahead.py",
+    "test_serving_warmup.py",
     "test_tree_attention_window.py",
     "test_tree_attention_tiles.py",
     "test_harness.py",

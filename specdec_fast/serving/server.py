@@ -422,6 +422,7 @@ def serve(args) -> int:
         "prefill_chunk": args.prefill_chunk,
         "overlap_prefill": args.overlap_prefill,
         "read_ahead": args.read_ahead,
+        "warm_up": args.warm_up,
         "context_len": args.max_model_len,
         "chat_template": template,
         "keep_special_tokens": args.keep_special_tokens,

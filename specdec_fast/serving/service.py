@@ -8,6 +8,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from specdec_fast.cache import model_shards
+from specdec_fast.compiled import compile_by_default
 from specdec_fast.guardrails import Guardrails
 from specdec_fast.parallel import finish_ranks, leave_ranks
 from specdec_fast.serving.metrics import ServingMetrics
@@ -20,6 +21,7 @@ from specdec_fast.serving.scheduler import (
     Scheduler,
     SchedulerStopped,
 )
+from specdec_fast.serving.warmup import warm_up as run_warm_up
 from specdec_fast.text import stop_token_ids
 
 
@@ -43,6 +45,9 @@ class Service:
         overlap_prefill: the scheduler's (`Scheduler`): prompts fed beside the decode steps.
         read_ahead: the scheduler's: each decode step queued before the one before is read.
         after_step: the scheduler's: called at the end of each of its steps.
+        warm_up: serve synthetic requests on every route before the scheduler starts, so that
+            the first requests do not wait for compilations (`serving.warmup`). None (default):
+            when the steps compile (`compile`, else `SPECDEC_COMPILE`).
     """
 
     def __init__(
@@ -64,7 +69,10 @@ class Service:
         overlap_prefill: bool | None = None,
         read_ahead: bool | None = None,
         after_step: Callable[[], None] | None = None,
+        warm_up: bool | None = None,
     ):
+        if warm_up is not None and not isinstance(warm_up, bool):
+            raise TypeError(f"warm_up: expected None or a bool, got {warm_up!r}")
         self.model, self.tokenizer, self.model_name = model, tokenizer, model_name
         self.keep_special_tokens = keep_special_tokens
         if chat_template is not None:
@@ -73,27 +81,48 @@ class Service:
         self.vocab_size = text_config.vocab_size
         self.context_len = context_len or text_config.max_position_embeddings
         factories: dict[tuple, object] = {}
-        drafters = {}
         for route in routes:
             spec = route.spec
             key = (spec.kind, spec.path)
             if spec.info is not None and key not in factories:
                 factories[key] = spec.factory(model)
-            drafters[route.name] = None if spec.info is None else factories[key](spec.size)
+
+        def route_drafters() -> dict:
+            return {
+                route.name: None
+                if route.spec.info is None
+                else factories[(route.spec.kind, route.spec.path)](route.spec.size)
+                for route in routes
+            }
+
+        drafters = route_drafters()
         width = max((d.max_nodes for d in drafters.values() if d is not None), default=1)
+        options = {
+            "max_batch": max_batch,
+            "max_queue": max_queue,
+            "max_cache_len": self.context_len + width,
+            "prefill_chunk": prefill_chunk,
+            "eos_token_id": stop_token_ids(model, tokenizer),
+            "compile": compile,
+            "overlap_prefill": overlap_prefill,
+            "read_ahead": read_ahead,
+        }
+        sharded = model_shards(model) > 1
+        if warm_up and sharded:
+            raise ValueError(
+                "warm_up: a tensor-parallel target runs its steps eagerly, in lockstep with its "
+                "other ranks; there is nothing to warm up"
+            )
+        if warm_up is None:
+            warm_up = not sharded and (compile_by_default() if compile is None else compile)
+        # The warm-up's own drafters, from the same factories: its scheduler ends them.
+        self.warm_up = run_warm_up(model, route_drafters(), **options) if warm_up else []
         self.scheduler = Scheduler(
             model,
             drafters,
             guardrails=guardrails or Guardrails(),
-            max_batch=max_batch,
-            max_queue=max_queue,
-            max_cache_len=self.context_len + width,
-            prefill_chunk=prefill_chunk,
-            eos_token_id=stop_token_ids(model, tokenizer),
-            compile=compile,
-            overlap_prefill=overlap_prefill,
-            read_ahead=read_ahead,
             after_step=after_step,
+            **options,
         )
         self.metrics: ServingMetrics | None = None
         self.mailbox = None  # the server's delivery to its event loop (set at start-up)
