@@ -16,7 +16,7 @@ from specdec_fast.loading import load_model, load_tokenizer
 from specdec_fast.serving import Request, Scheduler
 from specdec_fast.serving.routes import server_routes
 from specdec_fast.serving.service import Service
-from specdec_fast.serving.warmup import JOIN_AFTER, groups, warm_up, warm_up_prompts
+from specdec_fast.serving.warmup import JOIN_AFTER, fit, groups, warm_up, warm_up_prompts
 
 VOCAB = 96
 
@@ -149,3 +149,12 @@ def test_serve_takes_warm_up_flags(monkeypatch):
         with pytest.raises(ZeroDivisionError):
             server.serve(args)
         assert built.pop()[6]["warm_up"] is expected
+
+
+def test_a_short_context_cuts_the_synthetic_requests():
+    """Requests are cut to the scheduler's context (a model of few positions still warms up)."""
+    assert fit(list(range(32)), 16, 20) == (list(range(22, 32)), 10)
+    assert fit(list(range(32)), 8, 2) == ([31], 1)
+    target = tiny_llama(VOCAB, seed=9)
+    (plain,) = warm_up(target, {"plain": None}, max_cache_len=24, compile=False)
+    assert plain.requests == 3 * 14 and plain.graphs == 0

@@ -84,6 +84,13 @@ def groups(vocab_size: int) -> list[list[list[tuple[list[int], int]]]]:
     ]
 
 
+def fit(prompt: list[int], tokens: int, context_len: int) -> tuple[list[int], int]:
+    """(prompt, new tokens) cut to hold at most `context_len` tokens: the new tokens to half of
+    it at most, the prompt to the rest (its last ids)."""
+    tokens = max(1, min(tokens, context_len // 2))
+    return prompt[-max(1, context_len - tokens) :], tokens
+
+
 def warm_up(model, drafters: Mapping[str, Drafter | None], **options) -> list[RouteWarmUp]:
     """Serve the synthetic requests (`groups`, each sampling of `SAMPLINGS`) on every route
     of `drafters` through a `Scheduler(model, drafters, **options)` of their own, closed at
@@ -103,9 +110,9 @@ def warm_up(model, drafters: Mapping[str, Drafter | None], **options) -> list[Ro
                             scheduler.run_until_idle(max_steps=JOIN_AFTER)
                         handles += [
                             scheduler.submit(
-                                Request(prompt, tokens, route=route, eos_token_id=[], **sampling)
+                                Request(*fitted, route=route, eos_token_id=[], **sampling)
                             )
-                            for prompt, tokens in wave
+                            for fitted in (fit(*request, scheduler.context_len) for request in wave)
                         ]
                     scheduler.run_until_idle()
                     for handle in handles:
