@@ -9,7 +9,7 @@ import pytest
 import torch
 from tiny_models import repetitive_prompts, tiny_llama
 
-from specdec_fast import DraftModelDrafter, NGramDrafter, bundled
+from specdec_fast import DraftModelDrafter, NGramDrafter, bundled, generate
 from specdec_fast.cli import build_parser
 from specdec_fast.compiled import COMPILE_ENV, graphs_compiled
 from specdec_fast.loading import load_model, load_tokenizer
@@ -78,6 +78,13 @@ def test_after_a_warm_up_serving_compiles_nothing():
     scheduler.close()
     assert graphs_compiled() == before
     assert sum(h.completion.speculated for h in handles) > 0
+    # The greedy requests (each route's lone request and joiner) give `generate`'s tokens.
+    for handle in handles:
+        request = handle.request
+        if request.temperature == 0.0:
+            want = generate(target, [list(request.prompt)], drafter=None,
+                            max_new_tokens=request.max_new_tokens, eos_token_id=[])  # fmt: skip
+            assert handle.completion.tokens == want.sequences[0].tolist()[len(request.prompt) :]
 
 
 def test_the_synthetic_prompts():
