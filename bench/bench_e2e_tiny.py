@@ -9,7 +9,8 @@ generation (draft model, prompt lookup) runs in the same process on the same pro
 bench/results/e2e_tiny-<device>.json and .md), and a PNG of the per-position acceptance of the
 EAGLE and block drafters at one budget (`--plot-budget`, default 16; needs matplotlib) with, in
 the table's notes, the tokens per step of the best block drafter against each EAGLE head's.
-`--budgets` and `--kinds` narrow the sweep (e.g. `--budgets 16 --kinds eagle,block`);
+`--budgets`, `--chain-lengths` and `--kinds` narrow the sweep (e.g. `--budgets 16 --kinds
+eagle,block`, or `--kinds block-chain --chain-lengths 3,5`);
 `--float32-heads` adds each DFlash head computing in float32 beside its default dtype (bfloat16
 on CPUs with bfloat16 units, `loading.drafter_dtype`).
 Plain decoding and one EAGLE drafter (EAGLE-3's at N = 16 when in the grid) run once more with
@@ -76,16 +77,18 @@ def drafter_grid(
     budgets: Sequence[int] = BUDGETS,
     kinds: Sequence[str] | None = None,
     float32_heads: bool = False,
+    chain_lengths: Sequence[int] = CHAIN_LENGTHS,
 ) -> dict[str, Cell]:
     """Every bundled drafter (of `kinds`, default all) at each budget N (chains at each length
-    k), by display name; `float32_heads` adds each DFlash head again computing in float32 (the
-    target's dtype on the CPU, `load_dflash_head(dtype=...)`) beside its default dtype."""
+    k of `chain_lengths`), by display name; `float32_heads` adds each DFlash head again
+    computing in float32 (the target's dtype on the CPU, `load_dflash_head(dtype=...)`) beside
+    its default dtype."""
     grid = {"ours plain": Cell(lambda: None, None, 1)}
     for spec in bundled_specs():
         if kinds is not None and spec.kind not in kinds:
             continue
         make = spec.factory(target)
-        sizes = CHAIN_LENGTHS if spec.info.chain else budgets
+        sizes = chain_lengths if spec.info.chain else budgets
         for size in sizes[:2] if quick else sizes:
             grid[spec.label(size)] = Cell(
                 lambda make=make, size=size: make(size), spec.kind, spec.nodes(size)
@@ -206,6 +209,7 @@ def run(
     kinds: Sequence[str] | None = None,
     rounds: int | None = None,
     float32_heads: bool = False,
+    chain_lengths: Sequence[int] = CHAIN_LENGTHS,
 ) -> tuple[list[E2ERecord], dict, dict[str, Cell]]:
     device = bench_device()
     torch.manual_seed(0)
@@ -217,7 +221,7 @@ def run(
         [tokenizer.bos_token_id, *tokenizer.encode(r["prompt"], add_special_tokens=False)]
         for r in load_prompts(count)
     ]
-    grid = drafter_grid(target, quick, budgets, kinds, float32_heads)
+    grid = drafter_grid(target, quick, budgets, kinds, float32_heads, chain_lengths)
     peers = {
         name: lambda warm_up, name=name, make=cell.make: run_ours(
             name, target, prompts, make, new_tokens, 1, warm_up
@@ -284,6 +288,12 @@ def main() -> None:
     parser.add_argument(
         "--budgets", type=_ints, default=BUDGETS, help="tree budgets N (default 8,16,32,64)"
     )
+    parser.add_argument(
+        "--chain-lengths",
+        type=_ints,
+        default=CHAIN_LENGTHS,
+        help="chain lengths k of the chain kinds (default 2,3,4,6)",
+    )
     parser.add_argument("--kinds", type=_names, help="registry kinds only (default: all)")
     parser.add_argument(
         "--plot-budget", type=int, default=16, help="budget N of the acceptance plot"
@@ -308,6 +318,7 @@ def main() -> None:
         args.kinds,
         args.rounds,
         args.float32_heads,
+        args.chain_lengths,
     )
     env = environment(bench_device())
     title = (

@@ -13,6 +13,9 @@ the opt-in ones follow by name in a second command.
     draft_loop      bench/bench_draft_loop.py: the 8B-shaped target with an EAGLE-3 and a DFlash
                     head (random weights), the draft loop against the verify forward, and the
                     speed-up the bundled pair's tokens per step (the overhead part's) would give
+    chains          opt-in: bench/bench_e2e_tiny.py over the block chains (DFlash's and PARD's
+                    chains of 3 and 5 tokens from their one forward) on the bundled pair,
+                    against our plain decoding and HF's modes
     lookup          opt-in: bench/bench_lookup.py: the n-gram lookup on the host against on the
                     device (its default there), alone and grafted under EAGLE-3, side by side
     tune            opt-in: bench/tune_kernels.py: every candidate of kernels/configs.json timed
@@ -362,6 +365,39 @@ def e2e_command(work: Path, quick: bool, dry_run: bool) -> list[str]:
     return command + size + kinds + ["--budgets", "16"] + rounds
 
 
+# The block chains' lengths of the `chains` part: DFlash's published way of drafting (a chain
+# from the block's one forward), one step's forward against the trees' best-first rounds.
+CHAIN_LENGTHS = (3, 5)
+
+
+def chains_plan(quick: bool) -> dict[str, float]:
+    """The tiny pair's block chains (`chains`): plain decoding, HF's modes and each bundled
+    block drafter's chain at `CHAIN_LENGTHS`, e2e's rounds; plain decoding's three reruns (no
+    EAGLE drafter in this grid)."""
+    from specdec_fast.drafters.registry import bundled_specs
+
+    chains = sum(spec.kind == "block-chain" for spec in bundled_specs()) * len(CHAIN_LENGTHS)
+    peers = 1 + HF_MODES + chains
+    prompts, tokens = E2E_SIZE[True]
+    rounds = E2E_ROUNDS * (prompts + 1) * tokens * COSTS["e2e_token"]
+    return {
+        "process": COSTS["process"],
+        f"{peers} peers x {E2E_ROUNDS} rounds": peers * (COSTS["e2e_run"] + rounds),
+        f"3 reruns x {E2E_ROUNDS} rounds": 3 * rounds,
+        "a served pair's compiles (half a first round)": COSTS["e2e_run"] / 2,
+    }
+
+
+def chains_command(work: Path, quick: bool, dry_run: bool) -> list[str]:
+    prompts, tokens = (1, 8) if dry_run else E2E_SIZE[True]
+    return [
+        PYTHON, "bench/bench_e2e_tiny.py", "--out", str(work / "chains"),
+        "--prompts", str(prompts), "--new-tokens", str(tokens), "--kinds", "block-chain",
+        "--chain-lengths", ",".join(map(str, CHAIN_LENGTHS)),
+        "--rounds", str(1 if dry_run else E2E_ROUNDS),
+    ]  # fmt: skip
+
+
 def tune_plan(quick: bool) -> dict[str, float]:
     bench = _bench_module("tune_kernels")
     attention = len(bench.attention_candidates()) * len(bench.attention_shapes(CUDA))
@@ -429,6 +465,7 @@ PARTS = {
         Part("e2e", e2e_command, e2e_plan, _json_files("e2e.json")),
         Part("overhead", overhead_command, overhead_plan, _json_files("overhead.json")),
         Part("draft_loop", draft_loop_command, draft_loop_plan, _json_files("draft_loop.json")),
+        Part("chains", chains_command, chains_plan, _json_files("chains.json"), default=False),
         Part("lookup", lookup_command, lookup_plan, _json_files("lookup.json"), default=False),
         Part("tune", tune_command, tune_plan, _json_files("tune.json"), default=False),
         Part("exact", exact_command, exact_plan, _json_files("exact.json"), default=False),
