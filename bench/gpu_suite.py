@@ -244,22 +244,29 @@ def e2e_kinds(quick: bool) -> tuple[str, ...]:
 def e2e_plan(quick: bool) -> dict[str, float]:
     from specdec_fast.drafters.registry import bundled_specs
 
-    peers = 1 + HF_MODES  # our plain decoding, then HF's modes
     kinds = e2e_kinds(quick)
-    peers += sum(spec.kind in kinds for spec in bundled_specs())
+    drafters = sum(spec.kind in kinds for spec in bundled_specs())
+    return tiny_pair_plan(drafters, 2, quick) | {
+        "the n-gram lookup's compiles (batch 1)": COSTS["lookup_compile"]
+    }
+
+
+def tiny_pair_plan(drafters: int, reread: int, quick: bool) -> dict[str, float]:
+    """bench_e2e_tiny.py's estimate: our plain decoding, HF's modes and `drafters` drafters in
+    `E2E_ROUNDS` rounds, and `reread` peers (plain decoding and an EAGLE drafter) run three
+    times more. Each peer's first round compiles (its first batch, one prompt, untimed); HF's
+    runs, counted the same, err high. The three more: read the other way round (on the steps
+    they compiled), and served with and without read-ahead (the scheduler's target steps,
+    whose shapes are dynamic, compile once per peer: about half a peer's first round, the
+    drafter's steps being reused)."""
+    peers = 1 + HF_MODES + drafters
     prompts, tokens = E2E_SIZE[quick]
     rounds = E2E_ROUNDS * (prompts + 1) * tokens * COSTS["e2e_token"]
-    # Each peer's first round compiles (its first batch, one prompt, untimed); HF's runs, counted
-    # the same, err high. Plain decoding and one EAGLE drafter run three times more: read the
-    # other way round (on the steps they compiled), and served with and without read-ahead
-    # (the scheduler's target steps, whose shapes are dynamic, compile once per pair: about half
-    # a peer's first round, the drafter's steps being reused).
     return {
         "process": COSTS["process"],
         f"{peers} peers x {E2E_ROUNDS} rounds": peers * (COSTS["e2e_run"] + rounds),
-        f"6 reruns x {E2E_ROUNDS} rounds": 6 * rounds,
-        "2 served pairs' compiles (half a first round each)": COSTS["e2e_run"],
-        "the n-gram lookup's compiles (batch 1)": COSTS["lookup_compile"],
+        f"{3 * reread} reruns x {E2E_ROUNDS} rounds": 3 * reread * rounds,
+        f"{reread} served peers' compiles (half a first round each)": reread * COSTS["e2e_run"] / 2,
     }
 
 
@@ -371,21 +378,12 @@ CHAIN_LENGTHS = (3, 5)
 
 
 def chains_plan(quick: bool) -> dict[str, float]:
-    """The tiny pair's block chains (`chains`): plain decoding, HF's modes and each bundled
-    block drafter's chain at `CHAIN_LENGTHS`, e2e's rounds; plain decoding's three reruns (no
-    EAGLE drafter in this grid)."""
+    """The tiny pair's block chains (`chains`, the quick size always): each bundled block
+    drafter's chain at `CHAIN_LENGTHS`; plain decoding reread (no EAGLE drafter here)."""
     from specdec_fast.drafters.registry import bundled_specs
 
     chains = sum(spec.kind == "block-chain" for spec in bundled_specs()) * len(CHAIN_LENGTHS)
-    peers = 1 + HF_MODES + chains
-    prompts, tokens = E2E_SIZE[True]
-    rounds = E2E_ROUNDS * (prompts + 1) * tokens * COSTS["e2e_token"]
-    return {
-        "process": COSTS["process"],
-        f"{peers} peers x {E2E_ROUNDS} rounds": peers * (COSTS["e2e_run"] + rounds),
-        f"3 reruns x {E2E_ROUNDS} rounds": 3 * rounds,
-        "a served pair's compiles (half a first round)": COSTS["e2e_run"] / 2,
-    }
+    return tiny_pair_plan(chains, 1, True)
 
 
 def chains_command(work: Path, quick: bool, dry_run: bool) -> list[str]:
