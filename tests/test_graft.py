@@ -206,3 +206,31 @@ def test_a_drafter_refuses_to_follow_paths_deeper_than_its_own():
         GraftedDrafter(Shallow(max_nodes=3), NGramDrafter(max_nodes=8))
     with pytest.raises(TypeError, match="lookup: expected a Drafter"):
         GraftedDrafter(NGramDrafter(), "ngram")
+
+
+@needs_pair
+@pytest.mark.skipif(
+    not {"tiny-code-dflash", "tiny-code-pard"} <= set(bundled.available()),
+    reason="the bundled block drafters are not installed",
+)
+@pytest.mark.parametrize(
+    "spec", ["block:tiny-code-dflash:8+ngram:8", "block:tiny-code-pard:8+suffix:8"]
+)
+def test_block_drafters_take_a_grafted_lookup(pair, spec):
+    """A block drafter's best-first tree with a lookup grafted on: greedy and seeded sampled
+    outputs are plain decoding's (neither part proposes with draft probabilities), and greedy
+    steps accept more than the block drafter's alone (deterministic; measured 2026-12-07:
+    DFlash 1.55 alone, 1.73 with the n-gram lookup; PARD 1.92, 2.00 with the suffix lookup)."""
+    target, prompts = pair
+    kwargs = {"max_new_tokens": NEW_TOKENS, "eos_token_id": []}
+    accepted = {}
+    for name, options in (("greedy", {}), ("sampled", {"temperature": 0.8, "seed": 3})):
+        drafter = DrafterSpec.parse(spec).build(target)
+        out = generate(target, prompts, drafter=drafter, **kwargs, **options)
+        plain = generate(target, prompts, drafter=None, **kwargs, **options)
+        assert [s.tolist() for s in out.sequences] == [s.tolist() for s in plain.sequences]
+        accepted[name] = out.stats.mean_accepted_per_step
+    alone = generate(
+        target, prompts, drafter=DrafterSpec.parse(spec.split("+")[0]).build(target), **kwargs
+    )
+    assert accepted["greedy"] > alone.stats.mean_accepted_per_step, accepted
