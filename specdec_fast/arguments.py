@@ -224,7 +224,7 @@ def build_sampling(batch: int, temperature, top_k, top_p, seed) -> Sampling:
     return Sampling(temperature, top_k, top_p, row_seeds(seeds, shared))
 
 
-def _eos_tokens(eos_token_id, vocab_size: int | None, source: str) -> frozenset[int]:
+def eos_tokens(eos_token_id, vocab_size: int | None, source: str) -> frozenset[int]:
     """The EOS ids, checked against `vocab_size` unless it is None (a model's own default may
     name ids its vocabulary lacks: they are never generated, so they never stop anything)."""
     if eos_token_id is None:
@@ -420,13 +420,13 @@ def check_generate_arguments(
             raise TypeError(f"{name}: expected None or a bool, got {_kind(flag)}")
     if eos_token_id is None:
         generation_config = getattr(model, "generation_config", None)
-        eos = _eos_tokens(
+        eos = eos_tokens(
             getattr(generation_config, "eos_token_id", None),
             None,
             "eos_token_id (the model's generation_config)",
         )
     else:
-        eos = _eos_tokens(eos_token_id, vocab_size, "eos_token_id")
+        eos = eos_tokens(eos_token_id, vocab_size, "eos_token_id")
     rule = StopRule(eos, _stop_sequences(stop, tokenizer, vocab_size), max_new_tokens)
     sampling = build_sampling(len(prompts), temperature, top_k, top_p, seed)
     max_positions = getattr(text_config, "max_position_embeddings", None)

@@ -550,12 +550,34 @@ def test_requests_are_validated_and_the_queue_is_bounded():
         (Request([1] * 30, 10), "exceed the context of 39 tokens"),
         (Request([1, 2], 4, route="elsewhere"), "route: unknown route"),
         (Request([1, 2], 4, temperature=-1.0), "temperature"),
+        (Request([1, 2], 4, eos_token_id=VOCAB), "eos_token_id: token ids outside"),
+        (Request([1, 2], 4, eos_token_id="\n"), "eos_token_id: expected None, an int"),
     ):
         with pytest.raises(ValueError, match=match):
             scheduler.submit(request)
     scheduler.submit(Request([1, 2], 4))
     with pytest.raises(QueueFull):
         scheduler.submit(Request([1, 2], 4))
+
+
+def test_an_eos_id_may_be_one_int_on_the_request_and_in_the_models_config():
+    """`Request.eos_token_id` and the model's `generation_config.eos_token_id` may each be one
+    int, as `generate` takes them (an int used to fail inside the scheduler with a TypeError);
+    the rows stop where `generate` stops them."""
+    prompts = repetitive_prompts([6, 9], VOCAB, seed=4)
+    free = generate(tiny_llama(VOCAB), prompts, drafter=None, max_new_tokens=12, eos_token_id=[])
+    first, second = (s.tolist()[len(p) + 2] for s, p in zip(free.sequences, prompts, strict=True))
+    model = tiny_llama(VOCAB, eos_token_id=first)  # the model's default: one int
+    scheduler = Scheduler(model)
+    handles = [
+        scheduler.submit(Request(prompts[0], 12)),
+        scheduler.submit(Request(prompts[1], 12, eos_token_id=second)),
+    ]
+    scheduler.run_until_idle()
+    for handle, prompt, eos in zip(handles, prompts, (first, second), strict=True):
+        want = generate(model, [prompt], drafter=None, max_new_tokens=12, eos_token_id=eos)
+        assert handle.completion.tokens == want.sequences[0].tolist()[len(prompt) :]
+        assert handle.completion.finish_reason == "eos" and handle.completion.tokens[-1] == eos
 
 
 class WrongChain(Drafter):

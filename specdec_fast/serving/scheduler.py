@@ -58,7 +58,7 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from specdec_fast import graphs
-from specdec_fast.arguments import build_sampling, draw_seed
+from specdec_fast.arguments import build_sampling, draw_seed, eos_tokens
 from specdec_fast.batch import FAILED, Batch, Row
 from specdec_fast.cache import model_shards
 from specdec_fast.compiled import compile_choice
@@ -408,7 +408,11 @@ class Scheduler:
         self.max_cache_len = max_cache_len
         self.max_batch, self.max_queue, self.prefill_chunk = max_batch, max_queue, prefill_chunk
         config_eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
-        self.eos_token_id = config_eos if eos_token_id is None else eos_token_id
+        # Ids past the vocabulary are never generated: they stop nothing, and are let be (a
+        # tokenizer's stop ids may lie past the model's embeddings).
+        self.eos_token_id = eos_tokens(
+            config_eos if eos_token_id is None else eos_token_id, None, "eos_token_id"
+        )
         self.lanes = {
             name: _Lane(
                 name,
@@ -517,7 +521,12 @@ class Scheduler:
         if request.seed is None:
             # Drawn here, so that every rank of a tensor-parallel target gets the same.
             request = replace(request, seed=draw_seed())
-        eos = self.eos_token_id if request.eos_token_id is None else request.eos_token_id
+        eos = self.eos_token_id
+        if request.eos_token_id is not None:
+            try:
+                eos = eos_tokens(request.eos_token_id, self.vocab_size, "eos_token_id")
+            except TypeError as error:
+                raise ValueError(str(error)) from None
         rule = StopRule(eos, [list(seq) for seq in request.stop], new)
         sampling = build_sampling(
             1, request.temperature, request.top_k, request.top_p, request.seed
