@@ -6,6 +6,7 @@ Tests that exercise the Triton path call the launchers directly or set SPECDEC_B
 through the `triton_backend` fixture; everything else uses the default backend choice.
 """
 
+import functools
 import os
 
 # Inductor's CPU kernels in scalar C++ (no vector ISA): each compiled test graph's kernels compile
@@ -118,3 +119,11 @@ def kernel_backend(request, monkeypatch) -> str:
 def torch_backend(monkeypatch):
     """Route kernel calls to the plain-torch references."""
     monkeypatch.setenv("SPECDEC_BACKEND", "torch")
+
+
+@pytest.fixture
+def capture_only(monkeypatch):
+    """Compiled mode with dynamo's capture only (its `eager` backend runs the graphs as
+    captured): what compiles, and when, is decided by the capture's guards, whatever backend
+    turns the graphs into code, without inductor's seconds of code generation per graph."""
+    monkeypatch.setattr(torch, "compile", functools.partial(torch.compile, backend="eager"))

@@ -7,7 +7,6 @@ The other engine tests run eagerly (conftest sets SPECDEC_COMPILE=0); these comp
 with inductor, a few seconds per graph.
 """
 
-import functools
 import gc
 import warnings
 
@@ -86,13 +85,12 @@ def test_compiled_generate_equals_hf_greedy_and_recompiles_nothing(models):
     assert target.config._attn_implementation != "specdec_tree"
 
 
-def test_steps_with_hidden_state_hooks_compile_once(monkeypatch):
+def test_steps_with_hidden_state_hooks_compile_once(capture_only):
     """A drafter reading hidden states (hooks inside the compiled steps): a second call with the
     same prompts compiles nothing (the hooks' dict used to make it compile prefill again). The
     compilation's objects leave the garbage collector's generations (frozen), so its full
     collections stop walking them. Dynamo's capture alone (its `eager` backend, over a target
     of its own): the guards decide what compiles, and the freezing is ours."""
-    monkeypatch.setattr(torch, "compile", functools.partial(torch.compile, backend="eager"))
     target = tiny_llama(VOCAB, seed=11)
     prompts = repetitive_prompts([5, 17, 9], VOCAB, seed=1)
     want = hf_greedy(target, prompts)
@@ -136,7 +134,7 @@ def test_compiled_rows_that_finish_early_shrink_the_batch(models):
     assert len({len(s) for s in out.sequences}) > 1  # the rows did finish at different steps
 
 
-def test_a_batch_of_one_after_a_wider_one_compiles_nothing(monkeypatch):
+def test_a_batch_of_one_after_a_wider_one_compiles_nothing(capture_only):
     """The cache keeps the storage rows of the widest call so far. Batches of 1, 3, then 1:
     the last reuses the batch-1 graphs that the first compiled over a one-row storage (whose
     row count is unbacked, `SpecKVCache._bind`; dynamo specialised it at 1, and the last call
@@ -147,7 +145,6 @@ def test_a_batch_of_one_after_a_wider_one_compiles_nothing(monkeypatch):
 
     from specdec_fast import BlockDrafter
 
-    monkeypatch.setattr(torch, "compile", functools.partial(torch.compile, backend="eager"))
     target = tiny_llama(VOCAB, layers=4, seed=13)
     head = dflash_head(target)
     calls = [
@@ -164,7 +161,7 @@ def test_a_batch_of_one_after_a_wider_one_compiles_nothing(monkeypatch):
         assert compiled[0] and compiled[1] and not compiled[2], compiled
 
 
-def test_a_calls_first_steps_meet_the_drafters_graphs_of_its_later_ones(monkeypatch):
+def test_a_calls_first_steps_meet_the_drafters_graphs_of_its_later_ones(capture_only):
     """A drafter's first step of a call starts from the prompt, the later ones from a verify
     step's outcome; given other dtypes or sizes there, the first step compiled a graph of its
     own, in every process: DFlash's prompt context picked by int64 columns (an outcome's nodes
@@ -178,7 +175,6 @@ def test_a_calls_first_steps_meet_the_drafters_graphs_of_its_later_ones(monkeypa
 
     from specdec_fast import BlockDrafter, MedusaDrafter
 
-    monkeypatch.setattr(torch, "compile", functools.partial(torch.compile, backend="eager"))
     drafters = {
         "dflash": lambda target: BlockDrafter(dflash_head(target), max_nodes=8),
         "pard": lambda target: BlockDrafter(pard_draft(VOCAB), max_nodes=8),

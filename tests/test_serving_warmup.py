@@ -3,8 +3,6 @@
 Dynamo's capture only (its `eager` backend, as in test_compiled_step.py): which step shapes
 compile, and when, is the capture's, whatever backend turns the graphs into code."""
 
-import functools
-
 import pytest
 import torch
 from tiny_models import repetitive_prompts, tiny_llama
@@ -20,12 +18,7 @@ from specdec_fast.serving.warmup import JOIN_AFTER, fit, groups, warm_up, warm_u
 
 VOCAB = 96
 
-pytestmark = pytest.mark.slow
-
-
-@pytest.fixture(autouse=True)
-def graphs_without_codegen(monkeypatch):
-    monkeypatch.setattr(torch, "compile", functools.partial(torch.compile, backend="eager"))
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("capture_only")]
 
 
 def routes(draft) -> dict:

@@ -108,12 +108,10 @@ def warm_up(model, drafters: Mapping[str, Drafter | None], **options) -> list[Ro
                     for wave in waves:
                         if handles:
                             scheduler.run_until_idle(max_steps=JOIN_AFTER)
-                        handles += [
-                            scheduler.submit(
-                                Request(*fitted, route=route, eos_token_id=[], **sampling)
-                            )
-                            for fitted in (fit(*request, scheduler.context_len) for request in wave)
-                        ]
+                        for prompt, tokens in wave:
+                            fitted = fit(prompt, tokens, scheduler.context_len)
+                            request = Request(*fitted, route=route, eos_token_id=[], **sampling)
+                            handles.append(scheduler.submit(request))
                     scheduler.run_until_idle()
                     for handle in handles:
                         completion = handle.completion
@@ -123,18 +121,13 @@ def warm_up(model, drafters: Mapping[str, Drafter | None], **options) -> list[Ro
                     served += len(handles)
             lane = scheduler.lanes[route]
             errors = lane.counters.drafter_errors
-            done.append(
-                RouteWarmUp(
-                    route,
-                    graphs_compiled() - before,
-                    time.perf_counter() - start,
-                    served,
-                    errors,
-                )
+            warmed = RouteWarmUp(
+                route, graphs_compiled() - before, time.perf_counter() - start, served, errors
             )
+            done.append(warmed)
             notice(
-                f"route {route!r} warmed up: {done[-1].graphs} step graphs compiled in "
-                f"{done[-1].seconds:.1f} s ({served} synthetic requests"
+                f"route {route!r} warmed up: {warmed.graphs} step graphs compiled in "
+                f"{warmed.seconds:.1f} s ({served} synthetic requests"
                 + (f", {errors} DRAFTER ERRORS, the last: {lane.last_error}" if errors else "")
                 + ")"
             )
