@@ -12,10 +12,13 @@ from tiny_models import repetitive_prompts, tiny_llama
 
 from specdec_fast import BlockDrafter, bundled, generate
 from specdec_fast.drafters.block import load_block_model
+from specdec_fast.train import calibrate
 from specdec_fast.train.calibrate import (
     DEPTH_SCALES,
+    Calibration,
     accepted_lengths,
     block_log_probs,
+    chat_sequences,
     fit_depth_scale,
 )
 from specdec_fast.train.cli import build_parser
@@ -148,3 +151,54 @@ def test_the_command_fits_on_a_prompt_file_and_dry_runs(tmp_path, capsys):
     assert report["source"] == "prompts of mine.jsonl" and report["sequences"] == 2
     assert report["max_nodes"] == 6 and report["depth_scale"] in DEPTH_SCALES
     assert report["anchors"] == 2 * (12 - 5)  # after each prompt, room for 5 drafted tokens
+
+
+def test_a_chat_drafter_is_fitted_on_the_chat_prompts_after_the_trained_ones(tmp_path, monkeypatch):
+    """`chat_sequences`: the training split's chat prompts that a `--data chat` run on `used`
+    of them did not draw (its prompts are a prefix of a larger run's), through the chat
+    template, each followed by the target's greedy tokens. The standard library is a training
+    module of eight documented functions here (parsing the real one costs 5 s)."""
+    from specdec_fast.demo_chat import CHAT_TARGET
+    from specdec_fast.loading import load_tokenizer
+    from specdec_fast.text import encode_prompt
+    from specdec_fast.train import corpus
+    from specdec_fast.train.chat_data import chat_prompts
+
+    if CHAT_TARGET not in bundled.available():
+        pytest.skip("the chat target is not installed (bash run.sh setup installs it)")
+    name = next(f"mod{i}.py" for i in range(100) if not corpus.is_heldout(f"mod{i}.py"))
+    functions = (f'def turn_{i}(x):\n    """Turn the wheel {i} times."""\n' for i in range(8))
+    (tmp_path / name).write_text("\n\n".join(functions))
+    monkeypatch.setattr(corpus, "stdlib_root", lambda: tmp_path)
+    used, held, new_tokens = 4, 2, 3
+    drawn = chat_prompts("train", used + held, seed=1)
+    assert drawn[:used] == chat_prompts("train", used, seed=1)
+    assert not any(messages in drawn[:used] for messages in drawn[used:])
+    tokenizer = load_tokenizer(CHAT_TARGET)
+    target = tiny_llama(vocab_size=len(tokenizer), hidden_size=16, layers=1)
+    rows, lens = chat_sequences(target, bundled.path(CHAT_TARGET), held, new_tokens, used, 1)
+    want = [encode_prompt(tokenizer, messages=m, chat=True) for m in drawn[used:]]
+    assert lens == [len(ids) for ids in want]
+    assert [row[:n].tolist() for row, n in zip(rows, lens, strict=True)] == want
+    assert [len(row) for row in rows] == [n + new_tokens for n in lens]
+
+
+@pytest.mark.parametrize("data", ["chat", "generated"])
+def test_the_command_fits_where_the_folder_trained(tmp_path, monkeypatch, data):
+    """`calibrate-block` reads the folder's training_info.json: a chat drafter is fitted on
+    held-back chat prompts, and past the prompts it trained on (`--used` overrides)."""
+    folder = bundled_copy("tiny-code-dflash", tmp_path)
+    info = json.loads((folder / "training_info.json").read_text())
+    info["options"] |= {"data": data, "sequences": 7}
+    (folder / "training_info.json").write_text(json.dumps(info))
+    calls = []
+
+    def recorded(*args, **kwargs):
+        calls.append(kwargs)
+        return Calibration(1.0, 16, 1, 1, {1.0: 1.0})
+
+    monkeypatch.setattr(calibrate, "calibrate_folder", recorded)
+    argv = ["calibrate-block", "--drafter", str(folder), "--dry-run"]
+    assert run_command(argv) == 0 and run_command([*argv, "--used", "3"]) == 0
+    chat = data == "chat"
+    assert [(call["chat"], call["used"]) for call in calls] == [(chat, 7), (chat, 3)]

@@ -317,6 +317,7 @@ def _run_block(args) -> int:
     agreement = heldout_block_top1(options, module, target, rows)
     out_dir = Path(args.out)
     export_block(options, module, target_dir, out_dir)
+    chat = options.data == "chat"
     calibration = None
     if args.calibration_prompts > 0:
         calibration = calibrate_folder(
@@ -328,8 +329,8 @@ def _run_block(args) -> int:
             used=options.sequences,
             seed=settings.seed,
             max_nodes=EVAL_NODES,
+            chat=chat,
         ).to_dict()
-    chat = options.data == "chat"
     prompts = eval_prompts(args.target, args.eval_prompts, chat)
     layers = list(module.target_layers) if options.flavour == "dflash" else []
     info = {

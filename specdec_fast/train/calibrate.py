@@ -8,7 +8,9 @@ long tail of depth 1. This module fits s for a checkpoint, for greedy verificati
 
 - data: the target's greedy continuations of code prompts of the training split held back from
   training (`generated.heldback_prompts`: the last ones in the order a `--data generated` run
-  draws them; none of them is a shipped held-out prompt, on which acceptance is reported);
+  draws them; none of them is a shipped held-out prompt, on which acceptance is reported), or
+  for a drafter trained on a chat target's answers (`--data chat`), of the training split's
+  chat prompts after the ones it trained on, through the chat template (`chat_sequences`);
 - at every position of a continuation, the drafter's block is drafted as the engine drafts it
   when a step's root lands there (teacher-forced: the context is the continuation before it);
 - for each s of a grid, the tree of `max_nodes` nodes is built, and its accepted length is the
@@ -193,13 +195,40 @@ def calibration_sequences(target, target_dir, prompts: int, new_tokens: int, use
 def file_sequences(target, target_dir, path: str | Path, count: int, new_tokens: int):
     """(the target's greedy continuations of the first `count` prompts of a JSONL prompt file,
     their prompt lengths): the prompts as `specdec-fast bench` reads and encodes them."""
-    from specdec_fast.engine import generate
     from specdec_fast.harness.prompts import load_prompts
-    from specdec_fast.loading import load_tokenizer as load_model_tokenizer
     from specdec_fast.text import encode_prompt
 
-    tokenizer = load_model_tokenizer(str(target_dir))
+    tokenizer = _model_tokenizer(target_dir)
     ids = [encode_prompt(tokenizer, r.prompt, r.messages) for r in load_prompts(path)[:count]]
+    return _continued(target, ids, new_tokens)
+
+
+def chat_sequences(target, target_dir, prompts: int, new_tokens: int, used: int, seed: int):
+    """(the target's greedy continuations of the `prompts` chat prompts of the training split
+    held back from a `--data chat` run on `used` of them, their prompt lengths): the ones after
+    the first `used` in the order the run draws them (`chat_data.chat_prompts`), through the
+    target's chat template."""
+    from specdec_fast.text import encode_prompt
+
+    from .chat_data import chat_prompts
+
+    tokenizer = _model_tokenizer(target_dir)
+    held_back = chat_prompts("train", used + prompts, seed)[used:]
+    ids = [encode_prompt(tokenizer, messages=messages, chat=True) for messages in held_back]
+    return _continued(target, ids, new_tokens)
+
+
+def _model_tokenizer(target_dir):
+    from specdec_fast.loading import load_tokenizer as load_model_tokenizer
+
+    return load_model_tokenizer(str(target_dir))
+
+
+def _continued(target, ids: list[list[int]], new_tokens: int):
+    """(each prompt of `ids` with the target's `new_tokens` greedy tokens after it, as int64
+    rows, the prompts' lengths)."""
+    from specdec_fast.engine import generate
+
     with torch.no_grad():
         out = generate(target, ids, drafter=None, max_new_tokens=new_tokens, eos_token_id=[])
     return [row.long() for row in out.sequences], [len(row) for row in ids]
@@ -216,18 +245,23 @@ def calibrate_folder(
     seed: int = 0,
     max_nodes: int = CALIBRATION_NODES,
     prompt_file: str | Path | None = None,
+    chat: bool = False,
     write: bool = True,
 ) -> Calibration:
     """Fit the depth scale of the drafter saved in `folder` on `prompts` prompts: held back
-    from training (`calibration_sequences`), or the first ones of `prompt_file` (JSONL, the
-    bench's format); record it in its config unless `write` is False, and report it on stderr."""
+    from training (code prompts, `calibration_sequences`, or with `chat` chat prompts,
+    `chat_sequences`), or the first ones of `prompt_file` (JSONL, the bench's format); record
+    it in its config unless `write` is False, and report it on stderr."""
     if prompts < 1 or new_tokens < 1:
         raise ValueError(
             f"calibration needs at least one prompt and one new token, got {prompts} prompts "
             f"of {new_tokens} new tokens"
         )
     model = load_block_model(folder, target)
-    if prompt_file is None:
+    if prompt_file is None and chat:
+        sequences, prompt_lens = chat_sequences(target, target_dir, prompts, new_tokens, used, seed)
+        source = "training-split chat prompts held back from training"
+    elif prompt_file is None:
         sequences = calibration_sequences(target, target_dir, prompts, new_tokens, used, seed)
         prompt_lens: int | list[int] = GeneratedData.prompt_len
         source = "training-split code prompts held back from training"
@@ -272,24 +306,29 @@ def add_calibration_arguments(parser, prompt_seed: bool = True) -> None:
 def _run_calibrate(args) -> int:
     target_dir, target = fp32_target(args.target)
     folder = Path(args.drafter)
+    info_path = folder / "training_info.json"
+    info = json.loads(info_path.read_text()) if info_path.is_file() else None
+    # A folder of ours says what it trained on: chat or code prompts, and how many.
+    trained = info["options"] if info is not None else {}
+    chat = trained.get("data") == "chat"
+    used = args.used if args.used is not None else trained.get("sequences", GeneratedData.count)
     calibration = calibrate_folder(
         folder,
         target,
         target_dir,
         prompts=args.calibration_prompts,
         new_tokens=args.calibration_tokens,
-        used=args.used,
+        used=used,
         seed=args.calibration_seed,
         max_nodes=args.nodes,
         prompt_file=args.prompts,
+        chat=chat,
         write=not args.dry_run,
     )
-    info_path = folder / "training_info.json"
-    if info_path.is_file() and not args.dry_run:
-        info = json.loads(info_path.read_text())
+    if info is not None and not args.dry_run:
         info["calibration"] = {**calibration.to_dict(), "command": command_line()}
-        prompts = eval_prompts(info["target"], info["engine"]["prompts"])
-        info["engine"] = engine_acceptance(folder, target, prompts)
+        prompts = eval_prompts(info["target"], info["engine"]["prompts"], chat)
+        info["engine"] = {**info["engine"], **engine_acceptance(folder, target, prompts)}
         info_path.write_text(json.dumps(info, indent=2, sort_keys=True) + "\n")
         write_readme(folder, info)
         print(json.dumps({"engine": info["engine"]}), flush=True)
@@ -315,8 +354,8 @@ def register_calibrate_command(sub) -> None:
     parser.add_argument(
         "--used",
         type=int,
-        default=GeneratedData.count,
-        help="code prompts the drafter trained on (--sequences), not calibrated on",
+        help="training prompts the drafter trained on (--sequences), not calibrated on "
+        f"(default: its training_info.json's, else {GeneratedData.count})",
     )
     add_calibration_arguments(parser)
     parser.set_defaults(run=_run_calibrate)
