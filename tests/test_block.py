@@ -17,6 +17,7 @@ from safetensors.torch import save_file
 from test_generate import hf_greedy
 from test_generate_sampling import P_MIN, chi_square_p, exact_pair_probs, sample_pairs
 from tiny_models import repetitive_prompts, tiny_llama
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from specdec_fast import AdaptiveDrafter, BlockDrafter, CostModel, PardDraft, bundled, generate
 from specdec_fast.drafters.base import root_only
@@ -411,6 +412,41 @@ def test_bfloat16_heads_on_a_float32_target_load_so_and_stay_exact(
         # on logits of magnitude 4 here; float32 agrees to rounding.
         error = float((logits - exact).abs().max())
         assert (0 < error < 0.08) if native else error < 1e-4
+
+
+class _Products(TorchDispatchMode):
+    """The matrix products dispatched while it is on: (operator, its operands' shapes)."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.overloadpacket in (torch.ops.aten.mm, torch.ops.aten.addmm, torch.ops.aten.bmm):
+            shapes = [tuple(arg.shape) for arg in args if isinstance(arg, torch.Tensor)]
+            self.calls.append((func.overloadpacket.__name__, shapes))
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_dflash_blocks_meet_the_lm_head_as_one_matrix_product(target, dtype):
+    """The block's logits are one 2-D product with the target's LM head. A slice of the 3-D
+    outputs took `matmul`'s batched path (`bmm` over the head expanded to a batch of one),
+    whose CPU kernel copied the whole head transposed at every step: on the real target 90 ms
+    a step at batch 1 on one thread, against 11 ms."""
+    head = dflash_head(target, seed=2).to(dtype)
+    vocab, hidden = target.get_output_embeddings().weight.shape
+    products = _Products()
+    with products:
+        drafter = BlockDrafter(head, 8)
+        generate(target, [[3, 1, 4, 1, 5]], drafter=drafter, max_new_tokens=6, compile=False)
+    blocks = [
+        shapes
+        for name, shapes in products.calls
+        if name != "bmm" and shapes[-2:] == [(BLOCK - 1, hidden), (hidden, vocab)]
+    ]
+    batched = [call for call in products.calls if call[0] == "bmm" and call[1][-1][-1] == vocab]
+    assert blocks and not batched, products.calls
 
 
 def test_target_weights_are_cast_once_per_dtype_and_version():
