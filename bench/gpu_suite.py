@@ -364,12 +364,17 @@ def tests_command(work: Path, quick: bool, dry_run: bool) -> list[str]:
 
 
 def e2e_command(work: Path, quick: bool, dry_run: bool) -> list[str]:
+    kinds = ["--kinds", ",".join(e2e_kinds(quick)), "--budgets", "16"]
+    return tiny_pair_command(work / "e2e", quick, dry_run, kinds)
+
+
+def tiny_pair_command(out: Path, quick: bool, dry_run: bool, grid: list[str]) -> list[str]:
+    """bench_e2e_tiny.py over the drafters `grid` selects (its --kinds and sizes), writing to
+    `out`: one prompt of 8 tokens in one round in a dry run, else `E2E_SIZE` in `E2E_ROUNDS`."""
     prompts, tokens = (1, 8) if dry_run else E2E_SIZE[quick]
     size = ["--prompts", str(prompts), "--new-tokens", str(tokens)]
-    kinds = ["--kinds", ",".join(e2e_kinds(quick))]
-    command = [PYTHON, "bench/bench_e2e_tiny.py", "--out", str(work / "e2e")]
     rounds = ["--rounds", str(1 if dry_run else E2E_ROUNDS)]
-    return command + size + kinds + ["--budgets", "16"] + rounds
+    return [PYTHON, "bench/bench_e2e_tiny.py", "--out", str(out), *size, *grid, *rounds]
 
 
 # The block chains' lengths of the `chains` part: DFlash's published way of drafting (a chain
@@ -387,13 +392,9 @@ def chains_plan(quick: bool) -> dict[str, float]:
 
 
 def chains_command(work: Path, quick: bool, dry_run: bool) -> list[str]:
-    prompts, tokens = (1, 8) if dry_run else E2E_SIZE[True]
-    return [
-        PYTHON, "bench/bench_e2e_tiny.py", "--out", str(work / "chains"),
-        "--prompts", str(prompts), "--new-tokens", str(tokens), "--kinds", "block-chain",
-        "--chain-lengths", ",".join(map(str, CHAIN_LENGTHS)),
-        "--rounds", str(1 if dry_run else E2E_ROUNDS),
-    ]  # fmt: skip
+    lengths = ",".join(map(str, CHAIN_LENGTHS))
+    grid = ["--kinds", "block-chain", "--chain-lengths", lengths]
+    return tiny_pair_command(work / "chains", True, dry_run, grid)
 
 
 def tune_plan(quick: bool) -> dict[str, float]:

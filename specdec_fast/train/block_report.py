@@ -21,14 +21,9 @@ def eval_prompts(target_name: str, count: int, chat: bool = False) -> list[list[
 
     tokenizer = load_tokenizer(target_name)
     if chat:
-        from specdec_fast.text import encode_prompt
+        from .chat_data import chat_prompt_ids
 
-        from .chat_data import chat_prompts
-
-        return [
-            encode_prompt(tokenizer, messages=messages, chat=True)
-            for messages in chat_prompts("heldout", count)
-        ]
+        return chat_prompt_ids(tokenizer, "heldout", count)
     return [
         [tokenizer.bos_token_id, *tokenizer.encode(r["prompt"], add_special_tokens=False)]
         for r in load_code_prompts(count)

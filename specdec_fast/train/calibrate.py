@@ -196,9 +196,10 @@ def file_sequences(target, target_dir, path: str | Path, count: int, new_tokens:
     """(the target's greedy continuations of the first `count` prompts of a JSONL prompt file,
     their prompt lengths): the prompts as `specdec-fast bench` reads and encodes them."""
     from specdec_fast.harness.prompts import load_prompts
+    from specdec_fast.loading import load_tokenizer as load_model_tokenizer
     from specdec_fast.text import encode_prompt
 
-    tokenizer = _model_tokenizer(target_dir)
+    tokenizer = load_model_tokenizer(str(target_dir))
     ids = [encode_prompt(tokenizer, r.prompt, r.messages) for r in load_prompts(path)[:count]]
     return _continued(target, ids, new_tokens)
 
@@ -208,20 +209,13 @@ def chat_sequences(target, target_dir, prompts: int, new_tokens: int, used: int,
     held back from a `--data chat` run on `used` of them, their prompt lengths): the ones after
     the first `used` in the order the run draws them (`chat_data.chat_prompts`), through the
     target's chat template."""
-    from specdec_fast.text import encode_prompt
-
-    from .chat_data import chat_prompts
-
-    tokenizer = _model_tokenizer(target_dir)
-    held_back = chat_prompts("train", used + prompts, seed)[used:]
-    ids = [encode_prompt(tokenizer, messages=messages, chat=True) for messages in held_back]
-    return _continued(target, ids, new_tokens)
-
-
-def _model_tokenizer(target_dir):
     from specdec_fast.loading import load_tokenizer as load_model_tokenizer
 
-    return load_model_tokenizer(str(target_dir))
+    from .chat_data import chat_prompt_ids
+
+    tokenizer = load_model_tokenizer(str(target_dir))
+    ids = chat_prompt_ids(tokenizer, "train", used + prompts, seed, start=used)
+    return _continued(target, ids, new_tokens)
 
 
 def _continued(target, ids: list[list[int]], new_tokens: int):

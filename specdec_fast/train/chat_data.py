@@ -157,6 +157,19 @@ def chat_prompts(
     return [chat_messages(items[i], SHAPES[n % len(SHAPES)]) for n, i in enumerate(order)]
 
 
+def chat_prompt_ids(
+    tokenizer, split: str, count: int, seed: int = 0, start: int = 0
+) -> list[list[int]]:
+    """The ids of `chat_prompts(split, count, seed)` from the `start`-th on, through the
+    tokenizer's chat template."""
+    from specdec_fast.text import encode_prompt
+
+    return [
+        encode_prompt(tokenizer, messages=messages, chat=True)
+        for messages in chat_prompts(split, count, seed)[start:]
+    ]
+
+
 @dataclasses.dataclass(frozen=True)
 class ChatData:
     """The target's greedy answers (up to `answer_tokens` each) to `count` prompts of `split`."""
@@ -261,7 +274,7 @@ def chat_stream(target, target_dir: str | Path, data: ChatData, cache_dir) -> np
     cache_file = Path(cache_dir) / f"chat-{data.split}-{key}.npy"
     if cache_file.exists():
         return np.load(cache_file)
-    from specdec_fast.text import encode_prompt, stop_token_ids
+    from specdec_fast.text import stop_token_ids
 
     shared = dataclasses.asdict(data)
     del shared["count"]
@@ -270,10 +283,7 @@ def chat_stream(target, target_dir: str | Path, data: ChatData, cache_dir) -> np
         f"chat-{data.split}-answers-{hashlib.sha256(store_key.encode()).hexdigest()[:16]}.npz"
     )
     tokenizer = load_tokenizer(target_dir)
-    prompts = [
-        encode_prompt(tokenizer, messages=messages, chat=True)
-        for messages in chat_prompts(data.split, data.count, data.seed)
-    ]
+    prompts = chat_prompt_ids(tokenizer, data.split, data.count, data.seed)
     stop = stop_token_ids(target, tokenizer)
     done = {i: s for i, s in _load_answers(store).items() if i < len(prompts)}
     sequences = answer_prompts(
