@@ -18,9 +18,11 @@ the floor. At N = 8 EAGLE-3 runs four head forwards a step (its update, then lev
 forward's weight bytes with the published heads' 32K-token draft vocabulary (41.6% with the whole
 128K), so the 10% target lies below its floor at this tree shape. DFlash reads its layer, its
 `fc` and the layer's K and V projections again over the accepted context, and the target's LM
-head once over the block: 10.2%, at the target.
+head once over the block: 10.2%, at the target. With a 32K-token draft vocabulary (the same
+head's weights, `DFlashHead.set_draft_vocab`; as the real target's bundled head drafts from 8K
+of its 49K ids) it reads a quarter of that LM head: `dflash-32k`, about 5%.
 
-    python bench/bench_draft_loop.py [--tiny] [--tau-json overhead.json] [--json PATH]
+    python bench/bench_draft_loop.py [--tiny | --quick] [--tau-json overhead.json] [--json PATH]
 
 `--tiny` (and any run on the CPU) uses bench_step's tiny shape: the CI smoke run.
 """
@@ -28,6 +30,7 @@ head once over the block: 10.2%, at the target.
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 from collections import Counter
 from collections.abc import Iterator
@@ -51,11 +54,21 @@ NODES = 8
 BLOCK_SIZE = 16
 PROMPT = {True: 48, False: 512}  # tokens, by --tiny
 NEW_TOKENS = {True: 12, False: 48}
-# The bundled pair's breakdowns whose tokens per step stand for each drafter's acceptance.
-TAU_CONFIGS = {"eagle3": "eagle:tiny-code-eagle3 N=8", "dflash": "dflash N=8"}
+QUICK_TOKENS = 24  # --quick (the GPU suite's quick run), on the 8B shape
+# The bundled pair's breakdowns whose tokens per step stand for each drafter's acceptance (the
+# bundled DFlash head's, which drafts from the whole vocabulary, for both DFlash heads).
+TAU_CONFIGS = {
+    "eagle3": "eagle:tiny-code-eagle3 N=8",
+    "dflash": "dflash N=8",
+    "dflash-32k": "dflash N=8",
+}
 # The EAGLE-3 head's draft vocabulary: the published heads for Llama-3.1-8B map 32K draft ids to
 # the target's 128K (their `draft_vocab_size`); a smaller target keeps its whole vocabulary.
+# `dflash-32k` drafts from as many ids, or from a quarter of a smaller target's.
 DRAFT_VOCAB = 32000
+# Drafters whose target steps are another's (the same target layers captured at the same N):
+# only their head's own step compiles.
+SHARED_TARGET_STEPS = ("dflash-32k",)
 # New tokens of the eager run whose matmuls' weight reads are counted.
 WEIGHT_TOKENS = 6
 MATMULS = (torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default)
@@ -94,15 +107,15 @@ def measured_tau(path: Path | None) -> dict[str, float]:
 
 
 class WeightReads(TorchDispatchMode):
-    """Bytes of weights (the parameters of `modules`) that matmuls read, by the role of the code
+    """Bytes of weights (the parameters of `modules`, and `extra` tensors: a DFlash head's rows
+    of the target's LM head for its draft vocabulary) that matmuls read, by the role of the code
     that runs them (`role`, the outermost one counting): what a step streams from memory at
     batch 1, where activations and the short context's KV cache are small beside it."""
 
-    def __init__(self, modules: list[torch.nn.Module]):
+    def __init__(self, modules: list[torch.nn.Module], extra: list[torch.Tensor] = ()):
         super().__init__()
-        self.weights = {
-            p.untyped_storage().data_ptr() for module in modules for p in module.parameters()
-        }
+        weights = [*(p for module in modules for p in module.parameters()), *extra]
+        self.weights = {weight.untyped_storage().data_ptr() for weight in weights}
         self.bytes: Counter[str] = Counter()
         self.roles: list[str] = []
 
@@ -135,10 +148,14 @@ def weight_reads(setup: Model, make, heads: list[torch.nn.Module]) -> tuple[floa
     step, no CUDA graph: every operator dispatches, so each is seen) of `WEIGHT_TOKENS` tokens:
     the drafter's `propose` and `update`, the target runner's `verify` (a drafter's own runner
     counts as the drafter's)."""
+    from specdec_fast.drafters.dflash import draft_rows
     from specdec_fast.runner import ModelRunner
 
     drafter = make()
-    reads = WeightReads([setup.model, *heads])
+    lm_head = setup.model.get_output_embeddings()
+    narrow = [h for h in heads if isinstance(h, DFlashHead) and h.draft_ids is not None]
+    rows = [draft_rows(head, lm_head, head.fc.weight.dtype)[1] for head in narrow]
+    reads = WeightReads([setup.model, *heads], rows)
     with ExitStack() as stack:
         stack.enter_context(reads.role(ModelRunner, "verify", "forward"))
         for name in ("propose", "update"):
@@ -153,8 +170,9 @@ def weight_reads(setup: Model, make, heads: list[torch.nn.Module]) -> tuple[floa
 
 
 def heads_for(target: torch.nn.Module) -> dict[str, torch.nn.Module]:
-    """The EAGLE-3 head (the published draft vocabulary's size) and the DFlash head for `target`,
-    freshly initialized (seeded), in `DTYPE` on its device."""
+    """The EAGLE-3 head (the published draft vocabulary's size), the DFlash head, and the same
+    DFlash head with a draft vocabulary (`DRAFT_VOCAB`) for `target`, freshly initialized
+    (seeded), in `DTYPE` on its device."""
     device = target.device
     torch.manual_seed(0)
     vocab = target.config.vocab_size
@@ -162,19 +180,27 @@ def heads_for(target: torch.nn.Module) -> dict[str, torch.nn.Module]:
     eagle3 = eagle3.to(device, DTYPE).eval()
     dflash = DFlashHead.for_target(target, block_size=BLOCK_SIZE, mask_token_id=vocab - 1)
     dflash = dflash.to(device, DTYPE).eval()
-    return {"eagle3": eagle3, "dflash": dflash}
+    narrow = copy.deepcopy(dflash)
+    narrow.set_draft_vocab(range(min(DRAFT_VOCAB, vocab // 4)))
+    return {"eagle3": eagle3, "dflash": dflash, "dflash-32k": narrow}
 
 
 def drafters(heads: dict[str, torch.nn.Module]) -> dict:
     return {
         "eagle3": lambda: EagleDrafter(heads["eagle3"], max_nodes=NODES),
-        "dflash": lambda: BlockDrafter(heads["dflash"], max_nodes=NODES),
+        **{
+            name: lambda head=heads[name]: BlockDrafter(head, max_nodes=NODES)
+            for name in ("dflash", "dflash-32k")
+        },
     }
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tiny", action="store_true", help="bench_step's tiny shape (CI)")
+    parser.add_argument(
+        "--quick", action="store_true", help=f"{QUICK_TOKENS} new tokens a run on the 8B shape"
+    )
     parser.add_argument("--tau-json", type=Path, default=None, help="bench_overhead's JSON")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
@@ -184,7 +210,7 @@ def main() -> None:
     target = build_model(config, device)
     name = "tiny" if tiny else "Llama-3-8B-shaped"
     setup = Model(name, target, random_prompts(1, PROMPT[tiny], config["vocab_size"]))
-    tokens = NEW_TOKENS[tiny]
+    tokens = QUICK_TOKENS if args.quick and not tiny else NEW_TOKENS[tiny]
     heads = heads_for(target)
     records: list[Breakdown] = []
     floors = {}

@@ -298,16 +298,18 @@ def overhead_plan(quick: bool) -> dict[str, float]:
 
 def draft_loop_plan(quick: bool) -> dict[str, float]:
     """bench_draft_loop.py: the 8B-shaped target, a compile for its decode step and for each
-    drafter's hooked verify step (and the DFlash head's block step), every breakdown's runs."""
+    drafter's hooked verify step (and the DFlash heads' block steps), every breakdown's runs."""
     bench = _bench_module("bench_draft_loop")
     configs = 1 + len(bench.TAU_CONFIGS)
-    steps = configs * (1 + BREAKDOWN_RUNS) * bench.NEW_TOKENS[False]
+    compiles = configs - len(bench.SHARED_TARGET_STEPS)
+    tokens = bench.QUICK_TOKENS if quick else bench.NEW_TOKENS[False]
+    steps = configs * (1 + BREAKDOWN_RUNS) * tokens
     counted = len(bench.TAU_CONFIGS) * (bench.WEIGHT_TOKENS + 1)
     return {
         "process": COSTS["process"],
         "model and heads": COSTS["model_build"],
-        f"{configs} compiles": configs * COSTS["runner_compile"],
-        "the DFlash head's one-layer step": COSTS["runner_graph"],
+        f"{compiles} compiles": compiles * COSTS["runner_compile"],
+        "the DFlash heads' one-layer steps": 2 * COSTS["runner_graph"],
         f"{steps} steps": steps * COSTS["step_8b"],
         f"{counted} eager steps counting weight reads": counted * COSTS["step_8b"],
     }
@@ -335,7 +337,7 @@ def lookup_command(work: Path, quick: bool, dry_run: bool) -> list[str]:
 
 
 def draft_loop_command(work: Path, quick: bool, dry_run: bool) -> list[str]:
-    size = ["--tiny"] if dry_run else []
+    size = ["--tiny"] if dry_run else ["--quick"] if quick else []
     paths = ["--tau-json", str(work / "overhead.json"), "--json", str(work / "draft_loop.json")]
     return [PYTHON, "bench/bench_draft_loop.py", *size, *paths]
 

@@ -29,12 +29,17 @@ DRAFTERS = [
 
 
 def write_untrained_blocks(target, folder: Path, draft_layers: int | None = None) -> dict[str, str]:
-    """A DFlash head for `target` (seeded) and the bundled draft model as a PARD model (its pad
-    token as the mask; cut to its first `draft_layers` layers when given), saved under `folder`;
-    returns the `{dflash}`/`{pard}` spec fields."""
+    """A DFlash head for `target` (seeded), drafting from a draft vocabulary of two thirds of the
+    target's ids (as the real target's bundled head does), and the bundled draft model as a
+    PARD model (its pad token as the mask; cut to its first `draft_layers` layers when given),
+    saved under `folder`; returns the `{dflash}`/`{pard}` spec fields. Heads without a draft
+    vocabulary are tests/test_block.py's, and `tiny-code-dflash`."""
     torch.manual_seed(0)
     dflash, pard = folder / "dflash", folder / "pard"
-    DFlashHead.for_target(target, num_layers=1, block_size=8).save_pretrained(dflash)
+    head = DFlashHead.for_target(target, num_layers=1, block_size=8)
+    vocab = target.config.vocab_size
+    head.set_draft_vocab(torch.randperm(vocab)[: 2 * vocab // 3])
+    head.save_pretrained(dflash)
     draft = load_model("tiny-code-draft", target.device)
     if draft_layers is not None:
         draft = first_layers(draft, draft_layers)

@@ -22,7 +22,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from specdec_fast import AdaptiveDrafter, BlockDrafter, CostModel, PardDraft, bundled, generate
 from specdec_fast.drafters.base import root_only
 from specdec_fast.drafters.block import load_block_model
-from specdec_fast.drafters.dflash import _CAST_COPIES, cast_copy
+from specdec_fast.drafters.dflash import _CAST_COPIES, cast_copy, draft_rows
 from specdec_fast.drafters.pard import load_pard
 from specdec_fast.guardrails import GuardedDrafter, GuardrailPolicy, RouteGuard
 from specdec_fast.heads.block import DFlashHead, default_target_layers, load_dflash_head
@@ -219,17 +219,20 @@ def sampling_target():
     [
         ("dflash", "chain", (1.0, 0, 1.0)),
         ("dflash", "ddtree", (0.7, 5, 0.9)),
+        ("dflash-vocab", "chain", (0.7, 5, 0.9)),
         ("pard", "chain", (0.7, 5, 0.9)),
         ("pard", "ddtree", (1.0, 0, 1.0)),
     ],
 )
 def test_sampling_follows_the_target(sampling_target, flavour, tree, setting):
     """Chi-square tests of the first two sampled tokens (the method and tolerance of
-    tests/test_generate_sampling.py): sampled chains carry their draft probabilities, trees are
-    deterministic proposals."""
+    tests/test_generate_sampling.py): sampled chains carry their draft probabilities (a draft
+    vocabulary's spread over the target's ids), trees are deterministic proposals."""
     temperature, top_k, top_p = setting
-    if flavour == "dflash":
+    if flavour.startswith("dflash"):
         model = dflash_head(sampling_target, seed=4, block_size=3)
+        if flavour == "dflash-vocab":  # ten of the sixteen ids, not in id order
+            model.set_draft_vocab(torch.randperm(SAMPLING_VOCAB)[:10])
     else:
         model = PardDraft(pard_draft(SAMPLING_VOCAB, seed=5).model, MASK, 3)
     drafter = BlockDrafter(model, max_nodes=3, tree=tree)
@@ -521,6 +524,101 @@ def test_dflash_save_and_load_round_trip(target, tmp_path):
         assert torch.equal(expected, got), name
 
 
+class ProposalRecorder(BlockDrafter):
+    """Keeps every proposal's tokens."""
+
+    def propose(self, state):
+        proposal = super().propose(state)
+        self.proposed = [*getattr(self, "proposed", []), proposal.tokens.clone()]
+        return proposal
+
+
+def per_row_steps(out):
+    return [[s.steps, s.drafted, s.accepted] for s in out.stats.sequences]
+
+
+@pytest.mark.parametrize("tree", [("ddtree", 10), ("chain", BLOCK)], ids=["ddtree", "chain"])
+def test_a_draft_vocabulary_drafts_from_its_rows_only(target, ragged, references, tree):
+    """A head with a draft vocabulary meets only its rows of the target's LM head: over every id
+    in another order it drafts what the head without one drafts, step for step; over a third of
+    the ids it drafts those alone, and stays exact."""
+    mode, nodes = tree
+    generator = torch.Generator().manual_seed(7)
+
+    def run(ids):
+        head = dflash_head(target, seed=3)
+        head.set_draft_vocab(ids)
+        drafter = ProposalRecorder(head, max_nodes=nodes, tree=mode)
+        out = generate(target, ragged, drafter=drafter, max_new_tokens=32)
+        assert [s.tolist() for s in out.sequences] == references
+        rows = drafter.flavour._lm_weight.shape[0]
+        return out, rows, torch.cat([t[:, 1:].flatten() for t in drafter.proposed])
+
+    whole, rows, _ = run(None)
+    assert rows == VOCAB and whole.stats.accepted_tokens > 0
+    permuted, rows, _ = run(torch.randperm(VOCAB, generator=generator))
+    assert rows == VOCAB and per_row_steps(permuted) == per_row_steps(whole)
+    third = torch.randperm(VOCAB, generator=generator)[: VOCAB // 3]
+    subset, rows, drafted = run(third)
+    assert rows == len(third) and subset.stats.accepted_tokens > 0
+    assert set(drafted.tolist()) <= set(third.tolist())
+
+
+def test_draft_rows_follow_the_vocabulary_and_the_weights(target):
+    """A head's LM-head rows are made once, and anew for another vocabulary, an in-place change
+    of the weights, other weights or another dtype."""
+    head = dflash_head(target, seed=5)
+    head.set_draft_vocab([4, 2, 9])
+    lm_head = torch.nn.Linear(head.config.hidden_size, VOCAB)
+    ids, rows, bias = draft_rows(head, lm_head, torch.float32)
+    assert ids.tolist() == [4, 2, 9] and torch.equal(rows, lm_head.weight[[4, 2, 9]])
+    assert torch.equal(bias, lm_head.bias[[4, 2, 9]])
+    assert draft_rows(head, lm_head, torch.float32)[1] is rows
+    head.set_draft_vocab([1, 3])
+    ids, rows, _ = draft_rows(head, lm_head, torch.float32)
+    assert ids.tolist() == [1, 3] and torch.equal(rows, lm_head.weight[[1, 3]])
+    with torch.no_grad():
+        lm_head.weight.mul_(2)
+    again = draft_rows(head, lm_head, torch.float32)[1]
+    assert again is not rows and torch.equal(again, lm_head.weight[[1, 3]])
+    other = torch.nn.Linear(head.config.hidden_size, VOCAB, bias=False)
+    _, rows, bias = draft_rows(head, other, torch.float32)
+    assert torch.equal(rows, other.weight[[1, 3]]) and bias is None
+    assert draft_rows(head, other, torch.bfloat16)[1].dtype == torch.bfloat16
+
+
+def test_draft_vocabularies_save_load_and_refuse_bad_ids(target, tmp_path):
+    head = dflash_head(target, seed=2)
+    head.set_draft_vocab([9, 2, 30, 4])
+    head.save_pretrained(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    assert config["draft_vocab_size"] == 4
+    loaded = load_dflash_head(tmp_path, target)
+    assert loaded.draft_ids.tolist() == [9, 2, 30, 4]
+    loaded.set_draft_vocab(None)
+    assert loaded.draft_ids is None and "d2t" not in loaded.state_dict()
+    loaded.save_pretrained(tmp_path / "whole")
+    assert "draft_vocab_size" not in json.loads((tmp_path / "whole" / "config.json").read_text())
+    for ids, message in [
+        ([3, 3], "expected distinct target ids"),
+        ([], "expected distinct target ids"),
+        ([1, VOCAB], f"ids outside the vocabulary's {VOCAB}"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            head.set_draft_vocab(ids)
+    state = dict(head.state_dict())
+    state["d2t"] = torch.tensor([0, 0, 0, VOCAB])  # the last draft id maps to VOCAB + 3
+    save_file({k: v.contiguous() for k, v in state.items()}, str(tmp_path / "model.safetensors"))
+    with pytest.raises(ValueError, match=f"d2t maps draft ids outside the target's {VOCAB}"):
+        load_dflash_head(tmp_path, target)
+    (tmp_path / "config.json").write_text(json.dumps({**config, "draft_vocab_size": VOCAB + 1}))
+    with pytest.raises(ValueError, match=rf"draft_vocab_size must be in \[1, {VOCAB}\]"):
+        load_dflash_head(tmp_path, target)
+    (tmp_path / "config.json").write_text(json.dumps({**config, "draft_vocab_size": 5}))
+    with pytest.raises(ValueError, match=r"d2t: expected shape \(5,\)"):
+        load_dflash_head(tmp_path, target)
+
+
 def test_pard_save_and_load_round_trip(target, tmp_path):
     draft = pard_draft()
     draft.save_pretrained(tmp_path)
@@ -698,11 +796,20 @@ def test_training_lowers_the_loss_and_resumes_exactly(target, stream, pard_init,
 
 @pytest.mark.parametrize("flavour", ["dflash", "pard"])
 def test_exported_drafters_load_and_are_exact(target, stream, pard_init, tmp_path, flavour):
+    """Exported in their layouts, a DFlash head with a draft vocabulary (the command's
+    `--draft-vocab`); PARD models have none."""
     run = options(flavour, pard_init)
     module, _ = train_block(run, settings(2), target, stream, tmp_path / "run")
-    export_block(run, module, bundled.path("tiny-code"), tmp_path / "out")
+    draft_ids = [7, 3, 11, 0, 5, 9] if flavour == "dflash" else None
+    export_block(run, module, bundled.path("tiny-code"), tmp_path / "out", draft_ids)
     drafter = BlockDrafter.from_pretrained(tmp_path / "out", target, max_nodes=8)
     assert drafter.flavour_name == flavour and drafter.model.block_size == BLOCK
+    if flavour == "dflash":
+        assert drafter.model.draft_ids.tolist() == draft_ids
+        assert module.draft_ids is None  # the trained module is left as it was
+    else:
+        with pytest.raises(ValueError, match="only DFlash heads draft from a draft vocabulary"):
+            export_block(run, module, bundled.path("tiny-code"), tmp_path / "again", [1, 2])
     prompts = repetitive_prompts([12, 5], VOCAB, seed=2)
     out = generate(target, prompts, drafter=drafter, max_new_tokens=10)
     assert [s.tolist() for s in out.sequences] == hf_greedy(target, prompts, 10)
@@ -738,6 +845,7 @@ def test_the_command_line_and_its_defaults():
     parser = build_parser()
     args = parser.parse_args(["block", "--flavour", "dflash", "--run-dir", "r", "--steps", "3"])
     assert args.target == "tiny-code" and args.lr is None and args.num_layers == 2
+    assert args.draft_vocab == 0  # the whole vocabulary
     flavour_defaults = {f: BlockOptions(f).block_size for f in ("dflash", "pard")}
     assert flavour_defaults == {"dflash": 16, "pard": 8}
     args = parser.parse_args(

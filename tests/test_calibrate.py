@@ -4,7 +4,9 @@ the grid's best, and the command records it where `BlockDrafter` reads it."""
 
 import json
 import shutil
+from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from test_block import BLOCK, MODELS, VOCAB, RecordingDrafter
@@ -20,6 +22,7 @@ from specdec_fast.train.calibrate import (
     block_log_probs,
     chat_sequences,
     fit_depth_scale,
+    training_draft_vocab,
 )
 from specdec_fast.train.cli import build_parser
 from specdec_fast.trees import PAD_NODE, best_first_tree
@@ -46,20 +49,28 @@ def test_a_drafter_sure_of_the_labels_accepts_its_tree_depth():
         assert accepted_lengths(tokens, parents, labels).tolist() == [expected] * 2
 
 
-@pytest.mark.parametrize("flavour", list(MODELS))
+@pytest.mark.parametrize("flavour", [*MODELS, "dflash-vocab"])
 def test_the_blocks_are_what_the_engine_drafts(target, flavour):
     """Teacher-forced over the finished sequence, each block equals the engine's at the step
-    whose root sat there."""
-    model = MODELS[flavour](target)
+    whose root sat there (a draft vocabulary's: over its ids, -inf elsewhere)."""
+    model = MODELS[flavour.split("-")[0]](target)
+    ids = torch.arange(VOCAB)
+    if flavour == "dflash-vocab":
+        ids = torch.randperm(VOCAB, generator=torch.Generator().manual_seed(3))[:20]
+        model.set_draft_vocab(ids)
     drafter = RecordingDrafter(model, max_nodes=8)
     prompts = repetitive_prompts([11], VOCAB, seed=9)
     out = generate(target, prompts, drafter=drafter, max_new_tokens=24)
     rows = out.sequences[0][None].long()
     assert out.stats.accepted_tokens > 0
+    off = torch.ones(VOCAB, dtype=torch.bool)
+    off[ids] = False
     for tokens, logits in drafter.steps:
         anchors = torch.tensor([[len(tokens) - 1]])
         got = block_log_probs(model, target, rows, anchors)[0, 0]
-        torch.testing.assert_close(got, torch.log_softmax(logits, -1), rtol=1e-4, atol=1e-4)
+        want = torch.log_softmax(logits, -1)
+        torch.testing.assert_close(got[:, ids], want, rtol=1e-4, atol=1e-4)
+        assert bool((got[:, off] == -torch.inf).all())
 
 
 @pytest.mark.parametrize("flavour", list(MODELS))
@@ -202,3 +213,68 @@ def test_the_command_fits_where_the_folder_trained(tmp_path, monkeypatch, data):
     assert run_command(argv) == 0 and run_command([*argv, "--used", "3"]) == 0
     chat = data == "chat"
     assert [(call["chat"], call["used"]) for call in calls] == [(chat, 7), (chat, 3)]
+
+
+def test_the_draft_vocabulary_is_the_training_streams_most_frequent_tokens(tmp_path, monkeypatch):
+    """`training_draft_vocab` rebuilds the stream a folder's training_info.json records (here a
+    `--data corpus` run's, whose stream is the corpus': a stand-in) from the run's cache."""
+    from specdec_fast.train import heads
+
+    stream = np.array([5, 9, 9, 2, 9, 5, 7, 9] * 8, dtype=np.int32)
+    calls = []
+
+    def training_target(name, data_dir, dtype, data):
+        calls.append((name, data_dir, dtype, data))
+        return "dir", tiny_llama(vocab_size=VOCAB, hidden_size=16, layers=1), stream
+
+    monkeypatch.setattr(heads, "training_target", training_target)
+    info = json.loads((Path(bundled.path("tiny-code-dflash")) / "training_info.json").read_text())
+    info["options"] |= {"data": "corpus", "target_dtype": "bfloat16"}
+    assert training_draft_vocab(info, 6, tmp_path) == [9, 5, 2, 7, 0, 1]
+    assert calls == [("tiny-code", str(tmp_path), "bfloat16", "corpus")]
+
+
+@pytest.mark.slow
+def test_the_command_gives_a_dflash_head_a_draft_vocabulary(tmp_path, monkeypatch):
+    """`calibrate-block --draft-vocab N`: the head's weights gain `d2t` (the others unchanged),
+    its config the size, its training_info.json and README the vocabulary, and the fit and the
+    engine's re-measured acceptance run with it."""
+    from specdec_fast.heads.checkpoint import read_safetensors
+    from specdec_fast.loading import load_model
+
+    folder = bundled_copy("tiny-code-dflash", tmp_path)
+    info = json.loads((folder / "training_info.json").read_text())
+    info["engine"]["prompts"] = 1
+    (folder / "training_info.json").write_text(json.dumps(info))
+    before = read_safetensors(folder)
+    target = load_model("tiny-code", torch.device("cpu"))
+    vocab = target.config.vocab_size
+    frequent = torch.randperm(vocab, generator=torch.Generator().manual_seed(1))[:300].tolist()
+    asked = []
+
+    def training_draft_vocab(info, size, data_dir):
+        asked.append((size, data_dir))
+        return frequent[:size]
+
+    monkeypatch.setattr(calibrate, "training_draft_vocab", training_draft_vocab)
+    argv = ["calibrate-block", "--drafter", str(folder), "--nodes", "4", "--draft-vocab", "300"]
+    argv += ["--calibration-prompts", "2", "--calibration-tokens", "16", "--data-dir", "cache"]
+    monkeypatch.setattr("sys.argv", ["specdec_fast.train", *argv])
+    assert run_command(argv) == 0
+    assert asked == [(300, "cache")]
+    after = read_safetensors(folder)
+    assert after.keys() - before.keys() == {"d2t"}
+    assert all(torch.equal(after[key], tensor) for key, tensor in before.items())
+    assert json.loads((folder / "config.json").read_text())["draft_vocab_size"] == 300
+    assert load_block_model(folder, target).draft_ids.tolist() == frequent
+    info = json.loads((folder / "training_info.json").read_text())
+    assert info["draft_vocab"]["size"] == 300 and info["engine"]["identical"]
+    assert "draft vocabulary of 300 tokens" in (folder / "README.md").read_text()
+    with pytest.raises(ValueError, match="--draft-vocab must be >= 1"):
+        run_command([*argv[:3], "--draft-vocab", "0"])
+    (folder / "training_info.json").unlink()
+    with pytest.raises(ValueError, match="has no training_info.json"):
+        run_command(argv)
+    pard = bundled_copy("tiny-code-pard", tmp_path)
+    with pytest.raises(ValueError, match="only DFlash heads draft from a draft vocabulary"):
+        run_command(["calibrate-block", "--drafter", str(pard), *argv[3:]])

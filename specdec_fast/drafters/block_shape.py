@@ -60,6 +60,23 @@ class BlockShape:
         )
 
 
+def in_target_vocab(
+    proposal: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None],
+    vocab: torch.Tensor,
+    vocab_size: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """A proposal (`BlockShape.propose`) from logits over a draft vocabulary (`vocab`: int64
+    `[V']`, the target id of each draft id) in the target's ids: the drafted tokens mapped (the
+    root, node 0, is a target id already) and a sampled chain's draft probabilities spread over
+    the target's `vocab_size` ids (zero off the vocabulary, which the chain never draws)."""
+    tokens, parents, draft_probs = proposal
+    tokens = torch.cat([tokens[:, :1], vocab[tokens[:, 1:]]], dim=1)
+    if draft_probs is not None:
+        spread = draft_probs.new_zeros(*draft_probs.shape[:-1], vocab_size)
+        draft_probs = spread.index_copy(-1, vocab, draft_probs)
+    return tokens, parents, draft_probs
+
+
 def block_sampling(state: DraftState, shape: BlockShape) -> tuple[torch.Tensor, ...]:
     """What a sampled chain's draws take from the state (`BlockShape.propose`): the rows'
     temperatures and seeds (the flavour's step adds the roots' positions, which it knows on the

@@ -12,6 +12,7 @@ step's forward before its block: one forward per step.
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -29,7 +30,7 @@ from specdec_fast.onednn import follow_target
 from specdec_fast.transfer import to_device
 
 from .base import DraftState, StepOutcome
-from .block_shape import BlockShape, block_sampling
+from .block_shape import BlockShape, block_sampling, in_target_vocab
 from .features import gather_rows
 
 # The DFlash steps' compiled code by signature (a head's config, dtype and device): drafters
@@ -61,6 +62,43 @@ def cast_copy(weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         copy = (weight.detach().full_tensor() if sharded else weight.detach()).to(dtype)
         copies[dtype] = (weight._version, copy)
     return copy
+
+
+# A head's draft vocabulary on the device, with its rows of the target's LM head in the head's
+# dtype, by head: (what they were made from, ids, weight rows, bias rows or None). Drafters over
+# one head and target share them, so a step captured for them reads the same tensors.
+_DRAFT_ROWS: WeakIdKeyDictionary = WeakIdKeyDictionary()
+
+
+def draft_rows(head: DFlashHead, lm_head, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+    """(the head's draft ids, the LM head's weight rows for them, its bias's or None) on the
+    head's device, in `dtype` (detached; a sharded weight gathered whole, as `cast_copy`);
+    made once per head, vocabulary, weights and their versions."""
+    params = [p for p in (lm_head.weight, lm_head.bias) if p is not None]
+    known = _DRAFT_ROWS.get(head)
+    if known is not None:
+        (d2t, refs, versions, made_dtype), made = known
+        if (
+            d2t is head.d2t
+            and made_dtype == dtype
+            and len(refs) == len(params)
+            and all(ref() is param for ref, param in zip(refs, params, strict=True))
+            and versions == [p._version for p in (head.d2t, *params)]
+        ):
+            return made
+    ids = head.draft_ids
+
+    def rows(param):
+        if param is None:
+            return None
+        whole = param.detach().full_tensor() if isinstance(param, DTensor) else param.detach()
+        return whole[ids.to(whole.device)].to(device=ids.device, dtype=dtype)
+
+    made = (ids, rows(lm_head.weight), rows(lm_head.bias))
+    # The weights by weak reference: the cache keeps no target alive.
+    versions = [p._version for p in (head.d2t, *params)]
+    _DRAFT_ROWS[head] = ((head.d2t, [weakref.ref(p) for p in params], versions, dtype), made)
+    return made
 
 
 @dataclass
@@ -142,16 +180,22 @@ class DFlashBlock:
         # The head computes in its own dtype (`load_dflash_head`), the target's embeddings and
         # features are cast to it, and its outputs meet the target's LM head in that dtype: a
         # copy of the LM head when the target's dtype differs (one per weight and dtype, shared
-        # by every drafter over the target, `cast_copy`; 2 bytes a weight for bfloat16).
+        # by every drafter over the target, `cast_copy`; 2 bytes a weight for bfloat16), or
+        # of its draft vocabulary's rows (`draft_rows`) when the head has one.
         self.head.to(device=target.device).eval()
         follow_target(self.head, target)
         dtype = self.head.fc.weight.dtype
         self._embed = target.get_input_embeddings()
         lm_head = target.get_output_embeddings()
-        self._lm_weight, self._lm_bias = (
-            None if param is None else cast_copy(param, dtype)
-            for param in (lm_head.weight, lm_head.bias)
-        )
+        self._vocab_size = lm_head.weight.shape[0]
+        if self.head.draft_ids is None:
+            self._vocab = None
+            self._lm_weight, self._lm_bias = (
+                None if param is None else cast_copy(param, dtype)
+                for param in (lm_head.weight, lm_head.bias)
+            )
+        else:
+            self._vocab, self._lm_weight, self._lm_bias = draft_rows(self.head, lm_head, dtype)
         # Room for the context, a block past it and the pad entries a step writes past the block.
         self._capacity = max_cache_len + self.head.block_size + depth + 1
         self._depth = depth
@@ -164,7 +208,11 @@ class DFlashBlock:
         )
         # The head's cache and captured steps, kept on the head for the envelope: everything
         # the steps read besides their arguments is in the key, or is that cache.
-        targets = (self._embed.weight.data_ptr(), self._lm_weight.data_ptr())
+        targets = (
+            self._embed.weight.data_ptr(),
+            self._lm_weight.data_ptr(),
+            None if self._vocab is None else self._vocab.data_ptr(),
+        )
         envelope = (self._signature, self._capacity, depth, self.shape, self._compile, targets)
         self._resident = graphs.resident(
             head, envelope, "dflash", graphs.chosen(), record_compile, self._resident
@@ -258,13 +306,17 @@ class DFlashBlock:
     def _proposal_step(
         self, roots: torch.Tensor, slots: torch.Tensor | None, *args: torch.Tensor
     ) -> tuple[torch.Tensor, ...]:
-        """`_block_step`'s logits made a proposal (`BlockShape.propose`); `args` are a sampled
+        """`_block_step`'s logits made a proposal (`BlockShape.propose`), in target ids when the
+        head drafts from a vocabulary of its own (`in_target_vocab`); `args` are a sampled
         chain's `(temperature, seed)` if any, then `_block_step`'s context. The roots' positions
         are the cache's lengths after the step: an entry per token before the root."""
         taken = 2 + len(self.hidden_layers)  # `_take` appends its context's tensors
         sampling, (last, index, *features) = args[:-taken], args[-taken:]
         logits = self._block_step(roots, slots, last, index, *features)
-        return self.shape.propose(logits, roots, self._cache.cache_lens, *sampling)
+        proposal = self.shape.propose(logits, roots, self._cache.cache_lens, *sampling)
+        if self._vocab is None:
+            return proposal
+        return in_target_vocab(proposal, self._vocab, self._vocab_size)
 
     def _block_step(
         self,
@@ -274,13 +326,14 @@ class DFlashBlock:
         index: torch.Tensor,
         *features: torch.Tensor,
     ) -> torch.Tensor:
-        """fp32 logits `[B, b - 1, V]` of the block `[root, MASK x (b - 1)]`, bidirectional
-        within the block, above the committed context and the pending entries of a `_Context`
-        (`last`, `index`, `features`: written first, then committed); the block is written past
-        them and never committed. On the CPU, `slots` (`arange` of the longest row's entries and
-        block) bounds what the attention reads, SDPA under a length mask there: the block's
-        visibility needs no tree, and the custom op's planning cost more than the attention.
-        Elsewhere it is None and the tree-attention kernel reads each row's own span."""
+        """fp32 logits `[B, b - 1, V]` (V: the draft vocabulary's size where the head has one) of
+        the block `[root, MASK x (b - 1)]`, bidirectional within the block, above the committed
+        context and the pending entries of a `_Context` (`last`, `index`, `features`: written
+        first, then committed); the block is written past them and never committed. On the CPU,
+        `slots` (`arange` of the longest row's entries and block) bounds what the attention
+        reads, SDPA under a length mask there: the block's visibility needs no tree, and the
+        custom op's planning cost more than the attention. Elsewhere it is None and the
+        tree-attention kernel reads each row's own span."""
         head, cache = self.head, self._cache
         size, batch = head.block_size, roots.shape[0]
         counts, features = _picked(last, index, features)

@@ -26,7 +26,11 @@ safetensors only (`model.safetensors` or a sharded `model.safetensors.index.json
 `self_attn.{q,k,v,o}_proj.weight` (and biases with `attention_bias`), `self_attn.{q,k}_norm.weight`,
 `mlp.{gate,up,down}_proj.weight`. No embeddings and no LM head: those are the target's.
 Our own optional `ddtree_depth_scale` (top level) is the best-first tree's calibration fitted for
-the checkpoint (`specdec_fast.trees.best_first_tree`); without it the scale is 1.
+the checkpoint (`specdec_fast.trees.best_first_tree`); without it the scale is 1. Our own optional
+draft vocabulary: `draft_vocab_size` (top level) and a `d2t` tensor in the weights, as EAGLE-3's
+(draft id i is target id `i + d2t[i]`): the head drafts from those rows of the target's LM head
+only (the target's most frequent tokens, `specdec_fast.train.calibrate`), a fraction of the
+whole head's read per step; without it the head drafts from the whole vocabulary.
 """
 
 from __future__ import annotations
@@ -72,6 +76,7 @@ NON_SHAPE_FIELDS = (
     "block_size",
     "num_target_layers",
     DEPTH_SCALE_FIELD,
+    "draft_vocab_size",
 )
 
 # attend(layer index, q [B, Hq, n, D], k [B, Hkv, n, D], v [B, Hkv, n, D]) -> [B, Hq, n, D]: the
@@ -146,7 +151,9 @@ class DFlashHead(nn.Module):
     Args:
         config: a Qwen3Config with the head's sizes (`hidden_size` the target's) and its extra
             fields: `block_size`, `mask_token_id`, `target_layer_ids`, `num_target_layers`,
-            and optionally `ddtree_depth_scale` (the best-first trees' calibration, default 1).
+            and optionally `ddtree_depth_scale` (the best-first trees' calibration, default 1)
+            and `draft_vocab_size` (a draft vocabulary of that many target ids, `d2t`; filled
+            by `set_draft_vocab` or a checkpoint).
     """
 
     def __init__(self, config: Qwen3Config):
@@ -172,6 +179,14 @@ class DFlashHead(nn.Module):
         self.hidden_norm = Qwen3RMSNorm(hidden, eps=config.rms_norm_eps)
         self.norm = Qwen3RMSNorm(hidden, eps=config.rms_norm_eps)
         self.rotary_emb = Qwen3RotaryEmbedding(config=config)
+        draft_vocab = getattr(config, "draft_vocab_size", None)
+        if draft_vocab is not None:
+            if not 1 <= draft_vocab <= config.vocab_size:
+                raise ValueError(
+                    f"draft_vocab_size must be in [1, {config.vocab_size}] (the vocabulary), "
+                    f"got {draft_vocab}"
+                )
+            self.register_buffer("d2t", torch.zeros(draft_vocab, dtype=torch.long))
 
     @classmethod
     def for_target(
@@ -217,6 +232,32 @@ class DFlashHead(nn.Module):
     def depth_scale(self) -> float:
         """The best-first trees' calibration fitted for this head (1: none)."""
         return config_depth_scale(self.config)
+
+    @property
+    def draft_ids(self) -> torch.Tensor | None:
+        """int64 `[draft_vocab_size]`: the target ids the head drafts from, in draft order; None
+        when it drafts from the whole vocabulary."""
+        if getattr(self.config, "draft_vocab_size", None) is None:
+            return None
+        return torch.arange(self.d2t.numel(), device=self.d2t.device) + self.d2t
+
+    def set_draft_vocab(self, draft_ids: Sequence[int] | torch.Tensor | None) -> None:
+        """Draft from the target ids `draft_ids` only (distinct, in draft order; see the module
+        doc), or from the whole vocabulary (None)."""
+        if draft_ids is None:
+            self.config.draft_vocab_size = None
+            if "d2t" in self._buffers:
+                del self.d2t
+            return
+        vocab = self.config.vocab_size
+        ids = torch.as_tensor(draft_ids, dtype=torch.long).flatten().cpu()
+        if ids.numel() == 0 or ids.unique().numel() != ids.numel():
+            raise ValueError(f"draft_ids: expected distinct target ids, got {ids.numel()} ids")
+        if bool(((ids < 0) | (ids >= vocab)).any()):
+            raise ValueError(f"draft_ids: ids outside the vocabulary's {vocab}")
+        device = self.fc.weight.device
+        self.config.draft_vocab_size = ids.numel()
+        self.register_buffer("d2t", (ids - torch.arange(ids.numel())).to(device))
 
     @property
     def hidden_layers(self) -> tuple[int, ...]:
@@ -276,6 +317,14 @@ class DFlashHead(nn.Module):
                 f"{what}: mask_token_id {self.mask_token_id} is outside the target's "
                 f"{config.vocab_size} token ids"
             )
+        ids = self.draft_ids
+        if ids is not None and (
+            bool(((ids < 0) | (ids >= config.vocab_size)).any()) or ids.unique().numel() < len(ids)
+        ):
+            raise ValueError(
+                f"{what}: d2t maps draft ids outside the target's {config.vocab_size} token ids, "
+                "or two onto one"
+            )
 
     def save_pretrained(self, folder: str | os.PathLike) -> None:
         """Write the public layout: `config.json` and `model.safetensors`."""
@@ -283,6 +332,7 @@ class DFlashHead(nn.Module):
             key: value
             for key, value in self.config.to_dict().items()
             if key not in ("mask_token_id", "target_layer_ids")
+            and not (key == "draft_vocab_size" and value is None)
         }
         config["architectures"] = [DFLASH_ARCHITECTURE]
         config[DFLASH_FIELD] = {
@@ -341,6 +391,7 @@ def load_dflash_head(
             mask_token_id=int(mask_token_id),
             target_layer_ids=[int(layer) for layer in layers],
             num_target_layers=int(num_target_layers),
+            draft_vocab_size=fields.get("draft_vocab_size"),
             **{DEPTH_SCALE_FIELD: fields.get(DEPTH_SCALE_FIELD, 1.0)},
         )
         head = DFlashHead(config)

@@ -18,7 +18,8 @@ Losses are soft cross-entropies over the full vocabulary, weighted `exp(-(d - 1)
 at depth d (DFlash's decay, gamma 7 for b = 16). Anchors are a function of (seed, step), like the
 batches, so runs are seeded and resumable as the other head commands (`checkpoint.pt`,
 `train_log.jsonl`). Reported accuracy per depth is top-1 agreement with the target's greedy
-token. `--out` exports the drafter in its public layout (bf16), fits its best-first trees' depth
+token. `--out` exports the drafter in its public layout (bf16; with `--draft-vocab N` a DFlash head
+drafts from the N most frequent tokens of the training stream), fits its best-first trees' depth
 scale (`train.calibrate`, unless `--calibration-prompts 0`), and writes a README giving the
 command, the held-out per-position agreement, the fit, the acceptance of a 16-node best-first tree
 on held-out code prompts, and the size.
@@ -42,7 +43,7 @@ from specdec_fast.heads.block import DFlashHead
 
 from .block_forward import dflash_block_outputs, pard_block_logits
 from .block_report import EVAL_NODES, engine_acceptance, eval_prompts, write_readme
-from .calibrate import add_calibration_arguments, calibrate_folder
+from .calibrate import DRAFT_VOCAB_SOURCE, add_calibration_arguments, calibrate_folder
 from .generated import (
     DataOptions,
     add_data_arguments,
@@ -53,6 +54,7 @@ from .generated import (
 from .heads import (
     HELDOUT_ROWS,
     HeadLoss,
+    frequent_tokens,
     heldout_rows,
     heldout_top1,
     soft_cross_entropy,
@@ -263,13 +265,22 @@ def heldout_block_top1(options: BlockOptions, module, target, rows: list[torch.T
 
 
 def export_block(
-    options: BlockOptions, module: nn.Module, tokenizer_dir: str | Path, out_dir: str | Path
+    options: BlockOptions,
+    module: nn.Module,
+    tokenizer_dir: str | Path,
+    out_dir: str | Path,
+    draft_ids: list[int] | None = None,
 ) -> None:
-    """Save the drafter in bf16 in its public layout; a PARD model gets the target's tokenizer
-    (`tokenizer_dir`), so that its folder loads as any HF model."""
+    """Save the drafter in bf16 in its public layout, a DFlash head with the draft vocabulary
+    `draft_ids` if given (`DFlashHead.set_draft_vocab`); a PARD model gets the target's
+    tokenizer (`tokenizer_dir`), so that its folder loads as any HF model."""
     out_dir = Path(out_dir)
     bf16 = copy.deepcopy(module).to(device="cpu", dtype=torch.bfloat16).eval()
+    if draft_ids is not None and options.flavour != "dflash":
+        raise ValueError("draft_ids: only DFlash heads draft from a draft vocabulary")
     if options.flavour == "dflash":
+        if draft_ids is not None:
+            bf16.set_draft_vocab(draft_ids)
         bf16.save_pretrained(out_dir)
     else:
         from .tokenizer import load_tokenizer
@@ -301,6 +312,11 @@ def _run_block(args) -> int:
         mask_token_id=args.mask_token_id,
         **data_options(args),
     )
+    if args.draft_vocab < 0 or (args.draft_vocab and options.flavour != "dflash"):
+        raise ValueError(
+            f"--draft-vocab {args.draft_vocab}: a DFlash head's draft vocabulary, >= 0 "
+            "(0: the whole vocabulary)"
+        )
     args.lr = DEFAULT_LR[options.flavour] if args.lr is None else args.lr
     settings = run_settings(args)
     target_dir, target, stream = training_target(
@@ -316,7 +332,11 @@ def _run_block(args) -> int:
     rows = heldout_rows(args, target_dir, target)
     agreement = heldout_block_top1(options, module, target, rows)
     out_dir = Path(args.out)
-    export_block(options, module, target_dir, out_dir)
+    draft_ids = None
+    if args.draft_vocab:
+        vocab = target.config.get_text_config(decoder=True).vocab_size
+        draft_ids = frequent_tokens(stream, args.draft_vocab, vocab)
+    export_block(options, module, target_dir, out_dir, draft_ids)
     chat = options.data == "chat"
     calibration = None
     if args.calibration_prompts > 0:
@@ -345,6 +365,9 @@ def _run_block(args) -> int:
         "tokens_trained": tokens,
         "data": data_description(options, settings, tokens),
         "heldout_top1": agreement,
+        "draft_vocab": (
+            {"size": args.draft_vocab, "source": DRAFT_VOCAB_SOURCE} if args.draft_vocab else None
+        ),
         "heldout_windows": len(rows),
         "calibration": calibration,
         "heldout": HELDOUT_ROWS[chat],
@@ -397,6 +420,14 @@ def register_block_command(sub) -> None:
     parser.add_argument("--anchors", type=int, default=defaults.anchors, help="blocks per window")
     parser.add_argument("--loss-decay", type=float, default=defaults.loss_decay)
     parser.add_argument("--mask-token-id", type=int, help="default: the target's pad token")
+    parser.add_argument(
+        "--draft-vocab",
+        type=int,
+        default=0,
+        metavar="N",
+        help="dflash: draft from the N most frequent tokens of the training stream (set at "
+        "export: training sees the whole vocabulary; 0: the whole vocabulary)",
+    )
     add_data_arguments(parser)
     parser.add_argument("--eval-windows", type=int, default=8, help="held-out windows")
     parser.add_argument("--eval-prompts", type=int, default=4, help="held-out code prompts")

@@ -69,6 +69,7 @@ def write_readme(out_dir: Path, info: dict) -> None:
         f"Held-out top-1 agreement with the target's greedy token per block depth "
         f"({info['heldout_windows']} windows of {info.get('heldout', 'held-out modules')}): "
         f"{agreement}.\n\n"
+        f"{draft_vocab_line(info.get('draft_vocab'))}"
         f"{calibration_line(info.get('calibration'))}"
         f"Greedy speculation with a {engine['nodes']}-node best-first tree on "
         f"{engine['prompts']} {engine.get('source', 'held-out code prompts')} x "
@@ -76,6 +77,18 @@ def write_readme(out_dir: Path, info: dict) -> None:
         f"{engine['mean_accepted_per_step']:.2f} tokens per step (bonus included); "
         f"acceptance by position: {positions}; output identical to plain decoding: "
         f"{'yes' if engine['identical'] else 'NO'}.\n"
+    )
+
+
+def draft_vocab_line(draft_vocab: dict | None) -> str:
+    """The README's paragraph on a DFlash head's draft vocabulary (empty without one)."""
+    if not draft_vocab:
+        return ""
+    return (
+        f"It drafts from a draft vocabulary of {draft_vocab['size']:,} tokens "
+        f"({draft_vocab['source']}): a step reads those rows of the target's LM head, not all "
+        "of them (the agreement above is over the whole vocabulary; the fit and the engine's "
+        "figures below are with the draft vocabulary).\n\n"
     )
 
 

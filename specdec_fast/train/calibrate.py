@@ -25,6 +25,11 @@ folder of ours, the fit into `training_info.json` with the engine's acceptance r
 `--prompts FILE.jsonl` fits on the first `--calibration-prompts` prompts of a file in the bench's
 format instead (a target of your own, whose training prompts are not the bundled corpus'), and
 `--dry-run` reports the fit without writing.
+
+`--draft-vocab N` first gives a DFlash head of ours a draft vocabulary (`DFlashHead.draft_ids`):
+the N most frequent tokens of the stream it trained on (rebuilt from `--data-dir`, the training
+run's cache, or generated anew there), from which it then drafts, reading N rows of the target's
+LM head a step instead of all; the fit and the engine's acceptance are measured with it.
 """
 
 from __future__ import annotations
@@ -38,10 +43,12 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from safetensors.torch import save_file
 
 from specdec_fast.drafters.block import load_block_model
 from specdec_fast.drafters.pard import PardDraft
 from specdec_fast.heads.block import DEPTH_SCALE_FIELD, DFlashHead
+from specdec_fast.heads.checkpoint import SAFETENSORS_NAME, read_safetensors
 from specdec_fast.progress import Progress
 from specdec_fast.trees import best_first_tree
 
@@ -60,6 +67,8 @@ CALIBRATION_PROMPTS = 64
 CALIBRATION_NEW_TOKENS = 64
 # Rows drafted per batch (each row drafts a block at each of its positions).
 ROWS_PER_BATCH = 4
+# What a draft vocabulary chosen here or by the training command is (training_info.json).
+DRAFT_VOCAB_SOURCE = "the most frequent tokens of its training stream"
 
 
 @dataclass(frozen=True)
@@ -92,6 +101,10 @@ def block_log_probs(
             outputs = dflash_block_outputs(model, target, features, rows, anchors)
             lm_head = target.get_output_embeddings()
             logits = lm_head(outputs[:, :, 1:].to(lm_head.weight.dtype))
+            if model.draft_ids is not None:  # the engine drafts from these ids alone
+                off = torch.ones(logits.shape[-1], dtype=torch.bool, device=logits.device)
+                off[model.draft_ids.to(logits.device)] = False
+                logits = logits.masked_fill(off, -torch.inf)
         else:
             real, masks = pard_block_logits(
                 model.model, model.mask_token_id, model.block_size, rows, anchors
@@ -183,6 +196,44 @@ def write_depth_scale(folder: str | Path, calibration: Calibration) -> None:
     path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
 
 
+def write_draft_vocab(folder: str | Path, draft_ids: Sequence[int]) -> None:
+    """Give the DFlash head saved in `folder` (one safetensors file) the draft vocabulary
+    `draft_ids` (`DFlashHead.set_draft_vocab`): `d2t` in its weights, `draft_vocab_size` in its
+    config; every other tensor and field as it was."""
+    folder = Path(folder)
+    if not (folder / SAFETENSORS_NAME).is_file():
+        raise ValueError(f"{folder}: a draft vocabulary is written into one {SAFETENSORS_NAME}")
+    ids = torch.as_tensor(list(draft_ids), dtype=torch.long)
+    state = read_safetensors(folder)
+    state["d2t"] = ids - torch.arange(len(ids))
+    save_file(state, str(folder / SAFETENSORS_NAME), metadata={"format": "pt"})
+    (folder / SAFETENSORS_NAME).chmod(0o644)
+    path = folder / "config.json"
+    config = json.loads(path.read_text())
+    config["draft_vocab_size"] = len(ids)
+    path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+
+
+def training_draft_vocab(info: dict, size: int, data_dir: str | Path) -> list[int]:
+    """The `size` most frequent ids (`heads.frequent_tokens`; ties by id, then ids the stream
+    lacks, by id) of the stream a drafter of ours trained on, as its training_info.json
+    (`info`) records it, rebuilt from the run's cache `data_dir` (or generated anew there)."""
+    from .generated import DataOptions, training_stream
+    from .heads import frequent_tokens, training_target
+    from .lm import TrainSettings
+
+    trained = info["options"]
+    fields = [field.name for field in dataclasses.fields(DataOptions)]
+    options = DataOptions(**{name: trained[name] for name in fields if name in trained})
+    settings = TrainSettings(**info["settings"])
+    target_dir, target, stream = training_target(
+        info["target"], str(data_dir), options.target_dtype, options.data
+    )
+    stream = training_stream(options, settings, target, target_dir, stream, data_dir)
+    vocab = target.config.get_text_config(decoder=True).vocab_size
+    return frequent_tokens(stream, size, vocab)
+
+
 def calibration_sequences(target, target_dir, prompts: int, new_tokens: int, used: int, seed: int):
     """int64 `[prompts, prompt_len + new_tokens]`: the target's greedy continuations of the code
     prompts held back from a run on `used` of them (`generated.heldback_prompts`)."""
@@ -241,17 +292,23 @@ def calibrate_folder(
     prompt_file: str | Path | None = None,
     chat: bool = False,
     write: bool = True,
+    draft_ids: Sequence[int] | None = None,
 ) -> Calibration:
     """Fit the depth scale of the drafter saved in `folder` on `prompts` prompts: held back
     from training (code prompts, `calibration_sequences`, or with `chat` chat prompts,
-    `chat_sequences`), or the first ones of `prompt_file` (JSONL, the bench's format); record
-    it in its config unless `write` is False, and report it on stderr."""
+    `chat_sequences`), or the first ones of `prompt_file` (JSONL, the bench's format), with
+    the draft vocabulary `draft_ids` when given (a DFlash head's); record both in its folder
+    unless `write` is False, and report the fit on stderr."""
     if prompts < 1 or new_tokens < 1:
         raise ValueError(
             f"calibration needs at least one prompt and one new token, got {prompts} prompts "
             f"of {new_tokens} new tokens"
         )
     model = load_block_model(folder, target)
+    if draft_ids is not None:
+        if not isinstance(model, DFlashHead):
+            raise ValueError(f"{folder}: only DFlash heads draft from a draft vocabulary")
+        model.set_draft_vocab(draft_ids)
     if prompt_file is None and chat:
         sequences, prompt_lens = chat_sequences(target, target_dir, prompts, new_tokens, used, seed)
         source = "training-split chat prompts held back from training"
@@ -267,6 +324,8 @@ def calibrate_folder(
     calibration = fit_depth_scale(model, target, sequences, prompt_lens, max_nodes)
     calibration = dataclasses.replace(calibration, source=source)
     if write:
+        if draft_ids is not None:
+            write_draft_vocab(folder, draft_ids)
         write_depth_scale(folder, calibration)
     print(json.dumps({"calibration": calibration.to_dict()}), file=sys.stderr, flush=True)
     return calibration
@@ -306,6 +365,16 @@ def _run_calibrate(args) -> int:
     trained = info["options"] if info is not None else {}
     chat = trained.get("data") == "chat"
     used = args.used if args.used is not None else trained.get("sequences", GeneratedData.count)
+    draft_ids = None
+    if args.draft_vocab is not None:
+        if info is None:
+            raise ValueError(
+                f"--draft-vocab: {folder} has no training_info.json, which says what the head "
+                "trained on (the draft vocabulary is that stream's most frequent tokens)"
+            )
+        if args.draft_vocab < 1:
+            raise ValueError(f"--draft-vocab must be >= 1, got {args.draft_vocab}")
+        draft_ids = training_draft_vocab(info, args.draft_vocab, args.data_dir)
     calibration = calibrate_folder(
         folder,
         target,
@@ -318,9 +387,12 @@ def _run_calibrate(args) -> int:
         prompt_file=args.prompts,
         chat=chat,
         write=not args.dry_run,
+        draft_ids=draft_ids,
     )
     if info is not None and not args.dry_run:
         info["calibration"] = {**calibration.to_dict(), "command": command_line()}
+        if draft_ids is not None:
+            info["draft_vocab"] = {"size": len(draft_ids), "source": DRAFT_VOCAB_SOURCE}
         prompts = eval_prompts(info["target"], info["engine"]["prompts"], chat)
         info["engine"] = {**info["engine"], **engine_acceptance(folder, target, prompts)}
         info_path.write_text(json.dumps(info, indent=2, sort_keys=True) + "\n")
@@ -350,6 +422,16 @@ def register_calibrate_command(sub) -> None:
         type=int,
         help="training prompts the drafter trained on (--sequences), not calibrated on "
         f"(default: its training_info.json's, else {GeneratedData.count})",
+    )
+    parser.add_argument(
+        "--draft-vocab",
+        type=int,
+        metavar="N",
+        help="dflash: draft from the N most frequent tokens of the head's training stream (its "
+        "training_info.json says which), rebuilt from --data-dir",
+    )
+    parser.add_argument(
+        "--data-dir", default="runs/data", help="the training run's cache (--draft-vocab)"
     )
     add_calibration_arguments(parser)
     parser.set_defaults(run=_run_calibrate)
