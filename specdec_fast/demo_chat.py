@@ -31,6 +31,7 @@ from specdec_fast.text import check_messages, decode, encode_prompt, stop_token_
 CHAT_TARGET = "smollm2-135m-instruct"
 CHAT_DRAFTERS = (
     "eagle:smollm2-135m-instruct-eagle3:8+ngram:8",
+    "block:smollm2-135m-instruct-dflash:8+ngram:8",
     "eagle:smollm2-135m-instruct-eagle3:8",
     "block:smollm2-135m-instruct-dflash:16",
 )

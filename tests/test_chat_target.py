@@ -46,6 +46,7 @@ def test_the_drafters_load_from_their_folders(target):
     assert block is not None
     assert [DrafterSpec.parse(s).label() for s in CHAT_DRAFTERS] == [
         "eagle:smollm2-135m-instruct-eagle3 N=8 + ngram N=8",
+        "block:smollm2-135m-instruct-dflash N=8 + ngram N=8",
         "eagle:smollm2-135m-instruct-eagle3 N=8",
         "block:smollm2-135m-instruct-dflash N=16",
     ]
