@@ -249,15 +249,9 @@ class DFlashHead(nn.Module):
             if "d2t" in self._buffers:
                 del self.d2t
             return
-        vocab = self.config.vocab_size
-        ids = torch.as_tensor(draft_ids, dtype=torch.long).flatten().cpu()
-        if ids.numel() == 0 or ids.unique().numel() != ids.numel():
-            raise ValueError(f"draft_ids: expected distinct target ids, got {ids.numel()} ids")
-        if bool(((ids < 0) | (ids >= vocab)).any()):
-            raise ValueError(f"draft_ids: ids outside the vocabulary's {vocab}")
-        device = self.fc.weight.device
-        self.config.draft_vocab_size = ids.numel()
-        self.register_buffer("d2t", (ids - torch.arange(ids.numel())).to(device))
+        d2t = draft_vocab_offsets(draft_ids, self.config.vocab_size)
+        self.config.draft_vocab_size = d2t.numel()
+        self.register_buffer("d2t", d2t.to(self.fc.weight.device))
 
     @property
     def hidden_layers(self) -> tuple[int, ...]:
@@ -341,6 +335,17 @@ class DFlashHead(nn.Module):
             "target_layer_ids": list(self.target_layers),
         }
         write_checkpoint(folder, config, self.state_dict(), SAFETENSORS_NAME)
+
+
+def draft_vocab_offsets(draft_ids: Sequence[int] | torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """The layout's `d2t` (int64, on the CPU) of a draft vocabulary: the target ids `draft_ids`
+    (distinct, in draft order, each below `vocab_size`); ValueError otherwise."""
+    ids = torch.as_tensor(draft_ids, dtype=torch.long).flatten().cpu()
+    if ids.numel() == 0 or ids.unique().numel() != ids.numel():
+        raise ValueError(f"draft_ids: expected distinct target ids, got {ids.numel()} ids")
+    if bool(((ids < 0) | (ids >= vocab_size)).any()):
+        raise ValueError(f"draft_ids: ids outside the vocabulary's {vocab_size}")
+    return ids - torch.arange(ids.numel())
 
 
 def config_depth_scale(config) -> float:

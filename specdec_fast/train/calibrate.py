@@ -47,7 +47,7 @@ from safetensors.torch import save_file
 
 from specdec_fast.drafters.block import load_block_model
 from specdec_fast.drafters.pard import PardDraft
-from specdec_fast.heads.block import DEPTH_SCALE_FIELD, DFlashHead
+from specdec_fast.heads.block import DEPTH_SCALE_FIELD, DFlashHead, draft_vocab_offsets
 from specdec_fast.heads.checkpoint import SAFETENSORS_NAME, read_safetensors
 from specdec_fast.progress import Progress
 from specdec_fast.trees import best_first_tree
@@ -203,14 +203,13 @@ def write_draft_vocab(folder: str | Path, draft_ids: Sequence[int]) -> None:
     folder = Path(folder)
     if not (folder / SAFETENSORS_NAME).is_file():
         raise ValueError(f"{folder}: a draft vocabulary is written into one {SAFETENSORS_NAME}")
-    ids = torch.as_tensor(list(draft_ids), dtype=torch.long)
-    state = read_safetensors(folder)
-    state["d2t"] = ids - torch.arange(len(ids))
-    save_file(state, str(folder / SAFETENSORS_NAME), metadata={"format": "pt"})
-    (folder / SAFETENSORS_NAME).chmod(0o644)
     path = folder / "config.json"
     config = json.loads(path.read_text())
-    config["draft_vocab_size"] = len(ids)
+    state = read_safetensors(folder)
+    state["d2t"] = draft_vocab_offsets(draft_ids, config["vocab_size"])
+    save_file(state, str(folder / SAFETENSORS_NAME), metadata={"format": "pt"})
+    (folder / SAFETENSORS_NAME).chmod(0o644)
+    config["draft_vocab_size"] = state["d2t"].numel()
     path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
 
 
