@@ -10,8 +10,9 @@ the opt-in ones follow by name in a second command.
                     forward, sampler, compaction, drafter and engine, the host's share, tokens/s
                     against plain decoding, eager operators and host reads per step; ours against
                     HF's peers
-    draft_loop      bench/bench_draft_loop.py: the 8B-shaped target with an EAGLE-3 and a DFlash
-                    head (random weights), the draft loop against the verify forward, and the
+    draft_loop      bench/bench_draft_loop.py: the 8B-shaped target with an EAGLE-3 head and a
+                    DFlash head, over the whole vocabulary and over a 32K draft vocabulary
+                    (random weights), the draft loop against the verify forward, and the
                     speed-up the bundled pair's tokens per step (the overhead part's) would give
     chains          opt-in: bench/bench_e2e_tiny.py over the block chains (DFlash's and PARD's
                     chains of 3 and 5 tokens from their one forward) on the bundled pair,
