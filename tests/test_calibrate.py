@@ -278,3 +278,52 @@ def test_the_command_gives_a_dflash_head_a_draft_vocabulary(tmp_path, monkeypatc
     pard = bundled_copy("tiny-code-pard", tmp_path)
     with pytest.raises(ValueError, match="only DFlash heads draft from a draft vocabulary"):
         run_command(["calibrate-block", "--drafter", str(pard), *argv[3:]])
+
+
+@pytest.mark.slow
+def test_a_published_head_takes_a_draft_vocabulary_from_text(tmp_path, capsys):
+    """`--vocab-text`: any DFlash head (here one without training_info.json, in sharded
+    safetensors as published checkpoints are) drafts from the most frequent target tokens of
+    a text; its `d2t` goes into a shard of its own, listed in the index."""
+    from safetensors.torch import save_file
+
+    from specdec_fast.heads.checkpoint import read_safetensors
+    from specdec_fast.loading import load_model, load_tokenizer
+
+    folder = bundled_copy("tiny-code-dflash", tmp_path)
+    (folder / "training_info.json").unlink()
+    state = read_safetensors(folder)
+    (folder / "model.safetensors").unlink()
+    keys = sorted(state)
+    shards = {
+        "model-00001-of-00002.safetensors": keys[:4],
+        "model-00002-of-00002.safetensors": keys[4:],
+    }
+    for name, names in shards.items():
+        save_file({key: state[key] for key in names}, str(folder / name))
+    weight_map = {key: name for name, names in shards.items() for key in names}
+    (folder / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    text = tmp_path / "answers.txt"
+    text.write_text("def add(a, b):\n    return a + b\n" * 30 + "import os\n" * 7)
+    tokenizer = load_tokenizer("tiny-code")
+    counts = np.bincount(tokenizer.encode(text.read_text(), add_special_tokens=False))
+    seen = int((counts > 0).sum())
+    prompts = tmp_path / "mine.jsonl"
+    prompts.write_text(json.dumps({"prompt": "def add(a, b):\n    return"}) + "\n")
+    argv = ["calibrate-block", "--drafter", str(folder), "--draft-vocab", str(seen + 3)]
+    argv += ["--vocab-text", str(text), "--prompts", str(prompts), "--nodes", "4"]
+    argv += ["--calibration-tokens", "12"]
+    assert run_command(argv) == 0
+    target = load_model("tiny-code", torch.device("cpu"))
+    ids = load_block_model(folder, target).draft_ids.tolist()
+    assert len(ids) == seen + 3 and set(ids[:seen]) == set(np.flatnonzero(counts).tolist())
+    assert counts[ids[0]] == counts.max()
+    assert ids[seen:] == [i for i in range(len(tokenizer)) if i >= len(counts) or not counts[i]][:3]
+    index = json.loads((folder / "model.safetensors.index.json").read_text())
+    assert index["weight_map"]["d2t"] == calibrate.DRAFT_VOCAB_SHARD
+    assert json.loads((folder / "config.json").read_text())["draft_vocab_size"] == seen + 3
+    assert "answers.txt" in capsys.readouterr().err  # its token count, as it goes
+    with pytest.raises(ValueError, match="give --draft-vocab"):
+        run_command([*argv[:3], "--vocab-text", str(text)])
+    with pytest.raises(ValueError, match="give --vocab-text FILE"):
+        run_command(argv[:5])

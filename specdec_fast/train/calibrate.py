@@ -26,10 +26,12 @@ folder of ours, the fit into `training_info.json` with the engine's acceptance r
 format instead (a target of your own, whose training prompts are not the bundled corpus'), and
 `--dry-run` reports the fit without writing.
 
-`--draft-vocab N` first gives a DFlash head of ours a draft vocabulary (`DFlashHead.draft_ids`):
-the N most frequent tokens of the stream it trained on (rebuilt from `--data-dir`, the training
-run's cache, or generated anew there), from which it then drafts, reading N rows of the target's
-LM head a step instead of all; the fit and the engine's acceptance are measured with it.
+`--draft-vocab N` first gives a DFlash head a draft vocabulary (`DFlashHead.draft_ids`), from
+which it then drafts, reading N rows of the target's LM head a step instead of all; the fit and
+the engine's acceptance are measured with it. The N tokens are the most frequent of the stream a
+head of ours trained on (rebuilt from `--data-dir`, the training run's cache, or generated anew
+there), or, for any head (a published one too), of text files in the target's tokens
+(`--vocab-text FILE`, repeatable: what the target writes, its answers or documents like them).
 """
 
 from __future__ import annotations
@@ -48,7 +50,7 @@ from safetensors.torch import save_file
 from specdec_fast.drafters.block import load_block_model
 from specdec_fast.drafters.pard import PardDraft
 from specdec_fast.heads.block import DEPTH_SCALE_FIELD, DFlashHead, draft_vocab_offsets
-from specdec_fast.heads.checkpoint import SAFETENSORS_NAME, read_safetensors
+from specdec_fast.heads.checkpoint import SAFETENSORS_INDEX, SAFETENSORS_NAME, read_safetensors
 from specdec_fast.progress import Progress
 from specdec_fast.trees import best_first_tree
 
@@ -69,6 +71,8 @@ CALIBRATION_NEW_TOKENS = 64
 ROWS_PER_BATCH = 4
 # What a draft vocabulary chosen here or by the training command is (training_info.json).
 DRAFT_VOCAB_SOURCE = "the most frequent tokens of its training stream"
+# The shard that holds a sharded checkpoint's `d2t` (`write_draft_vocab`).
+DRAFT_VOCAB_SHARD = "draft-vocab.safetensors"
 
 
 @dataclass(frozen=True)
@@ -197,20 +201,48 @@ def write_depth_scale(folder: str | Path, calibration: Calibration) -> None:
 
 
 def write_draft_vocab(folder: str | Path, draft_ids: Sequence[int]) -> None:
-    """Give the DFlash head saved in `folder` (one safetensors file) the draft vocabulary
-    `draft_ids` (`DFlashHead.set_draft_vocab`): `d2t` in its weights, `draft_vocab_size` in its
-    config; every other tensor and field as it was."""
+    """Give the DFlash head saved in `folder` the draft vocabulary `draft_ids`
+    (`DFlashHead.set_draft_vocab`): `d2t` in its weights (in its one safetensors file, or for a
+    sharded checkpoint in a shard of its own, `DRAFT_VOCAB_SHARD`, listed in the index),
+    `draft_vocab_size` in its config; every other tensor and field as it was."""
     folder = Path(folder)
-    if not (folder / SAFETENSORS_NAME).is_file():
-        raise ValueError(f"{folder}: a draft vocabulary is written into one {SAFETENSORS_NAME}")
     path = folder / "config.json"
     config = json.loads(path.read_text())
-    state = read_safetensors(folder)
-    state["d2t"] = draft_vocab_offsets(draft_ids, config["vocab_size"])
-    save_file(state, str(folder / SAFETENSORS_NAME), metadata={"format": "pt"})
-    (folder / SAFETENSORS_NAME).chmod(0o644)
-    config["draft_vocab_size"] = state["d2t"].numel()
+    d2t = draft_vocab_offsets(draft_ids, config["vocab_size"])
+    single, index = folder / SAFETENSORS_NAME, folder / SAFETENSORS_INDEX
+    if single.is_file():
+        state = {**read_safetensors(folder), "d2t": d2t}
+        save_file(state, str(single), metadata={"format": "pt"})
+        single.chmod(0o644)
+    elif index.is_file():
+        save_file({"d2t": d2t}, str(folder / DRAFT_VOCAB_SHARD), metadata={"format": "pt"})
+        (folder / DRAFT_VOCAB_SHARD).chmod(0o644)
+        listing = json.loads(index.read_text())
+        listing["weight_map"]["d2t"] = DRAFT_VOCAB_SHARD
+        index.write_text(json.dumps(listing, indent=2) + "\n")
+    else:
+        raise ValueError(f"{folder}: no {SAFETENSORS_NAME} nor {SAFETENSORS_INDEX}")
+    config["draft_vocab_size"] = d2t.numel()
     path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+
+
+def text_draft_vocab(target_dir, paths: Sequence[str | Path], size: int) -> list[int]:
+    """The `size` most frequent ids (`heads.frequent_tokens`) of UTF-8 text files in the
+    target's tokens (its tokenizer at `target_dir`, no special tokens)."""
+    from specdec_fast.loading import load_tokenizer as load_model_tokenizer
+
+    from .heads import frequent_tokens
+
+    tokenizer = load_model_tokenizer(str(target_dir))
+    counted = []
+    for path in paths:
+        ids = tokenizer.encode(Path(path).read_text(encoding="utf-8"), add_special_tokens=False)
+        print(f"{path}: {len(ids):,} tokens", file=sys.stderr, flush=True)
+        counted.append(np.asarray(ids, dtype=np.int64))
+    stream = np.concatenate(counted) if counted else np.zeros(0, dtype=np.int64)
+    if len(stream) == 0:
+        raise ValueError(f"--vocab-text: {list(map(str, paths))} hold no tokens")
+    return frequent_tokens(stream, size, len(tokenizer))
 
 
 def training_draft_vocab(info: dict, size: int, data_dir: str | Path) -> list[int]:
@@ -364,16 +396,24 @@ def _run_calibrate(args) -> int:
     trained = info["options"] if info is not None else {}
     chat = trained.get("data") == "chat"
     used = args.used if args.used is not None else trained.get("sequences", GeneratedData.count)
-    draft_ids = None
+    draft_ids, source = None, DRAFT_VOCAB_SOURCE
+    if args.vocab_text and args.draft_vocab is None:
+        raise ValueError("--vocab-text: the source of --draft-vocab's tokens; give --draft-vocab")
     if args.draft_vocab is not None:
-        if info is None:
-            raise ValueError(
-                f"--draft-vocab: {folder} has no training_info.json, which says what the head "
-                "trained on (the draft vocabulary is that stream's most frequent tokens)"
-            )
         if args.draft_vocab < 1:
             raise ValueError(f"--draft-vocab must be >= 1, got {args.draft_vocab}")
-        draft_ids = training_draft_vocab(info, args.draft_vocab, args.data_dir)
+        if args.vocab_text:
+            draft_ids = text_draft_vocab(target_dir, args.vocab_text, args.draft_vocab)
+            names = ", ".join(Path(path).name for path in args.vocab_text)
+            source = f"the most frequent tokens of {names}"
+        elif info is None:
+            raise ValueError(
+                f"--draft-vocab: {folder} has no training_info.json, which says what the head "
+                "trained on (the draft vocabulary is that stream's most frequent tokens); give "
+                "--vocab-text FILE to count a text's tokens instead"
+            )
+        else:
+            draft_ids = training_draft_vocab(info, args.draft_vocab, args.data_dir)
     calibration = calibrate_folder(
         folder,
         target,
@@ -391,7 +431,7 @@ def _run_calibrate(args) -> int:
     if info is not None and not args.dry_run:
         info["calibration"] = {**calibration.to_dict(), "command": command_line()}
         if draft_ids is not None:
-            info["draft_vocab"] = {"size": len(draft_ids), "source": DRAFT_VOCAB_SOURCE}
+            info["draft_vocab"] = {"size": len(draft_ids), "source": source}
         prompts = eval_prompts(info["target"], info["engine"]["prompts"], chat)
         info["engine"] = {**info["engine"], **engine_acceptance(folder, target, prompts)}
         info_path.write_text(json.dumps(info, indent=2, sort_keys=True) + "\n")
@@ -427,7 +467,14 @@ def register_calibrate_command(sub) -> None:
         type=int,
         metavar="N",
         help="dflash: draft from the N most frequent tokens of the head's training stream (its "
-        "training_info.json says which), rebuilt from --data-dir",
+        "training_info.json says which), rebuilt from --data-dir, or of --vocab-text",
+    )
+    parser.add_argument(
+        "--vocab-text",
+        action="append",
+        metavar="FILE",
+        help="--draft-vocab's tokens from this UTF-8 text (repeatable) in the target's tokens, "
+        "for any DFlash head (a published one too)",
     )
     parser.add_argument(
         "--data-dir", default="runs/data", help="the training run's cache (--draft-vocab)"
