@@ -476,6 +476,21 @@ def test_target_weights_are_cast_once_per_dtype_and_version():
     assert len(_CAST_COPIES) == held - 1
 
 
+def shard_weights(folder: Path, state: dict, first: int) -> None:
+    """Replace `folder`'s model.safetensors with two shards of `state` (the first `first` keys
+    in sorted order, then the rest) and their index, as a published sharded checkpoint."""
+    (folder / "model.safetensors").unlink()
+    keys = sorted(state)
+    shards = {
+        "model-00001-of-00002.safetensors": keys[:first],
+        "model-00002-of-00002.safetensors": keys[first:],
+    }
+    for name, names in shards.items():
+        save_file({key: state[key] for key in names}, str(folder / name))
+    weight_map = {key: name for name, names in shards.items() for key in names}
+    (folder / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+
+
 def test_dflash_defaults_and_sharded_weights(target, tmp_path):
     """Without `target_layer_ids` the reference's default layers are read; the last target
     layer's entry is the final normed state; a sharded safetensors checkpoint loads."""
@@ -490,16 +505,7 @@ def test_dflash_defaults_and_sharded_weights(target, tmp_path):
         num_hidden_layers=1,
         layer_types=["full_attention"],
     )
-    (tmp_path / "model.safetensors").unlink()
-    keys = sorted(state)
-    shards = {
-        "model-00001-of-00002.safetensors": keys[:3],
-        "model-00002-of-00002.safetensors": keys[3:],
-    }
-    for name, names in shards.items():
-        save_file({key: state[key] for key in names}, str(tmp_path / name))
-    weight_map = {key: name for name, names in shards.items() for key in names}
-    (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    shard_weights(tmp_path, state, 3)
     head = load_dflash_head(tmp_path, target)
     assert head.target_layers == (2,)
     last = dflash_head(target, target_layers=[1, 3])

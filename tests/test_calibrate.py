@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from test_block import BLOCK, MODELS, VOCAB, RecordingDrafter
+from test_block import BLOCK, MODELS, VOCAB, RecordingDrafter, shard_weights
 from tiny_models import repetitive_prompts, tiny_llama
 
 from specdec_fast import BlockDrafter, bundled, generate
@@ -285,24 +285,12 @@ def test_a_published_head_takes_a_draft_vocabulary_from_text(tmp_path, capsys):
     """`--vocab-text`: any DFlash head (here one without training_info.json, in sharded
     safetensors as published checkpoints are) drafts from the most frequent target tokens of
     a text; its `d2t` goes into a shard of its own, listed in the index."""
-    from safetensors.torch import save_file
-
     from specdec_fast.heads.checkpoint import read_safetensors
     from specdec_fast.loading import load_model, load_tokenizer
 
     folder = bundled_copy("tiny-code-dflash", tmp_path)
     (folder / "training_info.json").unlink()
-    state = read_safetensors(folder)
-    (folder / "model.safetensors").unlink()
-    keys = sorted(state)
-    shards = {
-        "model-00001-of-00002.safetensors": keys[:4],
-        "model-00002-of-00002.safetensors": keys[4:],
-    }
-    for name, names in shards.items():
-        save_file({key: state[key] for key in names}, str(folder / name))
-    weight_map = {key: name for name, names in shards.items() for key in names}
-    (folder / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    shard_weights(folder, read_safetensors(folder), 4)
     text = tmp_path / "answers.txt"
     text.write_text("def add(a, b):\n    return a + b\n" * 30 + "import os\n" * 7)
     tokenizer = load_tokenizer("tiny-code")
