@@ -226,9 +226,12 @@ def write_draft_vocab(folder: str | Path, draft_ids: Sequence[int]) -> None:
     path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
 
 
-def text_draft_vocab(target_dir, paths: Sequence[str | Path], size: int) -> list[int]:
-    """The `size` most frequent ids (`heads.frequent_tokens`) of UTF-8 text files in the
-    target's tokens (its tokenizer at `target_dir`, no special tokens)."""
+def text_draft_vocab(
+    target_dir, paths: Sequence[str | Path], size: int, vocab_size: int
+) -> list[int]:
+    """The `size` most frequent ids (`heads.frequent_tokens`) below `vocab_size` (the target's)
+    of UTF-8 text files in the target's tokens (its tokenizer at `target_dir`, no special
+    tokens)."""
     from specdec_fast.loading import load_tokenizer as load_model_tokenizer
 
     from .heads import frequent_tokens
@@ -240,9 +243,10 @@ def text_draft_vocab(target_dir, paths: Sequence[str | Path], size: int) -> list
         print(f"{path}: {len(ids):,} tokens", file=sys.stderr, flush=True)
         counted.append(np.asarray(ids, dtype=np.int64))
     stream = np.concatenate(counted) if counted else np.zeros(0, dtype=np.int64)
+    stream = stream[stream < vocab_size]
     if len(stream) == 0:
         raise ValueError(f"--vocab-text: {list(map(str, paths))} hold no tokens")
-    return frequent_tokens(stream, size, len(tokenizer))
+    return frequent_tokens(stream, size, vocab_size)
 
 
 def training_draft_vocab(info: dict, size: int, data_dir: str | Path) -> list[int]:
@@ -403,7 +407,8 @@ def _run_calibrate(args) -> int:
         if args.draft_vocab < 1:
             raise ValueError(f"--draft-vocab must be >= 1, got {args.draft_vocab}")
         if args.vocab_text:
-            draft_ids = text_draft_vocab(target_dir, args.vocab_text, args.draft_vocab)
+            vocab = target.config.get_text_config(decoder=True).vocab_size
+            draft_ids = text_draft_vocab(target_dir, args.vocab_text, args.draft_vocab, vocab)
             names = ", ".join(Path(path).name for path in args.vocab_text)
             source = f"the most frequent tokens of {names}"
         elif info is None:
