@@ -311,14 +311,14 @@ class DFlashHead(nn.Module):
                 f"{what}: mask_token_id {self.mask_token_id} is outside the target's "
                 f"{config.vocab_size} token ids"
             )
-        ids = self.draft_ids
-        if ids is not None and (
-            bool(((ids < 0) | (ids >= config.vocab_size)).any()) or ids.unique().numel() < len(ids)
-        ):
-            raise ValueError(
-                f"{what}: d2t maps draft ids outside the target's {config.vocab_size} token ids, "
-                "or two onto one"
-            )
+        if self.draft_ids is not None:
+            try:
+                draft_vocab_offsets(self.draft_ids, config.vocab_size)
+            except ValueError:
+                raise ValueError(
+                    f"{what}: d2t maps draft ids outside the target's {config.vocab_size} token "
+                    "ids, or two onto one"
+                ) from None
 
     def save_pretrained(self, folder: str | os.PathLike) -> None:
         """Write the public layout: `config.json` and `model.safetensors`."""
