@@ -1,6 +1,7 @@
 """The loopback server the serving tests share: uvicorn on a thread over an engine, the
 chat template and prompts they send, and the bound on every wait."""
 
+import json
 import threading
 import time
 
@@ -55,15 +56,7 @@ class Server:
         assert not self.thread.is_alive()
 
     def metric(self, name: str, **labels) -> float:
-        """The sum of the /metrics samples of `name` with these labels (0.0 when absent)."""
-        text = httpx.get(self.url + "/metrics", timeout=TIMEOUT_S).text
-        total = 0.0
-        for line in text.splitlines():
-            if line.startswith(name + "{") or line.startswith(name + " "):
-                head, value = line.rsplit(" ", 1)
-                if all(f'{key}="{val}"' in head for key, val in labels.items()):
-                    total += float(value)
-        return total
+        return metric(self.url, name, **labels)
 
     def decode_steps(self) -> dict[int, float]:
         """The server's decode steps so far, by batch size."""
@@ -116,6 +109,49 @@ def overload(server: Server) -> httpx.Response:
     assert time.monotonic() - started < TIMEOUT_S / 2
     assert waiting["reply"].status_code == 200
     return waiting["reply"]
+
+
+def metric(url: str, name: str, **labels) -> float:
+    """The sum of the /metrics samples of `name` with these labels (0.0 when absent) of the
+    server at `url`."""
+    text = httpx.get(url + "/metrics", timeout=TIMEOUT_S).text
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith(name + "{") or line.startswith(name + " "):
+            head, value = line.rsplit(" ", 1)
+            if all(f'{key}="{val}"' in head for key, val in labels.items()):
+                total += float(value)
+    return total
+
+
+def cut_at_stop_strings(url: str, expected: str, **body) -> None:
+    """A greedy request (`body`) whose output (`expected`) has a newline, with the stop string
+    "\\n", non-streamed then streamed: each response is the text before the newline and ends
+    with finish_reason "stop", and so do the server's counters (`vllm:request_success_total`),
+    though the server cancels the request in its scheduler, no client's "abort"."""
+    cut = expected[: expected.index("\n")]
+    body = {"max_tokens": 200, "temperature": 0, **body, "stop": ["\n"]}
+
+    def ended() -> dict[str, float]:
+        success = "vllm:request_success_total"
+        return {r: metric(url, success, finished_reason=r) for r in ("stop", "abort")}
+
+    before = ended()
+    with httpx.Client(timeout=TIMEOUT_S) as client:
+        reply = client.post(url + "/v1/completions", json=body).json()
+        assert reply["choices"][0]["text"] == cut
+        assert reply["choices"][0]["finish_reason"] == "stop"
+        streamed = {**body, "stream": True}
+        with client.stream("POST", url + "/v1/completions", json=streamed) as stream:
+            data = [line.removeprefix("data: ") for line in stream.iter_lines() if line]
+    assert data[-1] == "[DONE]"
+    choices = [json.loads(event)["choices"][0] for event in data[:-1]]
+    assert "".join(c["text"] for c in choices) == cut and choices[-1]["finish_reason"] == "stop"
+    deadline = time.monotonic() + TIMEOUT_S
+    while ended()["stop"] < before["stop"] + 2:
+        assert time.monotonic() < deadline, (before, ended())
+        time.sleep(0.05)
+    assert ended() == {"stop": before["stop"] + 2, "abort": before["abort"]}
 
 
 def greedy_reference():

@@ -14,7 +14,16 @@ import time
 import httpx
 import openai
 import pytest
-from loopback import LONG_STREAM, PROMPTS, TEMPLATE, TIMEOUT_S, Server, greedy_reference, overload
+from loopback import (
+    LONG_STREAM,
+    PROMPTS,
+    TEMPLATE,
+    TIMEOUT_S,
+    Server,
+    cut_at_stop_strings,
+    greedy_reference,
+    overload,
+)
 
 from specdec_fast import bundled
 from specdec_fast.cli import main
@@ -74,6 +83,16 @@ def test_the_child_serves_concurrent_streams_equal_to_generate(server, reference
     assert any(count > 0 for batch, count in steps.items() if batch >= 6)
     assert server.metric("vllm:spec_decode_num_accepted_tokens_total", route="default") > 0
     assert server.metric("vllm:request_success_total", route="default") >= 12
+
+
+def test_a_stop_strings_end_crosses_the_pipe_as_a_stop(server, reference):
+    """The server's cancellation at a stop string reaches the child with its reason. On a shadow
+    route the served request's end cancels its copy, and the pair compares nothing (the served
+    tokens stop short of the copy's)."""
+    cut_at_stop_strings(
+        server.url, reference(PROMPTS[1], None, 24), prompt=PROMPTS[1], model="shadowed"
+    )
+    assert server.metric("specdec_shadow_mismatches_total", route="shadowed") == 0.0
 
 
 def test_chat_models_routes_and_shadow_copies_cross_the_pipe(server, reference):

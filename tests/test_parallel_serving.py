@@ -22,6 +22,7 @@ import httpx
 import openai
 import pytest
 import torch
+from loopback import cut_at_stop_strings
 from tensor_parallel_ranks import free_port
 
 from specdec_fast import bundled, generate
@@ -161,6 +162,18 @@ def test_greedy_outputs_of_every_route_are_one_process_generates(server, client,
     for route in ("default", "draft"):  # `tiny-code`, the model's name, is the default route
         drafts = counter(server, "vllm:spec_decode_num_draft_tokens_total", f'route="{route}"')
         assert drafts > 0, route
+
+
+def test_a_stop_strings_end_is_a_stop_on_every_rank(server):
+    """Rank 0's server cancels a request at its stop string, and the plan carries the reason to
+    every rank: the responses and the counters say "stop"."""
+    model = load_model("tiny-code", torch.device("cpu"))
+    tokenizer = load_tokenizer("tiny-code")
+    prompt = PROMPT + "\n    "  # its greedy answer is a comment line, then a newline
+    ids = encode_prompt(tokenizer, prompt, chat=False)
+    out = generate(model, [ids], drafter=None, max_new_tokens=24, eos_token_id=[], compile=False)
+    expected = decode(tokenizer, out.sequences[0][len(ids) :].tolist())
+    cut_at_stop_strings(server.url, expected, prompt=prompt, model="draft")
 
 
 def test_a_seeded_sampled_request_draws_what_one_process_draws(client, reference):

@@ -16,7 +16,16 @@ import httpx
 import openai
 import pytest
 import torch
-from loopback import LONG_STREAM, PROMPTS, TEMPLATE, TIMEOUT_S, Server, greedy_reference, overload
+from loopback import (
+    LONG_STREAM,
+    PROMPTS,
+    TEMPLATE,
+    TIMEOUT_S,
+    Server,
+    cut_at_stop_strings,
+    greedy_reference,
+    overload,
+)
 
 from specdec_fast import bundled
 from specdec_fast.cli import main
@@ -276,14 +285,7 @@ def test_overload_gets_429_a_disconnect_frees_the_slot_and_a_stop_503(reference)
 
 def test_stop_strings_token_prompts_and_ignore_eos(server, reference):
     expected, _ = reference(prompt=PROMPTS[1], max_tokens=24)
-    assert "\n" in expected
-    reply = httpx.post(
-        server.url + "/v1/completions",
-        json={"prompt": PROMPTS[1], "max_tokens": 24, "temperature": 0, "stop": ["\n"]},
-        timeout=TIMEOUT_S,
-    ).json()
-    assert reply["choices"][0]["text"] == expected[: expected.index("\n")]
-    assert reply["choices"][0]["finish_reason"] == "stop"
+    cut_at_stop_strings(server.url, expected, prompt=PROMPTS[1])
     tokenizer = server.engine.tokenizer
     ids = encode_prompt(tokenizer, PROMPTS[1], chat=False)
     reply = httpx.post(

@@ -37,6 +37,7 @@ from functools import partial
 from specdec_fast.guardrails import Guardrails
 from specdec_fast.serving.routes import RouteConfig, RouteTable
 from specdec_fast.serving.scheduler import (
+    CANCELLED,
     FAILED,
     Completion,
     QueueFull,
@@ -226,11 +227,11 @@ class ProcessEngine:
             raise SchedulerStopped(f"the engine process is not serving: {error}") from None
         return await future
 
-    def cancel(self, key: int) -> None:
+    def cancel(self, key: int, reason: str = CANCELLED) -> None:
         """Cancel the request (`_RemoteHandle.cancel`); nothing if the child is gone."""
         if self.stopped is None:
             with contextlib.suppress(OSError):
-                self._send(("cancel", key))
+                self._send(("cancel", key, reason))
 
     def _read(self) -> None:
         """The reader thread: answers to calls go to their futures, events to the requests'
@@ -279,8 +280,8 @@ class _RemoteHandle:
     def __init__(self, engine: ProcessEngine, key: int):
         self.engine, self.key = engine, key
 
-    def cancel(self) -> None:
-        self.engine.cancel(self.key)
+    def cancel(self, reason: str = CANCELLED) -> None:
+        self.engine.cancel(self.key, reason)
 
 
 def _settle(future: asyncio.Future, value) -> None:
@@ -371,9 +372,10 @@ def _child(conn, config: EngineConfig) -> None:
 
     def serve(kind: str, args: list) -> None:
         if kind == "cancel":
-            handle = handles.get(args[0])
+            key, reason = args
+            handle = handles.get(key)
             if handle is not None:
-                handle.cancel()
+                handle.cancel(reason)
             return
         call, *args = args
         if kind == "submit":

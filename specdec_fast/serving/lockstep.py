@@ -44,14 +44,14 @@ class Plan:
     """What rank 0 decided since the last step, for every rank to apply before the next.
 
     submitted: (key, request) for each request submitted, in queue order: the scheduler's
-        `Request` without its callbacks and with its seed drawn. cancelled: keys of the requests
-        cancelled. regressed: routes whose shadow copies caught a quality regression (one
+        `Request` without its callbacks and with its seed drawn. cancelled: (key, reason) of each
+        request cancelled. regressed: routes whose shadow copies caught a quality regression (one
         entry each). check: compare digests of the requests finished since the last check.
     stop: the scheduler closes; the other ranks leave `Scheduler.follow`.
     """
 
     submitted: list[tuple[int, object]] = field(default_factory=list)
-    cancelled: list[int] = field(default_factory=list)
+    cancelled: list[tuple[int, str]] = field(default_factory=list)
     regressed: list[str] = field(default_factory=list)
     check: bool = False
     stop: bool = False
@@ -73,7 +73,7 @@ class Lockstep:
         self.stopped = False  # a plan stopped the schedulers
         self._lock = threading.Lock()
         self._rows: list = []  # rank 0: rows submitted since the last exchange
-        self._cancelled: list[int] = []
+        self._cancelled: list[tuple[int, str]] = []
         self._regressed: list[str] = []
         self._finished: list[torch.Tensor] = []  # int64 [1 + tokens]: key, then the tokens
         self._keys = itertools.count()
@@ -90,10 +90,11 @@ class Lockstep:
             row.handle.key = next(self._keys)
             self._rows.append(row)
 
-    def cancel(self, key: int) -> None:
-        """Rank 0: cancel the request `key` on every rank at the next exchange."""
+    def cancel(self, key: int, reason: str) -> None:
+        """Rank 0: cancel the request `key` (finish reason `reason`) on every rank at the next
+        exchange."""
         with self._lock:
-            self._cancelled.append(key)
+            self._cancelled.append((key, reason))
 
     def regressed(self, route: str) -> None:
         """Rank 0: a quality regression for `route`'s guard, recorded on every rank at the next
@@ -125,10 +126,10 @@ class Lockstep:
             rows = [make_row(request, key) for key, request in plan.submitted]
         for row in rows:
             self.handles[row.handle.key] = row.handle
-        for key in plan.cancelled:
+        for key, reason in plan.cancelled:
             handle = self.handles.get(key)
             if handle is not None:  # else it ended before the cancellation reached the plan
-                handle.cancelled = True
+                handle.mark_cancelled(reason)
         if plan.check:
             sequences, self._finished = self._finished, []
             check_agreement(sequences, self.device)

@@ -50,7 +50,13 @@ NEUTRAL = {
     "functions": (None, []),
     "suffix": (None, ""),
 }
-FINISH_REASONS = {"eos": "stop", "stop": "stop", "length": "length", "cache": "length"}
+FINISH_REASONS = {
+    "eos": "stop",
+    "stop": "stop",
+    "stop_string": "stop",  # the scheduler's STOP_STRING: the text reached a stop string
+    "length": "length",
+    "cache": "length",
+}
 
 
 @dataclass

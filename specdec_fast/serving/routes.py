@@ -36,7 +36,7 @@ from specdec_fast.drafters.registry import DrafterSpec
 from specdec_fast.guardrails import DEFAULT_ROUTE
 from specdec_fast.serving.errors import RequestError
 from specdec_fast.serving.scheduler import (
-    CANCELLED,
+    CANCEL_REASONS,
     FAILED,
     Completion,
     Handle,
@@ -263,7 +263,7 @@ class Router(RouteTable):
             with self._lock:
                 pair.completions[side] = completion
                 both = len(pair.completions) == 2
-            ended = side == "served" and completion.finish_reason in (CANCELLED, FAILED)
+            ended = side == "served" and completion.finish_reason in (*CANCEL_REASONS, FAILED)
             if ended and pair.shadow is not None:
                 pair.shadow.cancel()
             if both:
@@ -302,7 +302,7 @@ class Router(RouteTable):
 
     def _compare(self, route: str, pair: _Pair) -> None:
         served, shadow = pair.completions["served"], pair.completions["shadow"]
-        if {served.finish_reason, shadow.finish_reason} & {CANCELLED, FAILED}:
+        if {served.finish_reason, shadow.finish_reason} & {*CANCEL_REASONS, FAILED}:
             return
         counters = self.shadow[route]
         counters.requests += 1

@@ -84,8 +84,12 @@ from specdec_fast.step import (
 from specdec_fast.transfer import to_device
 
 PREFILL_CHUNK = 256
-# Reasons a request ends besides its stop rule's ("eos", "stop", "length"), "cache" and FAILED.
+# Reasons a request ends besides its stop rule's ("eos", "stop", "length"), "cache" and FAILED:
+# cancelled by its caller (a client gone, a drain's deadline), or by the server when its text
+# reached one of the request's stop strings (matched on the text, `protocol.TextStream`).
 CANCELLED = "cancelled"
+STOP_STRING = "stop_string"
+CANCEL_REASONS = (CANCELLED, STOP_STRING)
 
 
 class QueueFull(RuntimeError):
@@ -129,7 +133,8 @@ class Completion:
     """How a request ended.
 
     tokens: the generated tokens (stops included). finish_reason: "eos", "stop", "length",
-    "cache" (the slot's KV capacity), "cancelled" or "error" (then `error` says why).
+    "cache" (the slot's KV capacity), "cancelled", "stop_string" (cancelled when the server's
+    text reached a stop string) or "error" (then `error` says why).
     stats: the request's `SequenceStats`, TTFT measured from its arrival (queueing included).
     speculated: whether a drafter drafted for it at some step.
     arrival, admitted, finished: `time.perf_counter()` at submission, at the start of its
@@ -155,13 +160,24 @@ class Handle:
         self.completion: Completion | None = None
         self.done = threading.Event()
         self._scheduler = scheduler
-        self.cancelled = False
+        self.cancel_reason: str | None = None
         self.key: int | None = None  # under tensor parallelism, its key on every rank
 
-    def cancel(self) -> None:
-        """End the request (finish reason "cancelled") and free its slot before the next step;
-        a request that already ended is left as it is."""
-        self._scheduler.cancel(self)
+    @property
+    def cancelled(self) -> bool:
+        return self.cancel_reason is not None
+
+    def cancel(self, reason: str = CANCELLED) -> None:
+        """End the request (finish reason `reason`, one of `CANCEL_REASONS`) and free its slot
+        before the next step; a request that already ended, or was cancelled before, is left as
+        it is."""
+        self._scheduler.cancel(self, reason)
+
+    def mark_cancelled(self, reason: str) -> None:
+        """The scheduler's side of `cancel`: its next step ends the request with `reason` (the
+        first reason given stands)."""
+        if self.cancel_reason is None:
+            self.cancel_reason = reason
 
     def wait(self, timeout: float | None = None) -> Completion | None:
         self.done.wait(timeout)
@@ -535,12 +551,14 @@ class Scheduler:
         handle.key = key
         return _Row(handle, prompt, sampling, rule, time.perf_counter())
 
-    def cancel(self, handle: Handle) -> None:
-        """`handle.cancel()`: under tensor parallelism on every rank at the next step."""
+    def cancel(self, handle: Handle, reason: str = CANCELLED) -> None:
+        """`handle.cancel(reason)`: under tensor parallelism on every rank at the next step."""
+        if reason not in CANCEL_REASONS:
+            raise ValueError(f"reason: expected one of {CANCEL_REASONS}, got {reason!r}")
         if self._lockstep is None:
-            handle.cancelled = True
+            handle.mark_cancelled(reason)
         else:
-            self._lockstep.cancel(handle.key)
+            self._lockstep.cancel(handle.key, reason)
         self.wake()
 
     def record_quality_regression(self, route: str) -> None:
@@ -793,7 +811,10 @@ class Scheduler:
     # -- the decode step ---------------------------------------------------------------------
 
     def _reset_batch(self) -> None:
-        self.batch = Batch(self.device, self.max_cache_len, self.max_nodes)
+        # Its slots (the capacity and a tree) are the storage's: a request's prompt and tokens
+        # fit the context, so no row stops for its cache.
+        capacity = self.max_cache_len - self.max_nodes + 1
+        self.batch = Batch(self.device, capacity, self.max_nodes)
 
     def _decode(self) -> None:
         """One decode step: the one queued by the step before (read-ahead), or a new one; the
@@ -892,13 +913,13 @@ class Scheduler:
             for row in cancelled:
                 self._waiting.remove(row)
         for row in cancelled:
-            self._finish(row, CANCELLED)
+            self._finish(row, row.handle.cancel_reason)
         leaving = [p for p, row in enumerate(self.rows) if row.handle.cancelled]
         if leaving and self._queued is not None:
             self._read_queued()  # rows may leave with it: their positions change
             leaving = [p for p, row in enumerate(self.rows) if row.handle.cancelled]
         for p in leaving:
-            self.rows[p].stats.finish_reason = CANCELLED
+            self.rows[p].stats.finish_reason = self.rows[p].handle.cancel_reason
         self._drop(leaving)
 
     def _abort(self, reason: str, error: str | None = None) -> None:

@@ -63,7 +63,13 @@ from specdec_fast.serving.protocol import (
     usage,
 )
 from specdec_fast.serving.routes import ROUTE_HEADER
-from specdec_fast.serving.scheduler import FAILED, Completion, QueueFull, SchedulerStopped
+from specdec_fast.serving.scheduler import (
+    FAILED,
+    STOP_STRING,
+    Completion,
+    QueueFull,
+    SchedulerStopped,
+)
 from specdec_fast.serving.scheduler import Request as SchedulerRequest
 from specdec_fast.serving.service import Service
 from specdec_fast.serving.shutdown import Drain, log_to_stderr, logger, run_server
@@ -350,7 +356,7 @@ async def _collect(events: _Events, handle, text: TextStream) -> Completion | No
             return item
         text.push(item)
         if text.stopped:
-            handle.cancel()
+            handle.cancel(STOP_STRING)
             return None
 
 
@@ -385,6 +391,7 @@ async def _stream(
             if delta or (params.continuous_usage and completion is None and not text.stopped):
                 yield sse(chunk(kind, request_id, model, delta, usage_=running_usage()))
             if text.stopped:
+                handle.cancel(STOP_STRING)
                 break
         if completion is not None and completion.finish_reason == FAILED:
             failure = error_body(completion.error or "generation failed", "server_error")
