@@ -9,13 +9,16 @@ passes or fails alike on every device and through either entry point.
 Limits checked here:
 - every prompt token in `[0, vocab_size)`;
 - positions: the KV capacity per sequence (`max_cache_len`, by default the longest prompt plus
-  `max_new_tokens` plus one tree) is at most the model's `max_position_embeddings`, when the
-  config has one: a default capacity is cut to it (a row that reaches it finishes with reason
-  "cache"), an explicit one beyond it is refused, and so is a prompt that leaves no room for a
-  tree below it;
-- memory: the KV cache the call would allocate (layers x 2 x B x Hkv x capacity rounded up to
-  `CACHE_BLOCK` x D x element size) must fit the device's total memory (the GPU's for CUDA, the
-  machine's physical memory for the CPU); the error gives both byte counts.
+  `max_new_tokens`) is at most the model's `max_position_embeddings`, when the config has one:
+  a default capacity is cut to it (a row that reaches it finishes with reason "cache", after
+  the tokens plain decoding gives it), an explicit one beyond it is refused, and so is a prompt
+  longer than the capacity. The storage holds one tree beyond the capacity: a tree verified
+  near it writes its nodes there, and those past the capacity are never kept, so that every
+  drafter stops where plain decoding does, with the same tokens;
+- memory: the KV cache the call would allocate (layers x 2 x B x Hkv x the capacity and a
+  tree, rounded up to `CACHE_BLOCK`, x D x element size) must fit the device's total memory
+  (the GPU's for CUDA, the machine's physical memory for the CPU); the error gives both byte
+  counts.
 """
 
 from __future__ import annotations
@@ -41,7 +44,7 @@ CACHE_BLOCK = 256
 class Arguments:
     """`generate`'s arguments after validation: the unpadded prompts, per-row sampling
     parameters, the stop rule, the KV capacity per sequence, the storage allocated for it
-    (`capacity` rounded up to `CACHE_BLOCK`) and the nodes of the largest tree."""
+    (`capacity` and one tree, rounded up to `CACHE_BLOCK`) and the nodes of the largest tree."""
 
     prompts: list[list[int]]
     sampling: Sampling
@@ -326,7 +329,7 @@ def _capacity(
             f"max_position_embeddings = {max_positions}"
         )
     if max_cache_len is None:
-        capacity = longest + max_new_tokens + max_nodes
+        capacity = longest + max_new_tokens
         if max_positions is not None:
             capacity = min(capacity, max_positions)
     else:
@@ -340,18 +343,11 @@ def _capacity(
         if max_cache_len < 1:
             raise ValueError(f"max_cache_len: expected an int >= 1, got {max_cache_len}")
         capacity = int(max_cache_len)
-    if max_new_tokens > 0 and longest - 1 + max_nodes > capacity:
-        name = "max_cache_len" if max_cache_len is not None else "input_ids"
-        limit = (
-            f"max_cache_len = {capacity}"
-            if max_cache_len is not None
-            else f"max_position_embeddings = {max_positions}"
-        )
+    if max_new_tokens > 0 and longest > capacity:
         raise ValueError(
-            f"{name}: {limit} cannot hold the longest prompt ({longest} tokens) plus a tree of "
-            f"{max_nodes} nodes"
+            f"max_cache_len: {capacity} cannot hold the longest prompt ({longest} tokens)"
         )
-    storage = -(-capacity // CACHE_BLOCK) * CACHE_BLOCK
+    storage = -(-(capacity + max_nodes - 1) // CACHE_BLOCK) * CACHE_BLOCK
     if max_new_tokens > 0:
         shape = kv_shape(model.config, len(prompts), storage, model_shards(model))
         needed = int(np.prod(shape, dtype=object)) * model.dtype.itemsize

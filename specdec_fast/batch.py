@@ -175,8 +175,10 @@ class Batch:
 
     Args:
         device: the model's device.
-        capacity: the KV capacity per sequence; a row stops with reason "cache" when the next
-            tree of `max_nodes` nodes would not fit.
+        capacity: the KV capacity per sequence: a row stops with reason "cache" once it has
+            cached `capacity` tokens, its last step's tokens cut there, so that it emits what
+            plain decoding would (a tree verified near the capacity writes beyond it, into
+            the `slots` of the storage).
         max_nodes: the nodes of the widest tree a step may verify (the verify width may pad it).
     """
 
@@ -197,6 +199,12 @@ class Batch:
 
     def __len__(self) -> int:
         return len(self.rows)
+
+    @property
+    def slots(self) -> int:
+        """The KV slots a row's steps may write: its capacity and one tree beyond it (a row
+        that has room for its root verifies a whole tree)."""
+        return self.capacity + self.max_nodes - 1
 
     @property
     def most_cached(self) -> int:
@@ -301,9 +309,12 @@ class Batch:
                 finished.append(r)
                 continue
             accepted = host.num_accepted[r]
-            taken, reason = row.rule.take(row.generated, [*host.paths[r], host.next_tokens[r]])
-            row.cached += accepted + 1
-            if reason is None and row.cached + self.max_nodes > self.capacity:
+            # A tree's nodes past the capacity were verified in the slots beyond it: cut there.
+            room = self.capacity - row.cached
+            made = [*host.paths[r], host.next_tokens[r]][:room]
+            taken, reason = row.rule.take(row.generated, made)
+            row.cached += min(accepted + 1, room)
+            if reason is None and row.cached >= self.capacity:
                 reason = "cache"
             row.stats.record_step(host.depths[r], host.drafted[r], accepted)
             row.stats.record_emission(len(taken), now, row.start)

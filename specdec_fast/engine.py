@@ -112,9 +112,10 @@ def generate(
             and matches where the generated tokens contain exactly those tokens (text that
             tokenizes differently in context does not match); without a tokenizer a string is
             refused.
-        max_cache_len: KV capacity per sequence; default: longest prompt + max_new_tokens + the
-            tree size, at most the model's `max_position_embeddings`. A sequence whose cache
-            fills up stops with finish reason "cache".
+        max_cache_len: KV capacity per sequence; default: longest prompt + max_new_tokens, at
+            most the model's `max_position_embeddings`. A sequence whose cache fills up stops
+            with finish reason "cache", with the tokens plain decoding gives it (the storage
+            holds one tree more, whose nodes past the capacity are never kept).
         tokenizer: the model's tokenizer, for string stops.
         on_tokens: called as `on_tokens(sequence_index, new_tokens)` whenever tokens are accepted
             (streaming); ITL statistics are measured at these moments.
@@ -244,7 +245,7 @@ def _decode(
     its cache; rows that stop leave after the queued step is read."""
     if drafter is not None:
         with compile_choice(compile), graphs.choice(runner.use_cuda_graphs):
-            drafter.attach(runner.model, batch.capacity)
+            drafter.attach(runner.model, batch.slots)
         runner.capture_hidden(drafter.hidden_layers)
     vocab = runner.model.config.get_text_config(decoder=True).vocab_size
     ids, mask = _pad_prompts([row.tokens for row in rows], runner.device)

@@ -188,9 +188,11 @@ def queue_behind(
     the second is read (`Batch.emit` drops what it made for them)."""
     if not launched.updated:
         return None
-    # The most tokens a row commits at `launched`: a tree's path and the next token.
+    # The most tokens a row commits at `launched`: a tree's path and the next token. A row that
+    # may reach its capacity there may stop; one that does not has room for its root, and a
+    # queued tree fits the slots beyond it.
     commits = batch.max_nodes if any(lane.rows for lane in lanes) else 1
-    if batch.most_cached + commits + batch.max_nodes > batch.capacity:
+    if batch.most_cached + commits >= batch.capacity:
         return None
     # A row whose logits were unusable has root -1 (the verify kernel's mark), which the
     # queued step must not embed; what it makes for that row is dropped with it.

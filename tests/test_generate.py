@@ -91,6 +91,28 @@ def test_greedy_equals_hf_generate(target, draft, name, lengths):
     assert out.stats.new_tokens == NEW_TOKENS * len(lengths)
 
 
+@pytest.mark.parametrize("name", [*DRAFTERS, "oracle"])
+def test_a_full_cache_stops_every_drafter_where_plain_decoding_stops(target, draft, name):
+    """With `max_cache_len` below what the rows need, each row stops for its cache with plain
+    decoding's tokens, reading every step or reading ahead: the trees verified near the
+    capacity write into the storage's slots for one tree beyond it and are cut at it. The
+    oracle's 15-token chains are accepted whole, so that its steps cross the capacity."""
+    prompts = repetitive_prompts([10, 23, 17], VOCAB, seed=5)
+    ahead = generate(target, prompts, drafter=None, max_new_tokens=48, eos_token_id=[])
+    full = [s.tolist() for s in ahead.sequences]
+    capped = {"max_new_tokens": 48, "max_cache_len": 40, "eos_token_id": []}
+    want = generate(target, prompts, drafter=None, **capped)
+    assert [s.finish_reason for s in want.stats.sequences] == ["cache"] * 3
+    for read_ahead in (False, True):
+        if name == "oracle":
+            drafter = OracleChain(lambda t: next(f[len(t) :] for f in full if f[: len(t)] == t), 16)
+        else:
+            drafter = DRAFTERS[name](draft)
+        out = generate(target, prompts, drafter=drafter, read_ahead=read_ahead, **capped)
+        assert [s.tolist() for s in out.sequences] == [s.tolist() for s in want.sequences]
+        assert [s.finish_reason for s in out.stats.sequences] == ["cache"] * 3
+
+
 def test_padded_tensor_input_equals_list_input(target):
     prompts = repetitive_prompts([4, 11, 7], VOCAB, seed=3)
     width = max(map(len, prompts))

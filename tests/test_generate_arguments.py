@@ -55,6 +55,11 @@ class TooWide(Drafter):
             ValueError,
             r"max_cache_len: expected at most the model's max_position_embeddings = 512",
         ),
+        (
+            {"max_cache_len": 6},
+            ValueError,
+            r"max_cache_len: 6 cannot hold the longest prompt \(7 tokens\)",
+        ),
         ({"seed": "7"}, TypeError, r"seed: expected an int"),
         ({"seed": [1, 2]}, ValueError, r"seed: expected a scalar or 1 values, got 2"),
         (
@@ -107,6 +112,15 @@ def test_a_long_default_cache_is_cut_to_the_positions(target):
     assert out.stats.sequences[0].finish_reason == "cache"
     # Every token the model was fed sat at a position < 512; the last one emitted is not fed.
     assert len(out.sequences[0]) == 512 + 1
+    # A drafter's trees near the last position are cut there: the same tokens. A prompt that
+    # leaves room for fewer nodes than a tree is taken as plain decoding takes it.
+    lookup = generate(
+        target, [PROMPT], drafter=NGramDrafter(16), max_new_tokens=10**9, eos_token_id=[]
+    )
+    assert lookup.sequences[0].tolist() == out.sequences[0].tolist()
+    long = out.sequences[0].tolist()[:510]
+    tail = generate(target, [long], drafter=NGramDrafter(16), max_new_tokens=8, eos_token_id=[])
+    assert tail.sequences[0].tolist() == out.sequences[0].tolist()
 
 
 def test_any_int_seed_is_hashed(target):

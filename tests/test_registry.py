@@ -65,6 +65,10 @@ def prompts():
     return repetitive_prompts([13, 7], VOCAB, seed=3)
 
 
+# A capacity below what the prompts and their 24 new tokens take: rows stop for their cache.
+CAPPED = 22
+
+
 @pytest.fixture(scope="module")
 def plain(target, prompts):
     with torch.no_grad():
@@ -72,9 +76,22 @@ def plain(target, prompts):
     return [s.tolist() for s in out.sequences]
 
 
+@pytest.fixture(scope="module")
+def capped(target, prompts):
+    with torch.no_grad():
+        out = generate(target, prompts, drafter=None, max_new_tokens=24, max_cache_len=CAPPED)
+    assert [s.finish_reason for s in out.stats.sequences] == ["cache", "cache"]
+    return [s.tolist() for s in out.sequences]
+
+
 @pytest.mark.parametrize("kind", list(REGISTRY))
 @pytest.mark.parametrize("sized", [False, True], ids=["default-size", "size-5"])
-def test_every_kind_parses_builds_and_is_exact(kind, sized, target, prompts, plain, tmp_path):
+def test_every_kind_parses_builds_and_is_exact(
+    kind, sized, target, prompts, plain, capped, tmp_path
+):
+    """Greedy, each kind's output is plain decoding's, and so it is where the rows stop for
+    their cache: trees verified near the capacity write into the storage beyond it (the
+    drafter's own caches too) and are cut at it."""
     info = REGISTRY[kind]
     text = kind
     if info.load is not None:
@@ -93,6 +110,9 @@ def test_every_kind_parses_builds_and_is_exact(kind, sized, target, prompts, pla
         out = generate(target, prompts, drafter=drafter, max_new_tokens=24)
     assert [s.tolist() for s in out.sequences] == plain
     assert out.stats.drafted_tokens > 0
+    with torch.no_grad():
+        out = generate(target, prompts, drafter=drafter, max_new_tokens=24, max_cache_len=CAPPED)
+    assert [s.tolist() for s in out.sequences] == capped
 
 
 def test_a_budget_is_the_same_tree_for_every_static_kind(target, tmp_path):
