@@ -30,7 +30,7 @@ from specdec_fast.arguments import check_generate_arguments
 from specdec_fast.batch import SAMPLING_FIELDS, Batch, Row, TokenCallback, UnusableLogits
 from specdec_fast.cache import model_shards
 from specdec_fast.compiled import COMPILE_LOG, compile_choice
-from specdec_fast.drafters.base import Drafter
+from specdec_fast.drafters.base import Drafter, fallbacks
 from specdec_fast.parallel import check_agreement, check_tensor_parallel
 from specdec_fast.requests import Sampling
 from specdec_fast.runner import ModelRunner
@@ -218,6 +218,8 @@ def generate(
                     drafter.end()
             finally:
                 runner.close()
+        if drafter is not None:
+            stats.fallbacks = fallbacks(drafter)
         if model.device.type == "cuda":
             stats.peak_memory_bytes = torch.cuda.max_memory_allocated(model.device)
     stats.wall_time = time.perf_counter() - start

@@ -415,6 +415,12 @@ class GuardedDrafter(WrappedDrafter):
     def reads_ahead(self) -> bool:
         return reads_ahead(self.inner)
 
+    @property
+    def fallbacks(self) -> int:
+        """Its `events` of the current or last call (`generate` reports them in
+        `stats.fallbacks`)."""
+        return len(self.events)
+
     def _fail(self, where: str, error: Exception, record: bool = True) -> None:
         """Stop drafting for this request; `record` an error step on the route's window."""
         self.events.append(f"drafter error in {where}: {type(error).__name__}: {error}")
@@ -541,12 +547,3 @@ class GuardedDrafter(WrappedDrafter):
     def __repr__(self) -> str:
         route = None if self.guard is None else self.guard.name
         return f"GuardedDrafter({self.inner!r}, route={route!r})"
-
-
-def guarded_generate(model, input_ids, *, drafter: GuardedDrafter, **kwargs):
-    """`specdec_fast.generate` with a guarded drafter; `stats.fallbacks` counts its events."""
-    from specdec_fast.engine import generate
-
-    out = generate(model, input_ids, drafter=drafter, **kwargs)
-    out.stats.fallbacks = len(drafter.events)
-    return out

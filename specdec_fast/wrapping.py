@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from specdec_fast.drafters.base import Drafter, DraftState, Proposal, StepOutcome
+from specdec_fast.drafters.base import Drafter, DraftState, Proposal, StepOutcome, fallbacks
 
 
 def trim_proposal(proposal: Proposal, num_nodes: int) -> Proposal:
@@ -71,6 +71,10 @@ class WrappedDrafter(Drafter):
     @property
     def hidden_layers(self) -> tuple[int, ...]:
         return tuple(getattr(self.inner, "hidden_layers", ()))
+
+    @property
+    def fallbacks(self) -> int:
+        return fallbacks(self.inner)
 
     @property
     def proposals_valid(self) -> bool:

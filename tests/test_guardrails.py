@@ -14,8 +14,8 @@ from specdec_fast.guardrails import (
     GuardrailPolicy,
     Guardrails,
     RouteGuard,
-    guarded_generate,
 )
+from specdec_fast.wrapping import WrappedDrafter
 
 VOCAB = 96
 NEW_TOKENS = 40
@@ -130,7 +130,7 @@ class CollapsingOracle(Drafter):
 
 def run(target, prompts, drafter, new_tokens=NEW_TOKENS):
     with torch.no_grad():
-        out = guarded_generate(target, prompts, drafter=drafter, max_new_tokens=new_tokens)
+        out = generate(target, prompts, drafter=drafter, max_new_tokens=new_tokens)
     return [s.tolist() for s in out.sequences], out.stats
 
 
@@ -262,6 +262,11 @@ def test_drafter_error_falls_back_with_identical_output(target, prompts, plain, 
     assert len(drafter.events) == 1 and "drafter error" in drafter.events[0]
     assert stats.fallbacks == 1
     assert route.errors == 1
+    # Under another wrapper, `generate` reports the guard's fallbacks alike.
+    sequences, stats = run(
+        target, prompts, WrappedDrafter(GuardedDrafter(FailingNGram(where, after)))
+    )
+    assert sequences == plain and stats.fallbacks == 1
     # Without the guard the same failure fails the request.
     if where != "shape":
         with pytest.raises(RuntimeError, match="injected failure"):

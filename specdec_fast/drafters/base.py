@@ -54,6 +54,9 @@ once by the engine, and host data goes up with `specdec_fast.transfer.to_device`
 - `read(state, outcome)` (optional): a drafter updated ahead gets the same outcome again once
   its step is read, with the host fields filled in (bookkeeping on the host, such as
   `GuardedDrafter`'s guard; nothing by default).
+- `fallbacks: int` (optional, default 0): the times the current (or last) `generate` call fell
+  back to plain decoding (`GuardedDrafter`'s events; a wrapper reports its inner drafter's),
+  which `generate` reports in `SpecStats.fallbacks`.
 
 Proposals of deterministic drafters (n-gram, suffix, Medusa, EAGLE, top-k draft trees) carry no
 draft probabilities; a chain sampled from a draft model carries `draft_probs` so that verification
@@ -264,6 +267,12 @@ def supports_join(drafter) -> bool:
 def reads_ahead(drafter) -> bool:
     """Whether `drafter` can be updated before its step is read back (`Drafter.reads_ahead`)."""
     return bool(getattr(drafter, "reads_ahead", False))
+
+
+def fallbacks(drafter) -> int:
+    """The fallbacks to plain decoding of `drafter`'s current or last call (`Drafter.fallbacks`,
+    0 for a drafter that has none)."""
+    return int(getattr(drafter, "fallbacks", 0))
 
 
 def reads_back(drafter) -> bool:
