@@ -9,9 +9,11 @@ progress as one line on stderr while stderr is a terminal.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
+from typing import NoReturn
 
 from specdec_fast.drafters.registry import DrafterSpec, kinds_with, spec_help
 from specdec_fast.loading import DTYPE_CHOICES, MissingExtra
@@ -21,6 +23,24 @@ SPEC_EPILOG = (
     "drafter SPECs [default size]; N: tokens verified per step, root included; K: a chain's\n"
     "length in drafted tokens (it verifies K + 1); PATH: a folder or a bundled name\n" + spec_help()
 )
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse's parser, whose usage errors are one line on stderr (the command, the argument
+    and what is wrong with it, and where to find the usage), exit status 2."""
+
+    def error(self, message: str) -> NoReturn:
+        text = " ".join(message.split())
+        self.exit(2, f"{self.prog}: error: {text} (see {self.prog} --help)\n")
+
+
+def drafter_spec(text: str) -> DrafterSpec:
+    """`DrafterSpec.parse` for argparse: its message (the spec and the syntax) stays in the
+    usage error."""
+    try:
+        return DrafterSpec.parse(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
 
 
 def add_model_options(
@@ -101,7 +121,7 @@ def _add_sampling(parser: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = ArgumentParser(
         prog="specdec-fast",
         description="Fast, lossless speculative decoding for Hugging Face causal LMs.",
     )
@@ -127,7 +147,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument(
         "--drafter",
         action="append",
-        type=DrafterSpec.parse,
+        type=drafter_spec,
         help="a drafter SPEC (below), repeatable; default: every bundled drafter on the bundled "
         "target, the drafters that need no checkpoint on --model",
     )
@@ -156,7 +176,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument(
         "--drafter",
         default="ngram",
-        type=DrafterSpec.parse,
+        type=drafter_spec,
         help="a drafter SPEC (below; PATH: folder or bundled name, e.g. draft:tiny-code-draft); "
         "default: ngram",
     )
@@ -233,7 +253,7 @@ def _add_bench(sub) -> None:
     bench.add_argument(
         "--drafter",
         action="append",
-        type=DrafterSpec.parse,
+        type=drafter_spec,
         help="a drafter SPEC (below), repeatable; a SPEC without SIZE sweeps --k and --tree; "
         f"default: {' and '.join(bench_default_kinds())}",
     )
@@ -445,7 +465,7 @@ def _add_serve(sub) -> None:
     serve.add_argument(
         "--drafter",
         default="ngram",
-        type=DrafterSpec.parse,
+        type=drafter_spec,
         help="the default route's drafter SPEC (below; none: plain); default: ngram",
     )
     serve.add_argument(
@@ -689,6 +709,13 @@ def main(argv: list[str] | None = None) -> int:
         if parallel and code == 0 and args.command != "serve":  # a server's ranks leave on close
             finish_ranks()
         return code
+    except BrokenPipeError:
+        # The reader of the output left (`| head`): stop quietly, as a process that SIGPIPE
+        # ends (128 + 13); the interpreter's last flush then writes nowhere (a stdout that is
+        # no file, a caller's capture, has nothing to flush into the pipe).
+        with contextlib.suppress(OSError, ValueError):
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141
     except (Exception, KeyboardInterrupt) as error:
         if args.debug:
             raise

@@ -182,6 +182,39 @@ def test_generate_refuses_an_empty_prompt(model_dir, capsys):
     assert "--prompt: expected a non-empty prompt" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize(
+    ("option", "message"),
+    [
+        (["--drafter", "foo"], "drafter spec 'foo': expected none | ngram[:N]"),
+        (["--drafter", "ngram:8:8"], "drafter spec 'ngram:8:8'"),
+        (["--drafter", "draft:x:4+ngram:8"], "a lookup grafts onto one tree drafter's spec"),
+        (["--seed", "abc"], "argument --seed: invalid int value: 'abc'"),
+    ],
+)
+def test_usage_errors_are_one_line(capsys, option, message):
+    """argparse's errors too: the command, the argument and the registry's or argparse's
+    reason, then where the usage is; no usage block."""
+    with pytest.raises(SystemExit) as exited:
+        main(["generate", "--prompt", "x", *option])
+    err = capsys.readouterr().err
+    assert exited.value.code == 2 and len(err.strip().splitlines()) == 1, err
+    assert err.startswith("specdec-fast generate: error: ") and message in err
+    assert err.strip().endswith("(see specdec-fast generate --help)")
+
+
+def test_a_reader_that_leaves_ends_the_command_quietly(monkeypatch, capsys):
+    """`specdec-fast generate ... | head -c 100`: the closed pipe stops the command with
+    SIGPIPE's status and nothing on stderr."""
+    from specdec_fast import cli
+
+    def closed(args):
+        raise BrokenPipeError(32, "Broken pipe")
+
+    monkeypatch.setattr(cli, "run_generate", closed)
+    assert main(["generate", "--prompt", "x"]) == 141
+    assert capsys.readouterr().err == ""
+
+
 def test_gguf_file_gives_the_folder_model(model_dir, tmp_path, capsys):
     pytest.importorskip("gguf", reason="the gguf package (specdec-fast[gguf]) is not installed")
     pytest.importorskip("accelerate", reason="accelerate (specdec-fast[gguf]) is not installed")
