@@ -12,6 +12,7 @@ from tiny_models import tiny_llama
 
 from specdec_fast import NGramDrafter, bundled
 from specdec_fast.cli import main
+from specdec_fast.drafters.registry import DrafterSpec
 from specdec_fast.guardrails import GuardrailPolicy, Guardrails
 from specdec_fast.harness import PromptRecord, default_prompts, load_prompts, run_sweep
 from specdec_fast.harness.checks import passes, validate_check
@@ -481,3 +482,18 @@ def test_cpu_sweeps_compile_only_when_the_saving_beats_the_compilations():
     needed = 10 * CPU_COMPILE_S_PER_SHAPE / saving  # eager seconds that break even
     assert choose_compile(0.01, int(needed / 0.01 * 1.1), 10).compile
     assert not choose_compile(0.01, int(needed / 0.01 * 0.9), 10).compile
+
+
+def test_cell_names_are_specs_the_command_line_takes():
+    """A grafted lookup's spec follows its drafter's size in a cell's name, as `--drafter`
+    writes it: `eagle:PATH:8+ngram:8`, not `eagle:PATH+ngram:8:8`."""
+    config = BenchConfig(drafters=["eagle:heads+ngram:8", "draft:small"], sizes=[1, 7], trees=[4])
+    names = [name for name, _, _, _ in config.cells()]
+    assert names == [
+        "eagle:heads:2+ngram:8", "eagle:heads:8+ngram:8", "eagle:heads:4+ngram:8",
+        "adaptive(eagle:heads:8+ngram:8)", "draft:small:1", "draft:small:7",
+        "draft-tree:small:4", "adaptive(draft:small:7)",
+    ]  # fmt: skip
+    for name, spec, size, _ in config.cells():
+        text = name.removeprefix("adaptive(").removesuffix(")")
+        assert DrafterSpec.parse(text) == spec.with_size(size)

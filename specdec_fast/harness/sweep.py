@@ -117,10 +117,11 @@ class BenchConfig:
             grid += [(tree_spec, n) for n in sorted(set(self.trees))]
             if parsed.size is not None:
                 grid = [(spec, parsed.size)]
-            out += [(f"{s}:{size}", s, size, False) for s, size in grid]
+            # Named by the spec at the size (a grafted lookup's after it): `--drafter` takes it.
+            out += [(str(s.with_size(size)), s, size, False) for s, size in grid]
             if self.adaptive:
                 top, largest = max(grid, key=lambda cell: cell[0].nodes(cell[1]))
-                out.append((f"adaptive({top}:{largest})", top, largest, True))
+                out.append((f"adaptive({top.with_size(largest)})", top, largest, True))
         return out
 
 
