@@ -158,7 +158,7 @@ def test_self_drafting_accepts_every_path_to_its_full_depth(target, tree, read_a
     device, also when the step was not read yet): any token missed or fed twice shifts the
     draft's cache and costs acceptance."""
     prompts = repetitive_prompts([9, 14], VOCAB, seed=7)
-    drafter = DraftModelDrafter(target, num_tokens=4, tree=tree)
+    drafter = DraftModelDrafter(target, tree=tree) if tree else DraftModelDrafter(target, 4)
     out = generate(target, prompts, drafter=drafter, max_new_tokens=25, read_ahead=read_ahead)
     assert [s.tolist() for s in out.sequences] == hf_greedy(target, prompts, 25)
     per_step = (4 if tree is None else tree.max_depth) + 1

@@ -10,7 +10,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from tiny_models import tiny_llama
 
-from specdec_fast import NGramDrafter, generate
+from specdec_fast import DraftModelDrafter, NGramDrafter, generate
 from specdec_fast.drafters.base import Drafter, root_only
 
 VOCAB = 64
@@ -94,6 +94,18 @@ def test_malformed_arguments_name_themselves(target, kwargs, error, match):
 def test_built_in_drafters_refuse_trees_beyond_tree_attention():
     with pytest.raises(ValueError, match=r"max_nodes must be <= 128 \(tree attention"):
         NGramDrafter(max_nodes=200)
+
+
+def test_drafter_constructors_name_a_wrong_argument(target):
+    with pytest.raises(TypeError, match=r"max_nodes: expected an int, got str '8'"):
+        NGramDrafter(max_nodes="8")
+    with pytest.raises(TypeError, match=r"draft_model: expected a loaded model .*got str"):
+        DraftModelDrafter("tiny-code-draft", num_tokens=2)
+    with pytest.raises(TypeError, match=r"num_tokens: expected an int, got float 2.0"):
+        DraftModelDrafter(target, num_tokens=2.0)
+    with pytest.raises(ValueError, match=r"num_tokens and tree: give one"):
+        DraftModelDrafter(target, num_tokens=2, tree="[[0], [1], [0, 0]]")
+    assert DraftModelDrafter(target).num_tokens == 4  # a chain of 4 unless told otherwise
 
 
 def test_a_kv_cache_beyond_memory_is_refused_with_its_bytes():

@@ -206,6 +206,8 @@ def test_a_drafter_refuses_to_follow_paths_deeper_than_its_own():
         GraftedDrafter(Shallow(max_nodes=3), NGramDrafter(max_nodes=8))
     with pytest.raises(TypeError, match="lookup: expected a Drafter"):
         GraftedDrafter(NGramDrafter(), "ngram")
+    with pytest.raises(TypeError, match=r"lookup: expected a lookup drafter \(NGramDrafter, Su"):
+        GraftedDrafter(NGramDrafter(), Shallow(max_nodes=3))
 
 
 @needs_pair

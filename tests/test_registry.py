@@ -19,7 +19,7 @@ from specdec_fast.drafters.registry import (
     spec_help,
 )
 from specdec_fast.heads.block import DFlashHead
-from specdec_fast.heads.eagle import EagleHead
+from specdec_fast.heads.eagle import Eagle3Head, EagleHead
 from specdec_fast.trees import default_tree
 
 VOCAB = 32
@@ -234,3 +234,25 @@ def test_every_trained_kind_has_a_training_command():
     assert set(DRAFTER_KINDS.values()) <= set(REGISTRY)
     assert set(kinds_with("trained")) == {*DRAFTER_KINDS.values(), "block", "block-chain"}
     assert kinds_with("none", "draft model") == ("ngram", "suffix", "draft", "draft-tree")
+
+
+def _eagle3_folder(folder, target):
+    torch.manual_seed(0)
+    Eagle3Head.for_target(target, list(range(VOCAB // 2)), target_layers=(0, 1, 2)).save_pretrained(
+        folder
+    )
+
+
+@pytest.mark.parametrize(
+    ("write", "kind"),
+    [(_block_folder, "block"), (_eagle3_folder, "eagle"), (_medusa_folder, "medusa")],
+    ids=["dflash", "eagle3", "medusa"],
+)
+@pytest.mark.parametrize("chain", ["draft", "draft-tree"])
+def test_a_draft_spec_over_a_heads_folder_names_the_heads_spec(
+    target, tmp_path, write, kind, chain
+):
+    """Not transformers' report of a causal LM loaded without the head's weights."""
+    write(tmp_path, target)
+    with pytest.raises(ValueError, match=f"not a draft model .*; its spec is {kind}:{tmp_path}$"):
+        DrafterSpec.parse(f"{chain}:{tmp_path}").build(target)

@@ -187,6 +187,9 @@ class Drafter:
     reads_ahead: bool = False
 
     def __init__(self, max_nodes: int, max_depth: int | None = None):
+        require_int("max_nodes", max_nodes)
+        if max_depth is not None:
+            require_int("max_depth", max_depth)
         if max_nodes < 2:
             raise ValueError(
                 f"max_nodes must be >= 2 (tokens verified per step, root included), got {max_nodes}"
@@ -250,6 +253,12 @@ class Drafter:
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(max_nodes={self.max_nodes}, max_depth={self.max_depth})"
+
+
+def require_int(name: str, value) -> None:
+    """TypeError naming `name` unless `value` is an int (a bool is not one)."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name}: expected an int, got {type(value).__name__} {value!r}")
 
 
 def supports_join(drafter) -> bool:

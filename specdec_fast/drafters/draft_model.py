@@ -17,11 +17,20 @@ from specdec_fast.runner import ModelRunner
 from specdec_fast.transfer import to_device
 from specdec_fast.trees import StaticTree, parse_tree, sample_draft_tokens
 
-from .base import Drafter, DraftState, Proposal, StepOutcome, joined_rows, kept_rows
+from .base import (
+    Drafter,
+    DraftState,
+    Proposal,
+    StepOutcome,
+    joined_rows,
+    kept_rows,
+    require_int,
+)
 
 SPECIAL_TOKEN_FIELDS = ("bos_token_id", "eos_token_id", "pad_token_id")
 # Random stream of the draft's own samples (verify uses 0 and 1, block drafters 3).
 STREAM_DRAFT = 2
+DEFAULT_CHAIN = 4  # tokens a chain drafts per step when neither `num_tokens` nor `tree` is given
 
 
 def _special_tokens(model: PreTrainedModel) -> dict[str, object]:
@@ -133,8 +142,8 @@ class DraftModelDrafter(DraftRunnerRows, Drafter):
 
     Args:
         draft_model: an HF causal LM with the target's vocabulary and special tokens.
-        num_tokens: chain length k, the tokens drafted per step (chain mode; >= 1).
-        tree: a static tree (tree mode); `num_tokens` is then unused.
+        num_tokens: chain length k, the tokens drafted per step (chain mode; >= 1; default 4).
+        tree: a static tree (tree mode), instead of `num_tokens` (not with it).
         draft_tokenizer, target_tokenizer: when given, their vocabularies must be identical.
     """
 
@@ -145,18 +154,28 @@ class DraftModelDrafter(DraftRunnerRows, Drafter):
     def __init__(
         self,
         draft_model: PreTrainedModel,
-        num_tokens: int = 4,
+        num_tokens: int | None = None,
         tree: StaticTree | Sequence[Sequence[int]] | str | None = None,
         *,
         draft_tokenizer=None,
         target_tokenizer=None,
     ):
+        if not isinstance(draft_model, torch.nn.Module):
+            raise TypeError(
+                f"draft_model: expected a loaded model (specdec_fast.loading.load_model reads a "
+                f"folder or a bundled name), got {type(draft_model).__name__}"
+            )
+        if tree is not None and num_tokens is not None:
+            raise ValueError("num_tokens and tree: give one (a chain of num_tokens, or a tree)")
         if tree is not None:
             tree = parse_tree(tree)
+        elif num_tokens is None:
+            num_tokens = DEFAULT_CHAIN
         self.tree = tree
         # The chain length k in chain mode, None in tree mode.
-        self.num_tokens = num_tokens if tree is None else None
+        self.num_tokens = num_tokens
         if tree is None:
+            require_int("num_tokens", num_tokens)
             if not 1 <= num_tokens < MAX_TREE_NODES:
                 raise ValueError(
                     f"num_tokens must be in [1, {MAX_TREE_NODES - 1}] (tokens drafted; with the "

@@ -93,9 +93,17 @@ class GraftedDrafter(Drafter):
     """
 
     def __init__(self, drafter: Drafter, lookup: Drafter):
+        from .ngram import NGramDrafter
+        from .suffix import SuffixDrafter
+
         for name, part in (("drafter", drafter), ("lookup", lookup)):
             if not isinstance(part, Drafter):
                 raise TypeError(f"{name}: expected a Drafter, got {type(part).__name__}")
+        if not isinstance(lookup, (NGramDrafter, SuffixDrafter)):
+            raise TypeError(
+                f"lookup: expected a lookup drafter (NGramDrafter, SuffixDrafter), got "
+                f"{type(lookup).__name__}"
+            )
         drafter.follow_paths_to(lookup.max_depth)
         lookup.follow_paths_to(drafter.max_depth)
         super().__init__(

@@ -7,7 +7,7 @@ import numpy as np
 from specdec_fast import graphs
 from specdec_fast.compiled import compile_by_default
 
-from .base import Drafter, DraftState, Proposal, StepOutcome, pack_trees
+from .base import Drafter, DraftState, Proposal, StepOutcome, pack_trees, require_int
 from .ngram_device import DeviceLookup, LookupShape
 from .trie import CountTrie
 
@@ -53,6 +53,7 @@ class NGramDrafter(Drafter):
         max_matches: int = 8,
         device_lookup: bool | None = None,
     ):
+        require_int("max_nodes", max_nodes)
         super().__init__(max_nodes, min(max_nodes - 1, 8) if max_depth is None else max_depth)
         if not 1 <= min_n <= max_n:
             raise ValueError(f"need 1 <= min_n <= max_n, got min_n={min_n}, max_n={max_n}")

@@ -20,15 +20,17 @@ Adding a drafter: its own module in `specdec_fast/drafters/` and one `DrafterKin
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from specdec_fast import bundled
-from specdec_fast.heads.eagle import load_eagle_head
+from specdec_fast.heads.block import is_dflash_config
+from specdec_fast.heads.eagle import is_eagle3_config, load_eagle_head
 from specdec_fast.heads.medusa import MedusaHeads, load_medusa_heads
-from specdec_fast.loading import load_model
+from specdec_fast.loading import load_model, resolve_model
 from specdec_fast.trees import default_tree
 
 from .base import Drafter
@@ -101,7 +103,32 @@ class DrafterKind:
 
 
 def _draft_model(path: str, target):
+    """A draft model (an HF causal LM). A folder that holds one of the heads is refused with the
+    spec that takes it: transformers would load a causal LM from its config, with the head's
+    weights left out."""
+    folder, gguf_file = resolve_model(path)
+    config = Path(folder) / "config.json"
+    if gguf_file is None and config.is_file():
+        try:
+            fields = json.loads(config.read_text())
+        except ValueError:
+            fields = {}  # load_model names the bad file
+        for name, kind, matches in HEAD_LAYOUTS:
+            if isinstance(fields, dict) and matches(fields):
+                raise ValueError(
+                    f"{path}: holds {name}, not a draft model (a causal LM); its spec is "
+                    f"{kind}:{path}"
+                )
     return load_model(path, target.device, target.dtype)
+
+
+# The heads' layouts that a causal LM's loader would misread, by their config fields (DFlash's
+# first: its config may carry a draft vocabulary, as EAGLE-3's does).
+HEAD_LAYOUTS = (
+    ("a DFlash block head", "block", is_dflash_config),
+    ("an EAGLE-3 head", "eagle", is_eagle3_config),
+    ("Medusa heads", "medusa", lambda fields: "medusa_num_heads" in fields),
+)
 
 
 def _medusa_heads(path: str, target) -> MedusaHeads:
