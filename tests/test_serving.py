@@ -144,7 +144,7 @@ def test_sixteen_concurrent_requests_equal_generate(server, reference):
     assert server.metric("vllm:spec_decode_num_accepted_tokens_total", route="default") > 0
 
 
-def test_a_drafter_fault_trips_the_route_and_shows_in_metrics(server, reference):
+def test_a_drafter_fault_trips_the_route_and_shows_in_metrics(server, reference, caplog):
     lane = server.engine.scheduler.lanes["faulty"]
 
     def broken(state):
@@ -165,6 +165,33 @@ def test_a_drafter_fault_trips_the_route_and_shows_in_metrics(server, reference)
     assert server.metric("specdec_route_speculating", **labels) == 0.0
     assert server.metric("specdec_route_speculating", route="default") == 1.0
     assert "injected drafter fault" in lane.last_error
+    # The operator sees it in the log: one warning with the error, however many follow it.
+    logged = [r.getMessage() for r in caplog.records if r.name.startswith("specdec_fast.serving")]
+    assert len(logged) == 1 and "route 'faulty': drafter error in propose" in logged[0], logged
+    assert "injected drafter fault" in logged[0]
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("frequency_penalty", 0.5),
+        ("logit_bias", {"5": 10}),
+        ("logprobs", True),
+        ("tools", [{"type": "function", "function": {"name": "f"}}]),
+        ("response_format", {"type": "json_object"}),
+    ],
+)
+def test_fields_that_would_change_the_output_are_refused_not_ignored(server, field, value):
+    """Unless they hold their neutral value (a text `response_format`, no penalty), which
+    changes nothing."""
+    url, chat = server.url + "/v1/chat/completions", [{"role": "user", "content": "x"}]
+    body = {"messages": chat, "max_tokens": 1}
+    reply = httpx.post(url, json={**body, field: value}, timeout=TIMEOUT_S)
+    assert reply.status_code == 400, reply.text
+    error = reply.json()["error"]
+    assert (error["param"], error["code"]) == (field, "unsupported")
+    neutral = {"response_format": {"type": "text"}, "frequency_penalty": 0, "logprobs": False}
+    assert httpx.post(url, json={**body, **neutral}, timeout=TIMEOUT_S).status_code == 200
 
 
 @pytest.mark.parametrize(
@@ -209,6 +236,15 @@ def test_an_unknown_route_header_and_chat_without_messages_get_400s(server):
         timeout=TIMEOUT_S,
     )
     assert reply.status_code == 400 and reply.json()["error"]["param"] == ROUTE_HEADER
+    # The header wins over `model`, and the answer names the route that served it.
+    for headers, route in (({}, "plain"), ({ROUTE_HEADER: "faulty"}, "faulty")):
+        reply = httpx.post(
+            server.url + "/v1/completions",
+            json={"model": "plain", "prompt": "x", "max_tokens": 1},
+            headers=headers,
+            timeout=TIMEOUT_S,
+        )
+        assert reply.status_code == 200 and reply.headers[ROUTE_HEADER] == route
     reply = httpx.post(
         server.url + "/v1/chat/completions", json={"messages": []}, timeout=TIMEOUT_S
     )

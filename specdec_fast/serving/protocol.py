@@ -13,7 +13,8 @@ Supported fields: `model`, `prompt` (a string, or token ids, one prompt per requ
 `stop` (strings), `stop_token_ids`, `ignore_eos`, `stream`, `stream_options.include_usage` and
 `stream_options.continuous_usage_stats` (usage in every chunk, as vLLM has it), `n` (1 only),
 `user` (ignored). Fields that would change the output in ways the engine does not implement
-(penalties, `logit_bias`, `logprobs`, `best_of`, `echo`, tools) are refused rather than ignored.
+(penalties, `logit_bias`, `logprobs`, `best_of`, `echo`, tools, a `response_format` other
+than text) are refused rather than ignored.
 
 `TextStream` decodes tokens incrementally for streaming: it holds back incomplete characters and
 enough text to recognise a stop string that straddles two steps, and cuts at the first stop.
@@ -49,6 +50,7 @@ NEUTRAL = {
     "tools": (None, []),
     "functions": (None, []),
     "suffix": (None, ""),
+    "response_format": (None, {"type": "text"}),
 }
 FINISH_REASONS = {
     "eos": "stop",
@@ -64,8 +66,9 @@ class GenerationParams:
     """A parsed request.
 
     prompt_ids: the prompt's token ids; max_tokens: tokens to generate at most; stop: stop
-    strings (cut from the output); stop_token_ids: extra stop ids (kept in the token count, not
-    in the text); model: the `model` field as given (None when absent).
+    strings (cut from the output); stop_token_ids: extra stop ids (the stop token is kept in
+    the token count, and in the text unless it is a special token, as vLLM does); model: the
+    `model` field as given (None when absent).
     """
 
     kind: str

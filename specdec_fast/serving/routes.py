@@ -1,7 +1,8 @@
 """Routes: named ways to serve a request, each with its drafter, guardrails, mode and canary.
 
-A route is chosen per request by the `X-Specdec-Route` header, or by the request's `model` (a
-route name or one of its aliases; the served model name means the default route). Routes come
+A route is chosen per request by the `X-Specdec-Route` header, or else by the request's `model`
+(a route name or one of its aliases; the served model name means the default route). Every
+answer names the route that served it in the same header. Routes come
 from a YAML file (`specdec-fast serve --routes FILE`):
 
     routes:

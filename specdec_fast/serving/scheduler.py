@@ -47,6 +47,7 @@ each step every rank applies rank 0's plan of what changed (`specdec_fast.servin
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 import time
@@ -84,6 +85,10 @@ from specdec_fast.step import (
 from specdec_fast.transfer import to_device
 
 PREFILL_CHUNK = 256
+# A route's drafter errors are logged (a warning) at most this often, each line with the count.
+ERROR_LOG_EVERY_S = 60.0
+
+logger = logging.getLogger(__name__)
 # Reasons a request ends besides its stop rule's ("eos", "stop", "length"), "cache" and FAILED:
 # cancelled by its caller (a client gone, a drain's deadline), or by the server when its text
 # reached one of the request's stop strings (matched on the text, `protocol.TextStream`).
@@ -246,13 +251,23 @@ class _Lane(Lane):
         self.counters = RouteCounters()
         self.begun = False  # attach and begin ran: end is owed
         self.last_error: str | None = None
+        self._logged_at: float | None = None  # `time.monotonic()` of the last error logged
 
     def fail(self, where: str, error: Exception, verified: bool = False) -> None:
         """A drafter error: count it (on the guard's window too: here, or with the step's
-        figures in `_guard_step` when the step had verified the lane's proposal) and move the
-        rows to plain decoding."""
+        figures in `_guard_step` when the step had verified the lane's proposal), log it (at
+        most every `ERROR_LOG_EVERY_S`) and move the rows to plain decoding."""
         self.counters.drafter_errors += 1
         self.last_error = f"drafter error in {where}: {type(error).__name__}: {error}"
+        now = time.monotonic()
+        if self._logged_at is None or now - self._logged_at >= ERROR_LOG_EVERY_S:
+            self._logged_at = now
+            logger.warning(
+                "route %r: %s (%d drafter errors so far); its requests decode plainly",
+                self.name,
+                self.last_error,
+                self.counters.drafter_errors,
+            )
         if self.guard is not None and not verified:
             self.guard.record_error()
         self.trip()

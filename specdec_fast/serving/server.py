@@ -316,7 +316,11 @@ async def _generate(
     finally:
         drain.admitting -= 1
     request_id = new_id(kind)
-    headers = {REQUEST_ID_HEADER: request.headers.get(REQUEST_ID_HEADER, request_id)}
+    # The route that serves it, whichever picked it (the route header wins over `model`).
+    headers = {
+        REQUEST_ID_HEADER: request.headers.get(REQUEST_ID_HEADER, request_id),
+        ROUTE_HEADER: route,
+    }
     model = params.model or engine.model_name
     text = TextStream(engine.tokenizer, params.stop, engine.keep_special_tokens)
     if params.stream:
