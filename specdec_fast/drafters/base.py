@@ -21,7 +21,9 @@ A drafter is any object with these members (subclass `Drafter` for the defaults)
 - `hidden_layers: tuple[int, ...]`: target layers whose hidden states the drafter reads (-1 is the
   final normed hidden state that feeds the LM head); the engine captures them at prefill and verify.
 - `attach(target, max_cache_len)`: called once per `generate` before anything else; model-based
-  drafters check that they fit the target and set up their own caches here.
+  drafters check that they fit the target and set up their own caches here. `max_cache_len`
+  is the slots a row's steps may write: its KV capacity and one tree beyond it (a row with room
+  for its root verifies a whole tree; what lands past the capacity is never kept).
 - `begin(state)`: a new batch of requests starts; `state.tokens` holds the prompts and
   `state.hidden` the target's hidden states over the cached prompt tokens (all but the last).
 - `propose(state) -> Proposal`.
