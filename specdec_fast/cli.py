@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import math
 import os
 import sys
 from typing import NoReturn
@@ -155,7 +156,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--prompts", type=_positive, help="prompts (default: the chat demo's 5, else 4)"
     )
     demo.add_argument(
-        "--max-new-tokens", type=_count, help="default: 48 (chat demo), 64 (tiny-code)"
+        "--max-new-tokens", type=_positive, help="default: 48 (chat demo), 64 (tiny-code)"
     )
     demo.add_argument(
         "--rounds", type=_positive, default=2, help="chat demo: timed rounds (default: 2)"
@@ -163,7 +164,8 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument(
         "--threads",
         type=_positive,
-        help="chat demo: torch CPU threads (default: torch's, one per core)",
+        help="torch CPU threads (default: the chat demo and --model PATH torch's, one per "
+        "core; tiny-code 1)",
     )
     gen = sub.add_parser(
         "generate",
@@ -218,6 +220,16 @@ def _positive(text: str) -> int:
 
 def _count(text: str) -> int:
     return _integer(text, 0)
+
+
+def _price(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not 0 < value < math.inf:
+        raise argparse.ArgumentTypeError(f"expected a positive price, got {text!r}")
+    return value
 
 
 def _int_list(text: str) -> list[int]:
@@ -289,7 +301,7 @@ def _add_bench(sub) -> None:
     bench.add_argument(
         "--max-new-tokens", type=_positive, default=64, help="for prompts without their own (64)"
     )
-    bench.add_argument("--price-per-hour", type=float, default=None, help="device price, $/h")
+    bench.add_argument("--price-per-hour", type=_price, default=None, help="device price, $/h")
     bench.add_argument("--guardrails", default=None, help="YAML guardrail policy to judge cells")
     bench.add_argument(
         "--repeats", type=_positive, default=1, help="runs per cell, the fastest counts (1)"

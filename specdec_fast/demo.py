@@ -136,7 +136,8 @@ def main(
     threads: int | None = None,
 ) -> int:
     """Run the demo; returns the exit status (0 when greedy speculation was exact everywhere).
-    rounds, threads: the chat demo's (`demo_chat.run_chat_demo`)."""
+    rounds: the chat demo's timed rounds (`demo_chat.run_chat_demo`; the others run once);
+    threads: torch's CPU threads."""
     if model in (None, CHAT_TARGET):
         return run_chat_demo(
             CHAT_NEW_TOKENS if max_new_tokens is None else max_new_tokens,
@@ -158,7 +159,9 @@ def main(
         )
         return 2
     device = pick_device(device)
-    if device.type == "cpu" and not own_model:
+    if threads is not None:
+        torch.set_num_threads(threads)
+    elif device.type == "cpu" and not own_model:
         # The bundled models are tiny: one intra-op thread beats several, whose synchronization
         # costs more than these matmuls (and stalls badly when the machine is shared).
         torch.set_num_threads(1)

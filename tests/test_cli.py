@@ -202,6 +202,20 @@ def test_usage_errors_are_one_line(capsys, option, message):
     assert err.strip().endswith("(see specdec-fast generate --help)")
 
 
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["demo", "--max-new-tokens", "0"], "--max-new-tokens: expected an integer >= 1, got 0"),
+        (["bench", "--price-per-hour", "-1"], "--price-per-hour: expected a positive price"),
+        (["bench", "--price-per-hour", "nan"], "--price-per-hour: expected a positive price"),
+    ],
+)
+def test_demo_and_bench_values_are_checked_before_anything_runs(capsys, argv, message):
+    with pytest.raises(SystemExit) as exited:
+        main(argv)
+    assert exited.value.code == 2 and message in capsys.readouterr().err
+
+
 def test_a_reader_that_leaves_ends_the_command_quietly(monkeypatch, capsys):
     """`specdec-fast generate ... | head -c 100`: the closed pipe stops the command with
     SIGPIPE's status and nothing on stderr."""

@@ -142,6 +142,7 @@ class CellRun:
     sequences: dict[int, SequenceStats]
     errors: dict[int, str]
     wall_s: float  # compilations excluded
+    steps: int = 0  # verify steps of its `generate` calls (each call: its longest row's)
     budgets: list[int] = field(default_factory=list)  # adaptive cells: every step's budget
     explorations: int = 0  # adaptive cells: requests that explored
 
@@ -250,7 +251,8 @@ def _merge(model, chunks: list[list[Encoded]], results: list[_Chunk], drafter) -
         if stats.peak_memory_bytes is not None:
             merged.peak_memory_bytes = max(merged.peak_memory_bytes or 0, stats.peak_memory_bytes)
     merged.wall_time = sum(result.wall for result in results)
-    return CellRun(merged, outputs, sequences, errors, merged.wall_time)
+    steps = sum(result.out.stats.steps for result in results if result.out is not None)
+    return CellRun(merged, outputs, sequences, errors, merged.wall_time, steps)
 
 
 def decode_paired(
@@ -291,6 +293,8 @@ def decode_paired(
 def cell_metrics(run: CellRun, requests: int, price_per_hour: float | None) -> dict:
     """The headline figures of one run (SpecStats summary plus rates, errors and cost)."""
     summary = run.stats.summary()
+    # The merged statistics' own `steps` is one call's (its longest row's): the run made several.
+    summary["steps"] = run.steps
     new_tokens = summary["new_tokens"]
     summary["requests_per_second"] = requests / run.wall_s if run.wall_s else None
     summary["error_rate"] = len(run.errors) / requests if requests else 0.0
