@@ -23,7 +23,7 @@ from specdec_fast.harness.plan import (
     choose_compile,
 )
 from specdec_fast.harness.prompts import TASKS
-from specdec_fast.harness.report import quality_section, write_report
+from specdec_fast.harness.report import best_by_task, quality_section, write_report
 from specdec_fast.harness.sweep import (
     BenchConfig,
     CellRun,
@@ -500,3 +500,24 @@ def test_cell_names_are_specs_the_command_line_takes():
     for name, spec, size, _ in config.cells():
         text = name.removeprefix("adaptive(").removesuffix(")")
         assert DrafterSpec.parse(text) == spec.with_size(size)
+
+
+def test_the_best_configuration_must_beat_plain_decoding_by_more_than_the_noise():
+    """The best of many cells is the luckiest too: within the batch's noise it recommends plain
+    decoding, naming the cell."""
+
+    def cell(name, batch, code, qa):
+        tasks = {"code": {"speedup_tpot": code}, "qa": {"speedup_tpot": qa}}
+        return {"name": name, "batch": batch, "splits": {"task": tasks}}
+
+    report = {
+        "noise": {"1": 0.1, "4": 0.3},
+        "cells": [cell("ngram:3", 1, 1.05, 1.4), cell("ngram:5", 1, 1.08, 0.9),
+                  cell("ngram:3", 4, 1.25, 0.7)],
+    }  # fmt: skip
+    best = best_by_task(report)
+    assert best["code"]["1"] == {
+        "cell": "ngram:5", "speedup": 1.08, "noise": 0.1, "recommended": False
+    }  # fmt: skip
+    assert best["qa"]["1"]["recommended"] and best["qa"]["1"]["cell"] == "ngram:3"
+    assert not best["code"]["4"]["recommended"]  # 1.25x within a noise of 30%

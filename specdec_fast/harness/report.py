@@ -1,7 +1,8 @@
 """Writing a benchmark report: `report.json` (everything), `report.md` (the summary), PNG plots.
 
 The summary names the best configuration per task type and concurrency (by TPOT speed-up over the
-same prompts decoded plainly at the same batch size), lists where speculation loses (speed-up
+same prompts decoded plainly at the same batch size; plain decoding where no cell beats it by
+more than the measured noise of that batch size), lists where speculation loses (speed-up
 below 1 by more than the measured noise), shows adaptive speculation against the baseline at
 every concurrency, and lists every divergence from the baseline. Plots need matplotlib (the
 `plot` extra); without it they are skipped and the summary says so.
@@ -24,15 +25,23 @@ def _ms(percentiles: dict) -> str:
 
 
 def best_by_task(report: dict) -> dict[str, dict[str, dict]]:
-    """task -> batch -> the cell with the highest TPOT speed-up on that task's prompts."""
+    """task -> batch -> the cell with the highest TPOT speed-up on that task's prompts, with the
+    batch's noise and whether the cell beats plain decoding by more than it (`recommended`: the
+    best of many cells is the luckiest too, so a gain within the noise recommends nothing)."""
     best: dict[str, dict[str, dict]] = {}
     for cell in report["cells"]:
+        noise = report["noise"][str(cell["batch"])]
         for task, figures in cell["splits"].get("task", {}).items():
             speedup = figures.get("speedup_tpot")
             slot = best.setdefault(task, {})
             current = slot.get(str(cell["batch"]))
             if speedup is not None and (current is None or speedup > current["speedup"]):
-                slot[str(cell["batch"])] = {"cell": cell["name"], "speedup": speedup}
+                slot[str(cell["batch"])] = {
+                    "cell": cell["name"],
+                    "speedup": speedup,
+                    "noise": noise,
+                    "recommended": speedup > 1.0 + noise,
+                }
     return best
 
 
@@ -192,12 +201,17 @@ def markdown(report: dict) -> str:
             best = by_batch.get(b)
             if best is None:
                 cells.append("-")
-            elif best["speedup"] < 1.0:
+            elif not best["recommended"]:
                 cells.append(f"plain (best: {best['cell']} {best['speedup']:.2f}x)")
             else:
                 cells.append(f"{best['cell']} {best['speedup']:.2f}x")
         lines.append(f"| {task} | " + " | ".join(cells) + " |")
-    lines += ["", "TPOT speed-up on that task's prompts; `plain` where no cell beats it.", ""]
+    lines += [
+        "",
+        "TPOT speed-up on that task's prompts (the tables above: tokens/s over all prompts); "
+        "`plain` where no cell beats plain decoding by more than the noise of that batch size.",
+        "",
+    ]
     lines += ["## Where speculation loses", ""]
     if report["losses"]:
         for loss in report["losses"]:
