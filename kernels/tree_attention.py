@@ -44,6 +44,8 @@ def pack_tree_mask(mask_bool: torch.Tensor) -> torch.Tensor:
     """
     check_tensor("mask_bool", mask_bool, shape=(-1, -1, -1), dims="[B, N, N]", dtypes=(torch.bool,))
     batch, num_rows, num_nodes = mask_bool.shape
+    if num_rows != num_nodes:
+        raise ValueError(f"mask_bool: expected shape [B, N, N], got {tuple(mask_bool.shape)}")
     num_words = math.ceil(num_nodes / 32)
     padded = torch.zeros(
         batch, num_rows, num_words * 32, dtype=torch.int64, device=mask_bool.device
@@ -83,8 +85,8 @@ def _validate(q, k_cache, v_cache, cache_lens, tree_mask, q_lens, scale, softcap
     check_tensor("q", q, shape=(-1, -1, -1, -1), dims="[B, Hq, N, D]", dtypes=SUPPORTED_DTYPES)
     batch, num_q_heads, num_new, head_dim = q.shape
     device = q.device
-    if head_dim > MAX_HEAD_DIM:
-        raise ValueError(f"q: head dim D must be <= {MAX_HEAD_DIM}, got D = {head_dim}")
+    if not 1 <= head_dim <= MAX_HEAD_DIM:
+        raise ValueError(f"q: head dim D must be in [1, {MAX_HEAD_DIM}], got D = {head_dim}")
     check_tensor(
         "k_cache",
         k_cache,
@@ -124,6 +126,11 @@ def _validate(q, k_cache, v_cache, cache_lens, tree_mask, q_lens, scale, softcap
             raise ValueError(
                 f"tree_mask: trees of at most {MAX_TREE_NODES} nodes are supported, "
                 f"got N = {num_new}"
+            )
+        if tree_mask.dtype not in (torch.bool, torch.int32):
+            raise ValueError(
+                f"tree_mask: expected bool [B, N, N] or packed int32 [B, N, ceil(N/32)], got "
+                f"{tree_mask.dtype}"
             )
         if tree_mask.dtype == torch.bool:
             check_tensor(

@@ -371,6 +371,8 @@ def test_pack_tree_mask_bit_layout():
     assert packed[0, 0, 0].item() == 1 - 2**31  # bits 0 and 31 (the sign bit)
     assert packed[0, 0, 1].item() == 2  # bit 33 % 32
     assert (packed[0, 1:] == 0).all()
+    with pytest.raises(ValueError, match=r"mask_bool: expected shape \[B, N, N\], got \(1, 2, 3\)"):
+        pack_tree_mask(torch.ones(1, 2, 3, dtype=torch.bool))
 
 
 def test_num_splits_heuristic():
@@ -413,7 +415,10 @@ BAD_ARGS = {
     "q not a tensor": (dict(q=[1.0]), "q: expected a torch.Tensor"),
     "q 3-d": (dict(q=torch.randn(2, 4, 16)), r"q: expected shape \[B, Hq, N, D\]"),
     "q int": (dict(q=torch.ones(2, 4, 3, 16, dtype=torch.int32)), "q: expected dtype"),
-    "q head dim too big": (dict(q=torch.randn(2, 4, 3, 257)), "D must be <= 256"),
+    "q head dim too big": (
+        dict(q=torch.randn(2, 4, 3, 257)),
+        r"D must be in \[1, 256\], got D = 257",
+    ),
     "q D stride": (dict(q=torch.randn(2, 4, 16, 3).transpose(2, 3)), "q: expected unit stride"),
     "k dtype": (dict(k_cache=torch.randn(2, 2, 10, 16, dtype=FP16)), "k_cache: expected dtype"),
     "k batch": (dict(k_cache=torch.randn(3, 2, 10, 16)), r"k_cache: expected shape"),
@@ -453,7 +458,23 @@ BAD_ARGS = {
         dict(tree_mask=torch.ones(2, 3, 2, dtype=torch.int32)),
         r"tree_mask: expected shape \[B, N, ceil\(N/32\)\]",
     ),
-    "mask dtype": (dict(tree_mask=torch.ones(2, 3, 1)), "tree_mask: expected dtype"),
+    "mask dtype": (
+        dict(tree_mask=torch.ones(2, 3, 1)),
+        r"tree_mask: expected bool \[B, N, N\] or packed int32 \[B, N, ceil\(N/32\)\], got "
+        "torch.float32",
+    ),
+    "mask dtype, a bool mask's shape": (
+        dict(tree_mask=torch.ones(2, 3, 3, dtype=torch.int64)),
+        r"tree_mask: expected bool .* got torch.int64",
+    ),
+    "head dim zero": (
+        dict(
+            q=torch.randn(2, 4, 3, 0),
+            k_cache=torch.randn(2, 2, 10, 0),
+            v_cache=torch.randn(2, 2, 10, 0),
+        ),
+        r"q: head dim D must be in \[1, 256\], got D = 0",
+    ),
     "scale nan": (dict(scale=float("nan")), "scale: expected a finite float"),
     "scale tensor": (dict(scale=torch.tensor(0.5)), "scale: expected a finite float"),
     "softcap zero": (dict(softcap=0.0), "softcap: expected None or a finite float > 0"),
