@@ -29,6 +29,7 @@ from specdec_fast.harness.sweep import (
     CellRun,
     Encoded,
     encode_prompts,
+    guardrail_verdict,
     logit_gap,
     quality,
 )
@@ -84,6 +85,10 @@ def test_prompts_are_encoded_with_the_chat_template_when_there_is_one():
     expected = tokenizer.encode("<|user|>def f():<eos><|assistant|>", add_special_tokens=False)
     assert text.ids == chat.ids == expected  # a text prompt is one user message
     assert encode_prompts(records[:1], tokenizer, 8, chat=False)[0].ids == raw
+    # A prompt beyond the model's positions is refused before anything runs, wherever it is.
+    limit = len(raw) - 1
+    with pytest.raises(ValueError, match=f"prompt 'text': {len(raw)} tokens, more than the "):
+        encode_prompts(records[:1], tokenizer, 8, chat=False, max_positions=limit)
 
 
 def test_load_prompts_validates_each_line(tmp_path):
@@ -258,6 +263,8 @@ def test_sweep_end_to_end_on_a_tiny_model(tmp_path, monkeypatch):
         base = report["baseline"][batch]
         assert base["tokens_per_second"] > 0 and len(base["ttft_s"]) == 3
         assert report["noise"][batch] >= config.noise_floor
+    # Limits 12, 12, 8: at batch 2 the third prompt decodes alone, and the summary says so.
+    assert report["formed_batches"] == {"1": [1, 1, 1], "2": [1, 2]}
 
     files = write_report(report, tmp_path)
     saved = json.loads((tmp_path / "report.json").read_text())
@@ -270,6 +277,7 @@ def test_sweep_end_to_end_on_a_tiny_model(tmp_path, monkeypatch):
         "## Quality equivalence", "### by temperature", "## Guardrail verdicts",
     ]  # fmt: skip
     assert all(section in text for section in sections)
+    assert "the calls made at each concurrency below it held 2: 1, 2 prompts" in text
     # matplotlib is a test dependency: the four plots are real PNGs, linked from the summary.
     assert [Path(p).name for p in saved["plots"]] == [
         "acceptance_by_position.png", "speedup_vs_k.png", "speedup_vs_concurrency.png",
@@ -521,3 +529,15 @@ def test_the_best_configuration_must_beat_plain_decoding_by_more_than_the_noise(
     }  # fmt: skip
     assert best["qa"]["1"]["recommended"] and best["qa"]["1"]["cell"] == "ngram:3"
     assert not best["code"]["4"]["recommended"]  # 1.25x within a noise of 30%
+
+
+def test_a_log_only_route_keeps_speculating_with_its_broken_bounds_listed():
+    logged = GuardrailPolicy(min_acceptance_rate=0.3, fallback_action="log_only")
+    guardrails = Guardrails(routes={"qa": logged, "code": GuardrailPolicy(min_acceptance_rate=0.3)})
+    cell = {"acceptance_rate": 0.5, "tpot_s": {"p95": 1.0}, "error_rate": 0.0}
+    cell["quality_regressions"] = 0
+    tasks = {"qa": {"acceptance_rate": 0.2}, "code": {"acceptance_rate": 0.2}}
+    verdicts = guardrail_verdict(guardrails, cell, {"tpot_s": {"p95": 1.0}}, {"task": tasks})
+    assert verdicts["qa"] == {"speculate": True, "broken": ["acceptance 0.200 < 0.3"]}
+    assert verdicts["code"] == {"speculate": False, "broken": ["acceptance 0.200 < 0.3"]}
+    assert verdicts["all"] == {"speculate": True, "broken": []}

@@ -120,8 +120,18 @@ def _grid(report: dict) -> str:
 
 
 def _run_lines(report: dict) -> list[str]:
-    """The sweep's compile choice and time split, then every failed request (offline sweeps)."""
+    """The batches each concurrency formed, the sweep's compile choice and time split, then
+    every failed request (offline sweeps)."""
     lines = []
+    formed = report.get("formed_batches") or {}
+    short = {b: sizes for b, sizes in formed.items() if any(n < int(b) for n in sizes)}
+    if short:
+        calls = "; ".join(f"{b}: {', '.join(map(str, sizes))}" for b, sizes in short.items())
+        lines += [
+            "",
+            "Prompts decode together only with others of the same max_new_tokens: the calls "
+            f"made at each concurrency below it held {calls} prompts.",
+        ]
     timing = report.get("timing")
     if timing is not None:
         lines += [
@@ -156,6 +166,9 @@ def markdown(report: dict) -> str:
         "",
         "## Baseline (plain decoding)",
         "",
+        "Its first run. Each cell's speed-up is against the plain runs paired with it (the "
+        "cells' `plain tok/s`), which met the same machine conditions.",
+        "",
         f"| {level} | tok/s | req/s | TTFT ms p50/p95/p99 | TPOT ms p50/p95/p99 "
         "| ITL ms p50/p95/p99 | device mem MB | error rate | cost/1K tok | noise |",
         "|---|---|---|---|---|---|---|---|---|---|",
@@ -173,10 +186,10 @@ def markdown(report: dict) -> str:
         "",
         "N: tokens verified per step, root included (a chain of k drafted tokens has N = k + 1).",
         "",
-        f"| cell | N | {level} | accept | tok/step | per-position accept | tok/s | speed-up "
-        "| TPOT ms p50/p95/p99 | ITL ms p50/p95/p99 | errors | cost/1K tok | greedy exact "
-        "| quality regressions |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        f"| cell | N | {level} | accept | tok/step | per-position accept | tok/s | plain tok/s "
+        "| speed-up | TPOT ms p50/p95/p99 | ITL ms p50/p95/p99 | errors | cost/1K tok "
+        "| greedy exact | quality regressions |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for c in report["cells"]:
         m, q = c["metrics"], c["quality"]
@@ -184,7 +197,9 @@ def markdown(report: dict) -> str:
         lines.append(
             f"| {c['name']} | {c['nodes']} | {c['batch']} | {_f(m['acceptance_rate'])} "
             f"| {_f(m['mean_accepted_tokens_per_step'])} | {positions or '-'} "
-            f"| {_f(m['tokens_per_second'], '.1f')} | {_f(c['speedup'])}x | {_ms(m['tpot_s'])} "
+            f"| {_f(m['tokens_per_second'], '.1f')} "
+            f"| {_f(c['paired_baseline_tokens_per_second'], '.1f')} "
+            f"| {_f(c['speedup'])}x | {_ms(m['tpot_s'])} "
             f"| {_ms(m['itl_s'])} | {_f(m['error_rate'], '.3f')} "
             f"| {_f(m['cost_per_1k_output_tokens'], '.5f')} "
             f"| {q['greedy_exact_matches']}/{q['greedy_prompts']} | {q['quality_regressions']} |"
@@ -258,7 +273,11 @@ def markdown(report: dict) -> str:
         ]
         for c in report["cells"]:
             for route, v in c.get("guardrails", {}).items():
-                verdict = "speculate" if v["speculate"] else "fall back: " + "; ".join(v["broken"])
+                broken = "; ".join(v["broken"])
+                if not v["speculate"]:
+                    verdict = f"fall back: {broken}"
+                else:
+                    verdict = f"speculate (log only: {broken})" if broken else "speculate"
                 lines.append(f"| {c['name']} | {c['batch']} | {route} | {verdict} |")
     lines += ["", "## Plots", ""]
     plots = report.get("plots") or []

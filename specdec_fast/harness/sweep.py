@@ -148,15 +148,25 @@ class CellRun:
 
 
 def encode_prompts(
-    records: list[PromptRecord], tokenizer, max_new_tokens: int, chat: bool | None = None
+    records: list[PromptRecord],
+    tokenizer,
+    max_new_tokens: int,
+    chat: bool | None = None,
+    max_positions: int | None = None,
 ) -> list[Encoded]:
-    """Token ids of every record (`specdec_fast.text.encode_prompt`); errors name the record."""
+    """Token ids of every record (`specdec_fast.text.encode_prompt`); errors name the record,
+    one longer than the model's `max_positions` included (before anything runs)."""
     out = []
     for index, record in enumerate(records):
         try:
             ids = encode_prompt(tokenizer, record.prompt, record.messages, chat)
         except ValueError as error:
             raise ValueError(f"prompt {record.id!r}: {error}") from None
+        if max_positions is not None and len(ids) > max_positions:
+            raise ValueError(
+                f"prompt {record.id!r}: {len(ids)} tokens, more than the model's "
+                f"max_position_embeddings = {max_positions}"
+            )
         out.append(Encoded(record, index, ids, record.max_new_tokens or max_new_tokens))
     return out
 
@@ -455,7 +465,9 @@ def compare_outputs(pairs, model=None, contexts=None, near_tie_gap: float = NEAR
 
 def guardrail_verdict(guardrails: Guardrails, cell: dict, baseline: dict, splits: dict) -> dict:
     """Would each task's route policy (the default policy for the cell overall) let this cell
-    speculate? Lists the bounds each would break."""
+    speculate? Lists the bounds each would break. A task's route is judged on its acceptance;
+    TPOT, errors and quality on the cell's requests together (the "all" row). A policy whose
+    `fallback_action` is "log_only" keeps speculating, its broken bounds listed."""
     verdicts = {}
     routes = {"all": (guardrails.default, cell, None)}
     for task, figures in splits.get("task", {}).items():
@@ -473,7 +485,8 @@ def guardrail_verdict(guardrails: Guardrails, cell: dict, baseline: dict, splits
                 broken.append(f"error rate {cell['error_rate']:.3f}")
             if cell["quality_regressions"] > policy.max_quality_regression_cases:
                 broken.append(f"{cell['quality_regressions']} quality regressions")
-        verdicts[route] = {"speculate": not broken, "broken": broken}
+        speculate = not broken or policy.fallback_action == "log_only"
+        verdicts[route] = {"speculate": speculate, "broken": broken}
     return verdicts
 
 
@@ -507,7 +520,8 @@ def run_sweep(
         if progress:
             print(f"bench: {line}", file=sys.stderr, flush=True)
 
-    prompts = encode_prompts(records, tokenizer, config.max_new_tokens, config.chat)
+    positions = getattr(model.config.get_text_config(decoder=True), "max_position_embeddings", None)
+    prompts = encode_prompts(records, tokenizer, config.max_new_tokens, config.chat, positions)
     stop = stop_token_ids(model, tokenizer)
     cells = config.cells()
     drafters = build_drafters(cells, make_drafter)
@@ -736,6 +750,11 @@ def _run_cells(
         },
         "prompts": [p.record.to_dict() | {"prompt_tokens": len(p.ids)} for p in prompts],
         "noise": {str(b): n for b, n in noise.items()},
+        # The calls each concurrency made: prompts decode together only with others of the
+        # same max_new_tokens, so a group smaller than the concurrency runs at its own size.
+        "formed_batches": {
+            str(b): [len(chunk) for chunk in batches_of(prompts, b)] for b in config.batches
+        },
         "baseline": {str(b): m for b, m in baseline_metrics.items()},
         "cost_model": cost_model.to_dict() if cost_model is not None else None,
         "cells": report_cells,
