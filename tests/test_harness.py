@@ -134,12 +134,20 @@ def test_default_prompt_set_spans_every_task_type():
         ("python", "    x = 1\n    if x:\n", True),  # an open block gets a body
         ("python", "x = (1,\n", False),
         ("python", "x = 1\ny = 2 + ", True),  # the last partial line is not judged
+        ("python", "Here:\n```python\ndef f(x):\n    return x + 1\n```\nDone.", True),
+        ("python", "Here:\n```python\ndef f(x):\n    return x +\n```\n", False),
+        ("python", "Sure:\n```\nfor i in range(3):\n    print(i)\n    if i", True),  # cut short
         (r"(?i)\bselect\b", "SELECT a FROM t", True),
         (r"^\w+ =", "  key = 1", False),
     ],
 )
 def test_checks(check, text, expected):
     assert passes(check, text) is expected
+
+
+def test_an_empty_regular_expression_is_refused():
+    with pytest.raises(ValueError, match="got an empty one"):
+        validate_check("")
 
 
 def test_exact_check_compares_with_the_baseline():
@@ -169,6 +177,9 @@ def test_quality_reports_every_divergence_with_its_first_position():
     assert by_id["b"]["first_differing_token"] == 2 and by_id["b"]["greedy"]
     assert by_id["c"]["quality_regression"] and not by_id["c"]["greedy"]
     assert by_id["c"]["baseline_output"] == "{}" and by_id["c"]["prompt"] == "p2"
+    report = {"config": {"exact": False}, "cells": [{"name": "ngram:3", "batch": 1, "quality": q}]}
+    text = "\n".join(quality_section(report))
+    assert "plain decoding 2 of 2, speculation 1 of 2" in text
 
 
 def test_quality_tells_near_ties_from_real_divergences():

@@ -6,10 +6,13 @@ the baseline's: a regression is a prompt whose baseline passes and whose specula
 
 - `exact`: the completion equals the baseline completion.
 - `json`: the completion holds a JSON object or array starting at its first `{` or `[`.
-- `python`: the completion's complete lines (up to the last newline), dedented, parse as Python,
-  or parse once a trailing indented block is given a `pass` body; generated code is cut at the
-  token limit, so the last partial line is not judged.
-- anything else: a regular expression that must match somewhere (`re.search`, multiline).
+- `python`: the code, dedented, parses as Python, or parses once a trailing indented block is
+  given a `pass` body. The code is the first Markdown code block's when the completion has one
+  (a chat model's answer), else the completion; generated code is cut at the token limit, so
+  its last line is judged only when a newline ends it (a completion of one line is judged
+  whole).
+- anything else: a non-empty regular expression that must match somewhere (`re.search`,
+  multiline).
 """
 
 from __future__ import annotations
@@ -20,12 +23,19 @@ import re
 import textwrap
 
 NAMED_CHECKS = ("exact", "json", "python")
+# A Markdown code block: its body, to the closing fence or the end of a completion cut short.
+CODE_BLOCK = re.compile(r"```[^\n`]*\n(.*?)(?:^[ \t]*```|\Z)", re.DOTALL | re.MULTILINE)
 
 
 def validate_check(check: str) -> None:
     """Raise ValueError if `check` is neither a named check nor a valid regular expression."""
     if check in NAMED_CHECKS:
         return
+    if not check:
+        raise ValueError(
+            f"check: expected one of {', '.join(NAMED_CHECKS)} or a regular expression, got an "
+            "empty one (it would pass everything)"
+        )
     try:
         re.compile(check, re.MULTILINE)
     except re.error as error:
@@ -47,6 +57,9 @@ def _json_ok(text: str) -> bool:
 
 
 def _python_ok(text: str) -> bool:
+    block = CODE_BLOCK.search(text)
+    if block is not None:
+        text = block.group(1)
     complete = text[: text.rfind("\n") + 1] if "\n" in text else text
     source = textwrap.dedent(complete)
     for candidate in (source, source + "    pass\n"):

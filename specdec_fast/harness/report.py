@@ -371,10 +371,20 @@ def _mode(config: dict) -> str:
 
 
 def quality_section(report: dict) -> list[str]:
-    """The report's "Quality equivalence" lines: the mode, and every divergence from the
-    baseline (near-ties and real ones counted apart)."""
+    """The report's "Quality equivalence" lines: the mode, the checks passed, and every
+    divergence from the baseline (near-ties and real ones counted apart)."""
     found = [(c, d) for c in report["cells"] for d in c["quality"]["divergences"]]
     lines = ["", "## Quality equivalence", "", f"Mode: {_mode(report['config'])}.", ""]
+    qualities = [c["quality"] for c in report["cells"]]
+    checked = sum(q.get("checked_prompts", 0) for q in qualities)
+    if checked:
+        plain = sum(q["baseline_check_passes"] for q in qualities)
+        speculative = sum(q["speculative_check_passes"] for q in qualities)
+        lines += [
+            f"Checks passed over every cell's prompts: plain decoding {plain} of {checked}, "
+            f"speculation {speculative} of {checked} (per cell in report.json).",
+            "",
+        ]
     if not found:
         lines.append("Every greedy output equals the baseline's, and no check regressed.")
         return lines
