@@ -374,13 +374,20 @@ def test_a_size_a_drafter_refuses_fails_the_sweep_before_anything_runs(tmp_path,
     with pytest.raises(ValueError) as refused:
         run_sweep(model, CharTokenizer(), records, config, progress=False)
     message = str(refused.value)
-    assert "cannot be built" in message
+    assert "cannot be built (leave those sizes out of the grid" in message
     spec = f"block-chain:{tmp_path / 'head'}"
-    for k in (4, 5):
-        refusal = f"a chain of {k} tokens is longer than the block's 3 positions"
-        assert f"{spec}:{k}: max_nodes={k + 1}: {refusal}" in message
-    assert f"adaptive({spec}:5): max_nodes=6" in message
+    refusal = "a chain of {} tokens is longer than the block's 3 positions"
+    assert f"{spec}:4: max_nodes=5: {refusal.format(4)}" in message
+    # One reason, named once with every cell it refuses.
+    assert f"{spec}:5, adaptive({spec}:5): max_nodes=6: {refusal.format(5)}" in message
     assert f"{spec}:3:" not in message  # k = 3 fills the block's 3 positions: it is built
+    # A checkpoint that does not load refuses every size, for one reason given once.
+    config = BenchConfig(drafters=[f"draft:{tmp_path / 'none'}"], sizes=[1, 2], batches=[1])
+    with pytest.raises(ValueError) as refused:
+        run_sweep(model, CharTokenizer(), records, config, progress=False)
+    message = str(refused.value)
+    assert message.count("is neither a folder nor a bundled model") == 1
+    assert "leave those sizes" not in message
 
 
 def test_bench_help_and_bad_grid(capsys):

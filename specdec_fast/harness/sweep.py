@@ -570,18 +570,27 @@ def build_drafters(
     """Every cell's drafter by cell name (an adaptive cell's wrapped in its `AdaptiveDrafter`
     later), built before anything is timed: a size that a drafter refuses (a block chain longer
     than the block's positions) fails the sweep at its start, every such cell named, rather than
-    after the cells before it have run."""
-    built, refused = {}, []
+    after the cells before it have run. Cells refused for one reason (a checkpoint that does not
+    load refuses every size) are named together, with the reason once."""
+    built, refused = {}, {}
+    sized, failed = set(), set()  # drafters (specs without their size) built / refused
     for name, spec, size, _ in cells:
+        drafter = str(spec.with_size(None))
         try:
             built[name] = make_drafter(spec, size)
+            sized.add(drafter)
         except ValueError as error:
-            refused.append(f"{name}: {error}")
+            refused.setdefault(str(error), []).append(name)
+            failed.add(drafter)
     if refused:
-        raise ValueError(
-            "these cells' drafters cannot be built (leave their sizes out of the grid, or give "
-            "the drafter spec its own size): " + "; ".join(refused)
+        # A drafter that builds at some sizes and not at others: the grid asks too much of it.
+        hint = (
+            " (leave those sizes out of the grid, or give the drafter spec its own size)"
+            if sized & failed
+            else ""
         )
+        reasons = "; ".join(f"{', '.join(names)}: {message}" for message, names in refused.items())
+        raise ValueError(f"these cells' drafters cannot be built{hint}: {reasons}")
     return built
 
 
