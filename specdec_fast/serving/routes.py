@@ -2,8 +2,8 @@
 
 A route is chosen per request by the `X-Specdec-Route` header, or else by the request's `model`
 (a route name or one of its aliases; the served model name means the default route). Every
-answer names the route that served it in the same header. Routes come
-from a YAML file (`specdec-fast serve --routes FILE`):
+answer names the route that served it in the same header. Routes come from a YAML file
+(`specdec-fast serve --routes FILE`):
 
     routes:
       code:   {drafter: "ngram:8", aliases: [tiny-code-code]}
