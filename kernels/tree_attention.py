@@ -4,6 +4,7 @@ Public entry points: `tree_attention` (validation, backend choice) and `pack_tre
 """
 
 import math
+import numbers
 from dataclasses import dataclass
 from functools import cache
 
@@ -66,7 +67,7 @@ def _check_softcap_and_window(softcap, window):
     if softcap is not None:
         if (
             isinstance(softcap, bool)
-            or not isinstance(softcap, (int, float))
+            or not isinstance(softcap, numbers.Real)
             or not math.isfinite(softcap)
             or softcap <= 0
         ):
@@ -169,7 +170,7 @@ def _validate(q, k_cache, v_cache, cache_lens, tree_mask, q_lens, scale, softcap
         )
     if scale is None:
         scale = head_dim**-0.5
-    if not isinstance(scale, (int, float)) or not math.isfinite(scale):
+    if isinstance(scale, bool) or not isinstance(scale, numbers.Real) or not math.isfinite(scale):
         raise ValueError(f"scale: expected a finite float, got {scale!r}")
     softcap = _check_softcap_and_window(softcap, window)
     if values_checkable(cache_lens):

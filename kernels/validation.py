@@ -6,8 +6,10 @@ the host; `values_checkable` says when reading them is allowed.
 """
 
 import math
+import numbers
 from collections.abc import Callable, Sequence
 
+import numpy as np
 import torch
 
 
@@ -103,8 +105,9 @@ def check_sampling_scalar(name: str, value: object) -> float | int:
     """`value` as the kernels take it (a float, or an int for top_k) when it obeys
     `SAMPLING_RULES[name]`; ValueError naming it and the rule otherwise."""
     integral = name == "top_k"
-    kinds = (int,) if integral else (int, float)
-    if isinstance(value, bool) or not isinstance(value, kinds):
+    # numbers' ABCs: numpy's scalars (np.float32, np.int64) count as the numbers they hold.
+    kinds = (numbers.Integral,) if integral else (numbers.Real,)
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, kinds):
         raise ValueError(f"{name}: expected {SAMPLING_RULES[name]}, got {value!r}")
     try:
         number = float(value)

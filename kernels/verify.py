@@ -11,8 +11,10 @@ of (seed, sequence, node, stream, counter), so a call with a seed tensor can be 
 CUDA graph and replayed, and the Triton kernels and the reference draw the same numbers.
 """
 
+import numbers
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import triton
 
@@ -131,10 +133,16 @@ def sampling_params(batch, num_nodes, device, temperature, top_k, top_p, seed) -
             )
         else:
             _param_tensor("seed", seed, batch, False, device)
-    elif not isinstance(seed, int) or isinstance(seed, bool) or not -(2**63) <= seed < 2**63:
+    elif (
+        not isinstance(seed, numbers.Integral)
+        or isinstance(seed, (bool, np.bool_))
+        or not -(2**63) <= seed < 2**63
+    ):
         raise ValueError(
             f"seed: expected an int64, an int [B] tensor or an int64 [B, N] tensor, got {seed!r}"
         )
+    else:
+        seed = int(seed)
     return SamplingParams(temperature, top_k, top_p, seed)
 
 

@@ -477,6 +477,7 @@ BAD_ARGS = {
     ),
     "scale nan": (dict(scale=float("nan")), "scale: expected a finite float"),
     "scale tensor": (dict(scale=torch.tensor(0.5)), "scale: expected a finite float"),
+    "scale bool": (dict(scale=True), "scale: expected a finite float, got True"),
     "softcap zero": (dict(softcap=0.0), "softcap: expected None or a finite float > 0"),
     "softcap negative": (dict(softcap=-5.0), "softcap: expected None or a finite float > 0"),
     "softcap inf": (dict(softcap=float("inf")), "softcap: expected None or a finite float"),

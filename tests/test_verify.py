@@ -4,6 +4,7 @@ Distributional (losslessness) checks are in test_verify_lossless.py; the sm_90 b
 launch in test_sm90_compile.py.
 """
 
+import numpy as np
 import pytest
 import torch
 import triton
@@ -382,6 +383,24 @@ def test_per_sequence_seeds_do_not_depend_on_the_batch_slot(monkeypatch, backend
         same_rows, tokens[:1].expand(64, -1), parents[:1].expand(64, -1), temperature=1.0, seed=4
     )
     assert shared.next_tokens.unique().numel() > 1
+
+
+def test_numpy_scalars_are_the_numbers_they_hold(monkeypatch):
+    """np.float32 / np.int64 sampling parameters and seeds (as a caller's arrays give them)
+    draw what the Python numbers draw; a bool is no number."""
+    monkeypatch.setenv("SPECDEC_BACKEND", "triton")
+    generator = torch.Generator().manual_seed(5)
+    logits, tokens, parents, _, _ = sampling_case("tree", 8, 5, 20, torch.float32, generator)
+    python = verify(logits, tokens, parents, temperature=0.7, top_k=5, top_p=0.9, seed=3)
+    numpy = verify(
+        logits, tokens, parents, temperature=np.float32(0.7), top_k=np.int64(5),
+        top_p=np.float32(0.9), seed=np.int64(3),
+    )  # fmt: skip
+    assert_same(numpy, python)
+    with pytest.raises(ValueError, match="top_k: expected an int >= 0"):
+        verify(logits, tokens, parents, temperature=0.7, top_k=np.float64(5.0), seed=3)
+    with pytest.raises(ValueError, match="seed: expected an int64"):
+        verify(logits, tokens, parents, temperature=0.7, seed=np.bool_(True))
 
 
 def test_same_seed_same_result_and_none_follows_torch_manual_seed(monkeypatch):
