@@ -513,6 +513,14 @@ def test_cpu_sweeps_compile_only_when_the_saving_beats_the_compilations():
     assert not choose_compile(0.01, int(needed / 0.01 * 0.9), 10).compile
 
 
+def test_a_drafter_or_batch_given_twice_is_one_point_of_the_grid():
+    config = BenchConfig(drafters=["ngram", "suffix", "ngram"], sizes=[2, 2], batches=[4, 1, 4])
+    assert config.drafters == ["ngram", "suffix"] and config.batches == [4, 1]
+    assert [name for name, _, _, _ in config.cells()] == [
+        "ngram:3", "adaptive(ngram:3)", "suffix:3", "adaptive(suffix:3)"
+    ]  # fmt: skip
+
+
 def test_cell_names_are_specs_the_command_line_takes():
     """A grafted lookup's spec follows its drafter's size in a cell's name, as `--drafter`
     writes it: `eagle:PATH:8+ngram:8`, not `eagle:PATH+ngram:8:8`."""

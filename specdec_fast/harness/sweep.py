@@ -97,6 +97,12 @@ class BenchConfig:
     compile: bool | None = None
     near_tie_gap: float = NEAR_TIE_GAP
 
+    def __post_init__(self) -> None:
+        # A value given twice is one point of the grid (as sizes and trees are), in the order
+        # first given: a repeated drafter or batch would run its cells twice.
+        self.drafters = list(dict.fromkeys(self.drafters))
+        self.batches = list(dict.fromkeys(self.batches))
+
     def cells(self) -> list[tuple[str, DrafterSpec, int, bool]]:
         """(name, spec, size, adaptive) of every speculative cell, batch excluded; `size` is the
         spec's own (k for chains, N for trees, as in the name `draft:PATH:k`, `ngram:N`). A SPEC
