@@ -4,7 +4,6 @@ Public entry points: `tree_attention` (validation, backend choice) and `pack_tre
 """
 
 import math
-import numbers
 from dataclasses import dataclass
 from functools import cache
 
@@ -18,7 +17,13 @@ from .fused.tree_attention import tree_attention_fused
 from .jit.tree_attention import tree_attention_combine_kernel, tree_attention_kernel
 from .ops import define_op
 from .reference.tree_attention import tree_attention_reference
-from .validation import check_ranges, check_tensor, check_unit_stride, values_checkable
+from .validation import (
+    check_ranges,
+    check_tensor,
+    check_unit_stride,
+    is_number,
+    values_checkable,
+)
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MAX_HEAD_DIM = 256
@@ -65,12 +70,7 @@ def pack_tree_mask(mask_bool: torch.Tensor) -> torch.Tensor:
 def _check_softcap_and_window(softcap, window):
     """Check the scalar feature switches of `tree_attention`; return softcap as a float."""
     if softcap is not None:
-        if (
-            isinstance(softcap, bool)
-            or not isinstance(softcap, numbers.Real)
-            or not math.isfinite(softcap)
-            or softcap <= 0
-        ):
+        if not is_number(softcap) or not math.isfinite(softcap) or softcap <= 0:
             raise ValueError(f"softcap: expected None or a finite float > 0, got {softcap!r}")
         softcap = float(softcap)
     if window is not None and (
@@ -170,7 +170,7 @@ def _validate(q, k_cache, v_cache, cache_lens, tree_mask, q_lens, scale, softcap
         )
     if scale is None:
         scale = head_dim**-0.5
-    if isinstance(scale, bool) or not isinstance(scale, numbers.Real) or not math.isfinite(scale):
+    if not is_number(scale) or not math.isfinite(scale):
         raise ValueError(f"scale: expected a finite float, got {scale!r}")
     softcap = _check_softcap_and_window(softcap, window)
     if values_checkable(cache_lens):

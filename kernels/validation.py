@@ -101,13 +101,22 @@ def sampling_values_valid(name: str, values: torch.Tensor) -> torch.Tensor:
     raise KeyError(name)
 
 
+def is_int(value) -> bool:
+    """An integer, numpy's included (numbers.Integral), and not a bool."""
+    return isinstance(value, (numbers.Integral, np.integer)) and not isinstance(value, bool)
+
+
+def is_number(value) -> bool:
+    """A real number, numpy's included (numbers.Real), and not a bool."""
+    return isinstance(value, (numbers.Real, np.number)) and not isinstance(value, (bool, np.bool_))
+
+
 def check_sampling_scalar(name: str, value: object) -> float | int:
     """`value` as the kernels take it (a float, or an int for top_k) when it obeys
     `SAMPLING_RULES[name]`; ValueError naming it and the rule otherwise."""
     integral = name == "top_k"
-    # numbers' ABCs: numpy's scalars (np.float32, np.int64) count as the numbers they hold.
-    kinds = (numbers.Integral,) if integral else (numbers.Real,)
-    if isinstance(value, (bool, np.bool_)) or not isinstance(value, kinds):
+    # numpy's scalars (np.float32, np.int64) count as the numbers they hold.
+    if not (is_int(value) if integral else is_number(value)):
         raise ValueError(f"{name}: expected {SAMPLING_RULES[name]}, got {value!r}")
     try:
         number = float(value)

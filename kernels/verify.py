@@ -11,10 +11,8 @@ of (seed, sequence, node, stream, counter), so a call with a seed tensor can be 
 CUDA graph and replayed, and the Triton kernels and the reference draw the same numbers.
 """
 
-import numbers
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 import triton
 
@@ -34,6 +32,7 @@ from .validation import (
     SAMPLING_RULES,
     check_sampling_scalar,
     check_tensor,
+    is_int,
     raise_first_problem,
     sampling_values_valid,
     tree_problems,
@@ -133,11 +132,7 @@ def sampling_params(batch, num_nodes, device, temperature, top_k, top_p, seed) -
             )
         else:
             _param_tensor("seed", seed, batch, False, device)
-    elif (
-        not isinstance(seed, numbers.Integral)
-        or isinstance(seed, (bool, np.bool_))
-        or not -(2**63) <= seed < 2**63
-    ):
+    elif not is_int(seed) or not -(2**63) <= seed < 2**63:
         raise ValueError(
             f"seed: expected an int64, an int [B] tensor or an int64 [B, N] tensor, got {seed!r}"
         )

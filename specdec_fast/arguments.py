@@ -23,7 +23,6 @@ Limits checked here:
 
 from __future__ import annotations
 
-import numbers
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -33,7 +32,12 @@ import torch
 
 from specdec_fast.cache import kv_shape, model_shards
 from specdec_fast.kernels.tree_attention import MAX_TREE_NODES
-from specdec_fast.kernels.validation import SAMPLING_RULES, sampling_values_valid
+from specdec_fast.kernels.validation import (
+    SAMPLING_RULES,
+    is_int,
+    is_number,
+    sampling_values_valid,
+)
 from specdec_fast.requests import Sampling, StopRule, row_seeds
 
 # KV storage is allocated in whole blocks of slots, so calls of similar lengths share a layout.
@@ -52,14 +56,6 @@ class Arguments:
     capacity: int
     storage: int
     max_nodes: int
-
-
-def _is_int(value) -> bool:
-    return isinstance(value, (numbers.Integral, np.integer)) and not isinstance(value, bool)
-
-
-def _is_number(value) -> bool:
-    return isinstance(value, (numbers.Real, np.number)) and not isinstance(value, (bool, np.bool_))
 
 
 def _as_float(value) -> float:
@@ -90,7 +86,7 @@ def _token_list(name: str, row) -> list[int]:
     if isinstance(row, (str, bytes)) or not isinstance(row, Sequence):
         raise TypeError(f"{name}: expected a sequence of int token ids, got {_kind(row)}")
     for index, token in enumerate(row):
-        if not _is_int(token):
+        if not is_int(token):
             raise TypeError(f"{name}[{index}]: expected an int token id, got {_kind(token)}")
     return [int(token) for token in row]
 
@@ -136,7 +132,7 @@ def _prompts(input_ids, attention_mask) -> list[list[int]]:
             )
         if attention_mask is not None:
             raise ValueError("attention_mask: only meaningful with a padded input_ids tensor")
-        if input_ids and all(_is_int(token) for token in input_ids):
+        if input_ids and all(is_int(token) for token in input_ids):
             raise TypeError(
                 "input_ids: expected a list of token lists, got a flat list of ints (one prompt "
                 "is [[...]])"
@@ -175,7 +171,7 @@ def _per_row(name: str, value, batch: int) -> torch.Tensor:
         if value.ndim > 1:
             raise ValueError(f"{name}: expected a scalar or a [B] array, got {_kind(value)}")
         values = value.flatten().tolist()
-    elif _is_number(value):
+    elif is_number(value):
         values = [value]
     elif isinstance(value, Sequence) and not isinstance(value, (str, bytes)):
         values = list(value)
@@ -184,7 +180,7 @@ def _per_row(name: str, value, batch: int) -> torch.Tensor:
             f"{name}: expected {expected}, or one per row (B = {batch}), got {_kind(value)}"
         )
     for index, item in enumerate(values):
-        if not (_is_int(item) if integral else _is_number(item)):
+        if not (is_int(item) if integral else is_number(item)):
             where = name if len(values) == 1 else f"{name}[{index}]"
             raise TypeError(f"{where}: expected {expected}, got {_kind(item)}")
     if len(values) == 1:
@@ -232,7 +228,7 @@ def eos_tokens(eos_token_id, vocab_size: int | None, source: str) -> frozenset[i
     name ids its vocabulary lacks: they are never generated, so they never stop anything)."""
     if eos_token_id is None:
         return frozenset()
-    tokens = [eos_token_id] if _is_int(eos_token_id) else eos_token_id
+    tokens = [eos_token_id] if is_int(eos_token_id) else eos_token_id
     if isinstance(tokens, torch.Tensor):
         tokens = tokens.flatten()
     try:
@@ -252,7 +248,7 @@ def _stop_sequences(stop, tokenizer, vocab_size: int) -> list[list[int]]:
     if stop is None:
         return []
     single = isinstance(stop, str) or (
-        isinstance(stop, Sequence) and stop and all(_is_int(token) for token in stop)
+        isinstance(stop, Sequence) and stop and all(is_int(token) for token in stop)
     )
     if single:
         stop = [stop]
@@ -291,7 +287,7 @@ def _max_nodes(drafter) -> int:
             f"got {_kind(drafter)}"
         )
     nodes = getattr(drafter, "max_nodes", None)
-    if not _is_int(nodes) or not 1 <= nodes <= MAX_TREE_NODES:
+    if not is_int(nodes) or not 1 <= nodes <= MAX_TREE_NODES:
         raise ValueError(
             f"drafter.max_nodes: expected an int in [1, {MAX_TREE_NODES}] (tokens verified per "
             f"step, root included; tree attention's limit), got {nodes!r} for {drafter!r}"
@@ -333,7 +329,7 @@ def _capacity(
         if max_positions is not None:
             capacity = min(capacity, max_positions)
     else:
-        if not _is_int(max_cache_len):
+        if not is_int(max_cache_len):
             raise TypeError(f"max_cache_len: expected None or an int, got {_kind(max_cache_len)}")
         if max_positions is not None and max_cache_len > max_positions:
             raise ValueError(
@@ -392,7 +388,7 @@ def check_generate_arguments(
     text_config = config.get_text_config(decoder=True)
     vocab_size = text_config.vocab_size
     max_nodes = _max_nodes(drafter)
-    if not _is_int(max_new_tokens):
+    if not is_int(max_new_tokens):
         raise TypeError(f"max_new_tokens: expected an int >= 0, got {_kind(max_new_tokens)}")
     if max_new_tokens < 0:
         raise ValueError(f"max_new_tokens: expected an int >= 0, got {max_new_tokens}")

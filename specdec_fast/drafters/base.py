@@ -74,6 +74,7 @@ import numpy as np
 import torch
 
 from specdec_fast.kernels.tree_attention import MAX_TREE_NODES
+from specdec_fast.kernels.validation import is_int
 from specdec_fast.transfer import to_device
 
 PAD_PARENT = -2
@@ -206,8 +207,8 @@ class Drafter:
             raise ValueError(
                 f"max_depth must be in [1, max_nodes - 1 = {max_nodes - 1}], got {max_depth}"
             )
-        self.max_nodes = max_nodes
-        self.max_depth = max_depth
+        self.max_nodes = int(max_nodes)
+        self.max_depth = int(max_depth)
 
     def follow_paths_to(self, depth: int) -> None:
         """Let `update` follow accepted paths up to `depth` drafted nodes deep, deeper than this
@@ -258,8 +259,8 @@ class Drafter:
 
 
 def require_int(name: str, value) -> None:
-    """TypeError naming `name` unless `value` is an int (a bool is not one)."""
-    if isinstance(value, bool) or not isinstance(value, int):
+    """TypeError naming `name` unless `value` is an integer (`kernels.validation.is_int`)."""
+    if not is_int(value):
         raise TypeError(f"{name}: expected an int, got {type(value).__name__} {value!r}")
 
 

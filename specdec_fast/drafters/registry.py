@@ -20,14 +20,15 @@ Adding a drafter: its own module in `specdec_fast/drafters/` and one `DrafterKin
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from specdec_fast import bundled
+from specdec_fast.files import read_json
 from specdec_fast.heads.block import is_dflash_config
+from specdec_fast.heads.checkpoint import CONFIG_NAME
 from specdec_fast.heads.eagle import is_eagle3_config, load_eagle_head
 from specdec_fast.heads.medusa import MedusaHeads, load_medusa_heads
 from specdec_fast.loading import load_model, resolve_model
@@ -107,12 +108,9 @@ def _draft_model(path: str, target):
     spec that takes it: transformers would load a causal LM from its config, with the head's
     weights left out."""
     folder, gguf_file = resolve_model(path)
-    config = Path(folder) / "config.json"
+    config = Path(folder) / CONFIG_NAME
     if gguf_file is None and config.is_file():
-        try:
-            fields = json.loads(config.read_text())
-        except ValueError:
-            fields = {}  # load_model names the bad file
+        fields = read_json(config)  # a file that is not JSON is named here
         for name, kind, matches in HEAD_LAYOUTS:
             if isinstance(fields, dict) and matches(fields):
                 raise ValueError(

@@ -828,8 +828,7 @@ class Scheduler:
     def _reset_batch(self) -> None:
         # Its slots (the capacity and a tree) are the storage's: a request's prompt and tokens
         # fit the context, so no row stops for its cache.
-        capacity = self.max_cache_len - self.max_nodes + 1
-        self.batch = Batch(self.device, capacity, self.max_nodes)
+        self.batch = Batch(self.device, self.context_len + 1, self.max_nodes)
 
     def _decode(self) -> None:
         """One decode step: the one queued by the step before (read-ahead), or a new one; the
